@@ -1,0 +1,119 @@
+#include "core/coverage.h"
+
+#include <algorithm>
+#include <set>
+
+namespace ckptfs {
+namespace {
+
+// Bytes a chunk's stored layout spans: the last element's offset + 1.
+std::optional<uint64_t> StoredBytes(const Chunk& c, DType dtype) {
+  const Box& b = c.shard.box;
+  if (b.numel() == 0) return 0;
+  if (c.basic.strides.empty()) return ByteSize(dtype, b.numel());
+  uint64_t last = 0;
+  for (size_t i = 0; i < b.rank(); ++i) last += (b.lengths[i] - 1) * c.basic.strides[i];
+  return ByteSize(dtype, last + 1);
+}
+
+// Finds an uncovered cell of the grid formed by all chunk edges. The cells
+// partition the tensor, and each is either wholly inside a chunk or wholly
+// outside all of them, so checking one point per cell is exact. The grid can
+// be large for pathological inputs, so the search is capped.
+std::optional<Box> FindHole(const TensorMeta& t) {
+  size_t rank = t.shape.size();
+  std::vector<std::vector<uint64_t>> edges(rank);
+  for (size_t d = 0; d < rank; ++d) {
+    std::set<uint64_t> e{0, t.shape[d]};
+    for (const Chunk& c : t.chunks) {
+      e.insert(c.shard.box.offsets[d]);
+      e.insert(c.shard.box.offsets[d] + c.shard.box.lengths[d]);
+    }
+    for (uint64_t x : e)
+      if (x <= t.shape[d]) edges[d].push_back(x);
+  }
+  std::vector<size_t> idx(rank, 0);
+  for (size_t visited = 0; visited < 1'000'000; ++visited) {
+    Box cell;
+    for (size_t d = 0; d < rank; ++d) {
+      cell.offsets.push_back(edges[d][idx[d]]);
+      cell.lengths.push_back(edges[d][idx[d] + 1] - edges[d][idx[d]]);
+    }
+    if (!cell.empty()) {
+      bool covered = std::any_of(t.chunks.begin(), t.chunks.end(), [&](const Chunk& c) {
+        return Contains(c.shard.box, cell);
+      });
+      if (!covered) return cell;
+    }
+    size_t d = rank;
+    while (d > 0) {
+      --d;
+      if (++idx[d] + 1 < edges[d].size()) break;
+      idx[d] = 0;
+      if (d == 0) return std::nullopt;
+    }
+    if (rank == 0) return std::nullopt;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::vector<std::string> CheckCoverage(const TensorMeta& t) {
+  std::vector<std::string> problems;
+  const std::string who = "tensor '" + t.fqn + "' " + ShapeToString(t.shape);
+  auto numel = CheckedNumel(t.shape);
+  if (!numel || !ByteSize(t.dtype, *numel)) {
+    problems.push_back(who + ": size overflows or is not a whole number of bytes");
+    return problems;
+  }
+  uint64_t covered = 0;
+  for (const Chunk& c : t.chunks) {
+    const std::string where = who + ": chunk " + ToString(c.shard.box);
+    if (!InBounds(c.shard.box, t.shape)) {
+      problems.push_back(where + " lies outside the tensor");
+      continue;
+    }
+    if (c.basic.dtype != t.dtype) {
+      problems.push_back(where + " has dtype " + std::string(DTypeName(c.basic.dtype)) +
+                         ", tensor has " + std::string(DTypeName(t.dtype)));
+    }
+    auto need = StoredBytes(c, t.dtype);
+    if (!need || *need > c.bytes.length) {
+      problems.push_back(where + " needs " + (need ? std::to_string(*need) : "overflowing") +
+                         " bytes but its item holds " + std::to_string(c.bytes.length));
+    }
+    covered += c.shard.box.numel();
+  }
+  if (!problems.empty()) return problems;
+  for (size_t i = 0; i < t.chunks.size(); ++i) {
+    for (size_t j = i + 1; j < t.chunks.size(); ++j) {
+      if (auto o = Intersect(t.chunks[i].shard.box, t.chunks[j].shard.box)) {
+        problems.push_back(who + ": chunks " + ToString(t.chunks[i].shard.box) + " and " +
+                           ToString(t.chunks[j].shard.box) + " overlap in " + ToString(*o));
+        return problems;
+      }
+    }
+  }
+  if (covered != *numel) {
+    std::string msg = who + ": " + std::to_string(*numel - covered) + " of " +
+                      std::to_string(*numel) + " elements are in no chunk (missing shard?)";
+    if (auto hole = FindHole(t)) msg += ", e.g. " + ToString(*hole);
+    problems.push_back(msg);
+  }
+  return problems;
+}
+
+size_t DropReplicas(TensorMeta& t) {
+  size_t before = t.chunks.size();
+  std::vector<Chunk> kept;
+  for (Chunk& c : t.chunks) {
+    bool dup = std::any_of(kept.begin(), kept.end(),
+                           [&](const Chunk& k) { return k.shard.box == c.shard.box; });
+    if (!dup) kept.push_back(std::move(c));
+  }
+  t.chunks = std::move(kept);
+  return before - t.chunks.size();
+}
+
+}  // namespace ckptfs

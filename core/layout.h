@@ -1,0 +1,65 @@
+// The virtual-file model: a Layout is an ordered list of segments whose bytes
+// are known without reading any data.
+//
+//   literal   bytes held in memory (a safetensors header, a JSON file)
+//   tensor    the row-major bytes of a box of a tensor, gathered from chunks
+//   source    a byte range of one source file, passed through (sidecars)
+//
+// Sizes are fixed when the layout is built, so stat and readdir never read
+// shard data. Layouts are immutable and shared between threads.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/meta.h"
+#include "core/status.h"
+
+namespace ckptfs {
+
+struct Segment {
+  enum class Kind { kLiteral, kTensor, kSource };
+  Kind kind = Kind::kLiteral;
+  uint64_t offset = 0;  // in the virtual file
+  uint64_t length = 0;
+
+  std::shared_ptr<const std::string> literal;  // kLiteral
+  std::shared_ptr<const TensorMeta> tensor;    // kTensor
+  Box box;                                     // kTensor: the region, global coords
+  FileId file = 0;                             // kSource
+  uint64_t file_offset = 0;                    // kSource
+};
+
+class Layout {
+ public:
+  void AddLiteral(std::string bytes);
+  // The bytes of `box` of `tensor`, row-major. Fails when the box is outside
+  // the tensor or its size is not whole bytes.
+  Status AddTensor(std::shared_ptr<const TensorMeta> tensor, const Box& box);
+  void AddSource(FileId file, uint64_t file_offset, uint64_t length);
+
+  uint64_t size() const { return size_; }
+  const std::vector<Segment>& segments() const { return segments_; }
+
+ private:
+  std::vector<Segment> segments_;
+  uint64_t size_ = 0;
+};
+
+// The Hugging Face tensor order in a safetensors file: larger dtypes first
+// (keeps payloads aligned), then by name.
+void SortForSafetensors(std::vector<std::shared_ptr<const TensorMeta>>& tensors);
+
+// A safetensors file holding `tensors` whole, in the given order, with
+// `metadata` as __metadata__.
+Result<Layout> SafetensorsFileLayout(const std::vector<std::shared_ptr<const TensorMeta>>& tensors,
+                                     const std::map<std::string, std::string>& metadata);
+
+// Bytes the safetensors header for `tensors` takes (prefix included), for
+// planning file splits without building the layout.
+uint64_t SafetensorsHeaderSize(const std::vector<std::shared_ptr<const TensorMeta>>& tensors,
+                               const std::map<std::string, std::string>& metadata);
+
+}  // namespace ckptfs

@@ -1,0 +1,99 @@
+// The checkpoint model every layer shares (vocabulary from ByteCheckpoint).
+//
+//   ShardMeta (fqn, box)          which part of which tensor
+//   ByteMeta  (file, offset, len) where that part's bytes are
+//   BasicMeta (dtype, strides)    how to read them
+//
+// A chunk is one row of each. A tensor is its global shape plus chunks that
+// tile it exactly once (see core/coverage.h). Readers in indexer/ produce these;
+// views in core/ and fs/ consume them and never see a file format.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/box.h"
+#include "core/dtype.h"
+
+namespace ckptfs {
+
+// Index of a source file in the catalog's file table.
+using FileId = uint32_t;
+
+struct ShardMeta {
+  std::string fqn;
+  Box box;
+};
+
+struct ByteMeta {
+  FileId file = 0;
+  uint64_t offset = 0;  // absolute byte offset in the source file
+  uint64_t length = 0;
+};
+
+struct BasicMeta {
+  DType dtype = DType::kF32;
+  // Element strides of the stored box; empty means row-major (contiguous).
+  std::vector<uint64_t> strides;
+};
+
+struct Chunk {
+  ShardMeta shard;
+  ByteMeta bytes;
+  BasicMeta basic;
+  // Non-empty when the box is known but its bytes cannot be served (the
+  // shard file is truncated, say). Reads touching it fail with this reason.
+  std::string unavailable;
+};
+
+struct TensorMeta {
+  std::string fqn;
+  DType dtype = DType::kF32;
+  Shape shape;
+  std::vector<Chunk> chunks;
+  // Non-empty when the chunks do not tile the tensor (hole, overlap). Reads
+  // touching the tensor fail with this reason; nothing is zero-filled.
+  std::string problem;
+
+  uint64_t numel() const;
+  uint64_t nbytes() const;  // valid shapes only (indexer checks)
+};
+
+// A file under the source root, with the identity it had when indexed.
+struct SourceFile {
+  std::string path;  // relative to the source root
+  uint64_t size = 0;
+  int64_t mtime_ns = 0;
+  uint64_t inode = 0;
+};
+
+// One recognised checkpoint: a directory under the source root.
+struct Checkpoint {
+  std::string dir;     // relative to the source root; "" for the root itself
+  std::string format;  // "hf-safetensors", "sharded-safetensors", ...
+  std::vector<std::shared_ptr<const TensorMeta>> tensors;  // sorted by fqn
+  // Files passed through into views (config.json, tokenizer files), keyed
+  // by the name they get in the view.
+  std::map<std::string, FileId> sidecars;
+  // fqn -> 1-based output file index, from fqn_to_file_index_mapping.json.
+  std::map<std::string, int> file_index;
+  // Everything found wrong while indexing, for `ckptfs index` and `check`.
+  std::vector<std::string> problems;
+  // Non-empty when the tensor list itself cannot be trusted (a shard file
+  // whose header cannot be read, a rank's files missing): views of the
+  // checkpoint are listed but their reads fail with this reason.
+  std::string incomplete;
+};
+
+// Everything an index holds.
+struct Catalog {
+  std::string root;                  // absolute path of the source root
+  std::vector<SourceFile> files;     // FileId is the position here
+  std::vector<Checkpoint> checkpoints;
+  int64_t indexed_at_ns = 0;
+};
+
+}  // namespace ckptfs

@@ -1,0 +1,77 @@
+// The read planner: (layout, byte range) -> copy operations.
+//
+// For each segment overlapping the range, a tensor region is split into runs
+// contiguous in both the target (row-major in the region's box) and a source
+// chunk; the runs overlapping the range are found by binary search, so a 1 MiB
+// read of a huge tensor costs O(chunks * log + runs in range), not O(tensor).
+// Neighbouring copies (adjacent in target and source) are coalesced.
+//
+// The plan covers the range exactly or planning fails: a hole, an unreadable
+// chunk or a tensor with a coverage problem is an error, never zero bytes.
+//
+// GroupReads() then turns many small copies from one file into a few covering
+// reads plus in-memory gathers (a column-sharded tensor yields one small run
+// per row per shard; reading each with its own pread would cost thousands of
+// syscalls per MiB).
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "core/layout.h"
+#include "core/status.h"
+
+namespace ckptfs {
+
+struct CopyOp {
+  FileId file = 0;
+  uint64_t src_offset = 0;  // absolute, in the source file
+  uint64_t dst_offset = 0;  // relative to the start of the read
+  uint64_t length = 0;
+};
+
+struct LiteralOp {
+  const char* data = nullptr;  // points into the Layout; valid while it lives
+  uint64_t dst_offset = 0;
+  uint64_t length = 0;
+};
+
+struct ReadPlan {
+  std::vector<CopyOp> copies;      // sorted by dst_offset, coalesced
+  std::vector<LiteralOp> literals;
+  uint64_t length = 0;             // bytes the plan fills (range clipped to EOF)
+};
+
+// Plans bytes [offset, offset + length) of `layout`, clipped to its size.
+Result<ReadPlan> Plan(const Layout& layout, uint64_t offset, uint64_t length);
+
+// One pread of [offset, offset + length) of `file`, scattered by `gathers`.
+struct SourceRead {
+  struct Gather {
+    uint64_t read_offset;  // within this read
+    uint64_t dst_offset;   // within the destination buffer
+    uint64_t length;
+  };
+  FileId file = 0;
+  uint64_t offset = 0;
+  uint64_t length = 0;
+  std::vector<Gather> gathers;
+
+  // True when the read lands in the destination as is (no scratch buffer).
+  bool direct() const {
+    return gathers.size() == 1 && gathers[0].read_offset == 0 && gathers[0].length == length;
+  }
+};
+
+struct GroupPolicy {
+  // Copies from one file are merged into one read while the gap between them
+  // is at most `max_gap` bytes and the read stays below `max_span`: reading
+  // 64 KiB of unwanted bytes costs less than one more syscall round trip on
+  // page-cached or NVMe-backed files, and 8 MiB bounds the scratch buffer.
+  uint64_t max_gap = 64 << 10;
+  uint64_t max_span = 8 << 20;
+};
+
+std::vector<SourceRead> GroupReads(const std::vector<CopyOp>& copies, const GroupPolicy& policy = {});
+
+}  // namespace ckptfs

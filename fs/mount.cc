@@ -1,0 +1,307 @@
+// The FUSE3 low-level shim. Each handler calls one VirtualFs method and
+// replies or maps the error; every handler catches everything (out of memory
+// -> ENOMEM, anything else -> EIO, with a log line) so nothing escapes into
+// libfuse. Write-type operations answer EROFS; the mount is also `ro`, so
+// the kernel refuses most of them before they reach us.
+#define FUSE_USE_VERSION FUSE_MAKE_VERSION(3, 12)
+#include <fuse3/fuse_lowlevel.h>
+
+#include <sys/stat.h>
+#include <syslog.h>
+
+#include <csignal>
+
+#include <cstdio>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "fs/mount.h"
+
+namespace ckptfs {
+namespace {
+
+// Read size negotiated with the kernel: 1 MiB requests (256 pages) cut the
+// per-request overhead of FUSE for large sequential and mmap reads.
+constexpr unsigned kMaxIo = 1 << 20;
+// Virtual files never change while mounted: let the kernel cache their
+// attributes and names for long. Source entries are re-checked each second.
+constexpr double kVirtualTimeout = 3600.0;
+constexpr double kSourceTimeout = 1.0;
+
+VirtualFs* Fs(fuse_req_t req) { return static_cast<VirtualFs*>(fuse_req_userdata(req)); }
+
+void LogLine(const std::string& line) {
+  std::fprintf(stderr, "ckptfs: %s\n", line.c_str());
+  std::fflush(stderr);
+}
+
+struct stat ToStat(const Attr& a) {
+  struct stat st;
+  std::memset(&st, 0, sizeof st);
+  st.st_ino = a.ino;
+  st.st_mode = a.mode;
+  st.st_nlink = a.nlink;
+  st.st_size = a.size;
+  st.st_uid = a.uid;
+  st.st_gid = a.gid;
+  st.st_blksize = 1 << 20;
+  st.st_blocks = (a.size + 511) / 512;
+  st.st_mtim.tv_sec = a.mtime_ns / 1'000'000'000;
+  st.st_mtim.tv_nsec = a.mtime_ns % 1'000'000'000;
+  st.st_atim = st.st_mtim;
+  st.st_ctim = st.st_mtim;
+  return st;
+}
+
+double Timeout(const Attr& a) { return a.is_virtual ? kVirtualTimeout : kSourceTimeout; }
+
+// Runs `body`, turning any escaping exception into an error reply.
+template <typename Body>
+void Guard(fuse_req_t req, const char* op, Body body) {
+  try {
+    body();
+  } catch (const std::bad_alloc&) {
+    LogLine(std::string(op) + ": out of memory");
+    fuse_reply_err(req, ENOMEM);
+  } catch (const std::exception& e) {
+    LogLine(std::string(op) + ": " + e.what());
+    fuse_reply_err(req, EIO);
+  } catch (...) {
+    LogLine(std::string(op) + ": unknown exception");
+    fuse_reply_err(req, EIO);
+  }
+}
+
+void ReplyError(fuse_req_t req, const FsError& e) { fuse_reply_err(req, e.err()); }
+
+void OpInit(void*, struct fuse_conn_info* conn) {
+  // Large reads: max_pages is derived from max_write by libfuse.
+  conn->max_write = kMaxIo;
+  conn->max_readahead = kMaxIo;
+  // Reads of one file may run in parallel: our read path is thread-safe.
+  if (conn->capable & FUSE_CAP_ASYNC_READ) conn->want |= FUSE_CAP_ASYNC_READ;
+  // No splice: measured slower than pread + reply (DESIGN.md).
+  conn->want &= ~(FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE | FUSE_CAP_SPLICE_MOVE);
+}
+
+void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
+  Guard(req, "lookup", [&] {
+    auto a = Fs(req)->Lookup(parent, name);
+    if (!a.ok()) return ReplyError(req, a.status());
+    fuse_entry_param e;
+    std::memset(&e, 0, sizeof e);
+    e.ino = a->ino;
+    e.attr = ToStat(*a);
+    e.attr_timeout = e.entry_timeout = Timeout(*a);
+    fuse_reply_entry(req, &e);
+  });
+}
+
+void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info*) {
+  Guard(req, "getattr", [&] {
+    auto a = Fs(req)->GetAttr(ino);
+    if (!a.ok()) return ReplyError(req, a.status());
+    struct stat st = ToStat(*a);
+    fuse_reply_attr(req, &st, Timeout(*a));
+  });
+}
+
+struct DirHandle {
+  std::vector<DirEntry> entries;
+};
+
+void OpOpendir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
+  Guard(req, "opendir", [&] {
+    if ((fi->flags & O_ACCMODE) != O_RDONLY) return fuse_reply_err(req, EROFS), void();
+    auto entries = Fs(req)->ReadDir(ino);
+    if (!entries.ok()) return ReplyError(req, entries.status());
+    fi->fh = reinterpret_cast<uint64_t>(new DirHandle{std::move(*entries)});
+    fi->cache_readdir = 0;
+    if (fuse_reply_open(req, fi) == -ENOENT) delete reinterpret_cast<DirHandle*>(fi->fh);
+  });
+}
+
+void OpReaddir(fuse_req_t req, fuse_ino_t ino, size_t size, off_t off, struct fuse_file_info* fi) {
+  Guard(req, "readdir", [&] {
+    auto* dh = reinterpret_cast<DirHandle*>(fi->fh);
+    std::vector<char> buf(size);
+    size_t used = 0;
+    // Offsets: 1 = ".", 2 = "..", 3 + i = entries[i].
+    for (off_t i = off; i < off_t(dh->entries.size()) + 2; ++i) {
+      struct stat st;
+      std::memset(&st, 0, sizeof st);
+      const char* name;
+      if (i == 0) { name = "."; st.st_ino = ino; st.st_mode = S_IFDIR; }
+      else if (i == 1) {
+        name = "..";
+        auto parent = Fs(req)->Lookup(ino, "..");
+        st.st_ino = parent.ok() ? parent->ino : ino;
+        st.st_mode = S_IFDIR;
+      }
+      else {
+        const DirEntry& e = dh->entries[i - 2];
+        name = e.name.c_str();
+        st.st_ino = e.attr.ino;
+        st.st_mode = e.attr.mode;
+      }
+      size_t need = fuse_add_direntry(req, buf.data() + used, size - used, name, &st, i + 1);
+      if (need > size - used) break;
+      used += need;
+    }
+    fuse_reply_buf(req, buf.data(), used);
+  });
+}
+
+void OpReleasedir(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
+  Guard(req, "releasedir", [&] {
+    delete reinterpret_cast<DirHandle*>(fi->fh);
+    fuse_reply_err(req, 0);
+  });
+}
+
+void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
+  Guard(req, "open", [&] {
+    auto h = Fs(req)->Open(ino, fi->flags);
+    if (!h.ok()) return ReplyError(req, h.status());
+    auto a = Fs(req)->GetAttr(ino);
+    fi->fh = *h;
+    // Page cache, not direct_io: safetensors readers mmap their files.
+    // Virtual files are immutable while mounted, so cached pages stay valid.
+    fi->keep_cache = a.ok() && a->is_virtual;
+    fi->direct_io = 0;
+    if (fuse_reply_open(req, fi) == -ENOENT) Fs(req)->Release(*h);
+  });
+}
+
+void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
+  Guard(req, "read", [&] {
+    std::unique_ptr<char[]> buf(new char[size]);
+    auto n = Fs(req)->Read(fi->fh, buf.get(), size, off);
+    if (!n.ok()) return ReplyError(req, n.status());
+    fuse_reply_buf(req, buf.get(), *n);
+  });
+}
+
+void OpRelease(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
+  Guard(req, "release", [&] {
+    Fs(req)->Release(fi->fh);
+    fuse_reply_err(req, 0);
+  });
+}
+
+void OpStatfs(fuse_req_t req, fuse_ino_t) {
+  Guard(req, "statfs", [&] {
+    struct statvfs s;
+    std::memset(&s, 0, sizeof s);
+    s.f_bsize = s.f_frsize = 4096;
+    s.f_namemax = 255;
+    s.f_flag = ST_RDONLY;
+    fuse_reply_statfs(req, &s);
+  });
+}
+
+void OpAccess(fuse_req_t req, fuse_ino_t ino, int mask) {
+  Guard(req, "access", [&] {
+    if (mask & W_OK) return fuse_reply_err(req, EROFS), void();
+    auto a = Fs(req)->GetAttr(ino);
+    fuse_reply_err(req, a.ok() ? 0 : a.status().err());
+  });
+}
+
+// --- write-type operations: all EROFS ---
+void Erofs(fuse_req_t req) { fuse_reply_err(req, EROFS); }
+void OpSetattr(fuse_req_t req, fuse_ino_t, struct stat*, int, struct fuse_file_info*) { Erofs(req); }
+void OpMknod(fuse_req_t req, fuse_ino_t, const char*, mode_t, dev_t) { Erofs(req); }
+void OpMkdir(fuse_req_t req, fuse_ino_t, const char*, mode_t) { Erofs(req); }
+void OpUnlink(fuse_req_t req, fuse_ino_t, const char*) { Erofs(req); }
+void OpSymlink(fuse_req_t req, const char*, fuse_ino_t, const char*) { Erofs(req); }
+void OpRename(fuse_req_t req, fuse_ino_t, const char*, fuse_ino_t, const char*, unsigned) { Erofs(req); }
+void OpLink(fuse_req_t req, fuse_ino_t, fuse_ino_t, const char*) { Erofs(req); }
+void OpWrite(fuse_req_t req, fuse_ino_t, const char*, size_t, off_t, struct fuse_file_info*) { Erofs(req); }
+void OpSetxattr(fuse_req_t req, fuse_ino_t, const char*, const char*, size_t, int) { Erofs(req); }
+void OpRemovexattr(fuse_req_t req, fuse_ino_t, const char*) { Erofs(req); }
+void OpCreate(fuse_req_t req, fuse_ino_t, const char*, mode_t, struct fuse_file_info*) { Erofs(req); }
+void OpFallocate(fuse_req_t req, fuse_ino_t, int, off_t, off_t, struct fuse_file_info*) { Erofs(req); }
+void OpGetxattr(fuse_req_t req, fuse_ino_t, const char*, size_t) { fuse_reply_err(req, ENODATA); }
+void OpListxattr(fuse_req_t req, fuse_ino_t, size_t size) {
+  if (size == 0) fuse_reply_xattr(req, 0); else fuse_reply_buf(req, nullptr, 0);
+}
+
+fuse_lowlevel_ops MakeOps() {
+  fuse_lowlevel_ops ops;
+  std::memset(&ops, 0, sizeof ops);
+  ops.init = OpInit;
+  ops.lookup = OpLookup;
+  ops.getattr = OpGetattr;
+  ops.opendir = OpOpendir;
+  ops.readdir = OpReaddir;
+  ops.releasedir = OpReleasedir;
+  ops.open = OpOpen;
+  ops.read = OpRead;
+  ops.release = OpRelease;
+  ops.statfs = OpStatfs;
+  ops.access = OpAccess;
+  ops.setattr = OpSetattr;
+  ops.mknod = OpMknod;
+  ops.mkdir = OpMkdir;
+  ops.unlink = OpUnlink;
+  ops.rmdir = OpUnlink;
+  ops.symlink = OpSymlink;
+  ops.rename = OpRename;
+  ops.link = OpLink;
+  ops.write = OpWrite;
+  ops.setxattr = OpSetxattr;
+  ops.removexattr = OpRemovexattr;
+  ops.create = OpCreate;
+  ops.fallocate = OpFallocate;
+  ops.getxattr = OpGetxattr;
+  ops.listxattr = OpListxattr;
+  return ops;
+}
+
+}  // namespace
+
+Status MountAndServe(std::unique_ptr<VirtualFs> fs, const std::string& mountpoint,
+                     const MountOptions& options) {
+  std::vector<std::string> argv_s = {"ckptfs", "-o", "ro,default_permissions,fsname=ckptfs,subtype=ckptfs"};
+  if (options.allow_other) argv_s.push_back("-oallow_other");
+  if (options.debug) argv_s.push_back("-d");
+  std::vector<char*> argv;
+  for (auto& s : argv_s) argv.push_back(s.data());
+  struct fuse_args args = FUSE_ARGS_INIT(int(argv.size()), argv.data());
+
+  fuse_lowlevel_ops ops = MakeOps();
+  struct fuse_session* se = fuse_session_new(&args, &ops, sizeof ops, fs.get());
+  if (!se) return Status::InvalidArgument("could not create the FUSE session (bad options?)");
+  if (fuse_set_signal_handlers(se) != 0) {
+    fuse_session_destroy(se);
+    return Status::IOError("could not install signal handlers");
+  }
+  if (fuse_session_mount(se, mountpoint.c_str()) != 0) {
+    fuse_remove_signal_handlers(se);
+    fuse_session_destroy(se);
+    return Status::IOError("could not mount at " + mountpoint +
+                           " (does it exist, is it empty, is /dev/fuse usable? see docs/TROUBLESHOOTING.md)");
+  }
+  if (fuse_daemonize(options.foreground || options.debug) != 0) {
+    fuse_session_unmount(se);
+    fuse_remove_signal_handlers(se);
+    fuse_session_destroy(se);
+    return Status::IOError("could not daemonize");
+  }
+  struct fuse_loop_config* cfg = fuse_loop_cfg_create();
+  fuse_loop_cfg_set_max_threads(cfg, options.max_threads);
+  fuse_loop_cfg_set_clone_fd(cfg, 0);
+  int rc = fuse_session_loop_mt(se, cfg);
+  fuse_loop_cfg_destroy(cfg);
+  fuse_session_unmount(se);
+  fuse_remove_signal_handlers(se);
+  fuse_session_destroy(se);
+  fuse_opt_free_args(&args);
+  if (rc != 0 && rc != SIGTERM && rc != SIGINT && rc != SIGHUP)
+    return Status::IOError("FUSE loop ended with error " + std::to_string(rc));
+  return Status::OK();
+}
+
+}  // namespace ckptfs

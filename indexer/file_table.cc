@@ -1,0 +1,40 @@
+#include "indexer/file_table.h"
+
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace ckptfs {
+
+Result<SourceFile> StatSource(const std::string& abs) {
+  struct stat st;
+  if (::stat(abs.c_str(), &st) != 0)
+    return Status::IOError(abs + ": " + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) return Status::InvalidArgument(abs + ": not a regular file");
+  SourceFile f;
+  f.size = st.st_size;
+  f.mtime_ns = int64_t(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
+  f.inode = st.st_ino;
+  return f;
+}
+
+std::string DescribeChange(const SourceFile& a, const SourceFile& b) {
+  if (a.size != b.size)
+    return "size changed from " + std::to_string(a.size) + " to " + std::to_string(b.size);
+  if (a.mtime_ns != b.mtime_ns) return "modified since indexing (mtime changed)";
+  if (a.inode != b.inode) return "replaced since indexing (inode changed)";
+  return "";
+}
+
+Result<FileId> FileTable::Add(const std::string& rel) {
+  if (auto it = by_path_.find(rel); it != by_path_.end()) return it->second;
+  ASSIGN_OR_RETURN(SourceFile f, StatSource(root_ + "/" + rel));
+  f.path = rel;
+  FileId id = files_.size();
+  files_.push_back(std::move(f));
+  by_path_[rel] = id;
+  return id;
+}
+
+}  // namespace ckptfs

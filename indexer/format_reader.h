@@ -1,0 +1,40 @@
+// One reader per input format behind one interface.
+//
+// The scanner walks the source tree and offers each directory to every
+// reader; the first that recognises it fills a Checkpoint. Readers never
+// fail the whole scan for one bad file: they record the problem on the
+// Checkpoint (and mark it incomplete when the tensor list cannot be trusted).
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/meta.h"
+#include "core/status.h"
+#include "indexer/file_table.h"
+
+namespace ckptfs {
+
+struct DirListing {
+  std::string rel;                 // relative to the source root; "" for it
+  std::string abs;
+  std::vector<std::string> files;  // names of regular files, sorted
+  std::vector<std::string> dirs;   // names of subdirectories, sorted
+  bool has_file(const std::string& name) const;
+};
+
+class FormatReader {
+ public:
+  virtual ~FormatReader() = default;
+  virtual std::string name() const = 0;
+  virtual bool Recognise(const DirListing& dir) const = 0;
+  // Fills `out` (dir and format are set by the caller). A non-ok Status means
+  // the directory could not be read at all (permission denied, say).
+  virtual Status Read(const DirListing& dir, FileTable& files, Checkpoint& out) const = 0;
+};
+
+// Every reader, in the order they are tried.
+std::vector<std::unique_ptr<FormatReader>> AllReaders();
+
+}  // namespace ckptfs

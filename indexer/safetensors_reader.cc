@@ -1,0 +1,255 @@
+// Reader for safetensors checkpoints (docs/FORMATS.md):
+//  - plain Hugging Face folders: model.safetensors, or an index.json naming
+//    model-0000i-of-0000N.safetensors shards, each tensor whole in one file;
+//  - sharded safetensors (torch's HuggingFaceStorageWriter, NeMo AutoModel):
+//    shard-RRRRR-model-IIIII-of-NNNNN.safetensors, each holding the writing
+//    rank's local chunks, placed by `saved_offsets` in the
+//    DCP_SHARDING_INFO (or dcp_custom_metadata) entry of __metadata__.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <regex>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "core/coverage.h"
+#include "core/safetensors.h"
+#include "indexer/format_reader.h"
+#include "indexer/posix_io.h"
+#include "indexer/readers.h"
+
+namespace ckptfs {
+namespace {
+
+using nlohmann::json;
+
+bool EndsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string Join(const std::string& dir, const std::string& name) {
+  return dir.empty() ? name : dir + "/" + name;
+}
+
+// Config and tokenizer files a Hugging Face folder carries next to weights.
+const char* const kSidecarNames[] = {
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
+    "added_tokens.json", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+    "processor_config.json"};
+
+Result<SafetensorsHeader> ReadHeader(const std::string& abs, uint64_t size) {
+  ScopedFd fd(::open(abs.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return Status::IOError(std::strerror(errno));
+  char prefix[8];
+  if (size < 8) return DecodeHeaderLength(std::string_view(prefix, 0), size).status();
+  RETURN_IF_ERROR(PreadFull(fd.get(), prefix, 8, 0, abs));
+  ASSIGN_OR_RETURN(uint64_t n, DecodeHeaderLength(std::string_view(prefix, 8), size));
+  std::string text(n, '\0');
+  RETURN_IF_ERROR(PreadFull(fd.get(), text.data(), n, 8, abs));
+  return ParseSafetensorsHeader(text, n);
+}
+
+// {fqn: saved_offsets} from DCP_SHARDING_INFO; nullopt when the file is not
+// sharded.
+Result<std::optional<std::map<std::string, std::vector<uint64_t>>>> ShardingInfo(
+    const SafetensorsHeader& h) {
+  auto it = h.metadata.find("DCP_SHARDING_INFO");
+  if (it == h.metadata.end()) it = h.metadata.find("dcp_custom_metadata");
+  if (it == h.metadata.end()) return std::optional<std::map<std::string, std::vector<uint64_t>>>();
+  json j = json::parse(it->second, nullptr, false);
+  if (!j.is_object()) return Status::Corruption(it->first + " is not a JSON object");
+  std::map<std::string, std::vector<uint64_t>> out;
+  for (auto& [fqn, v] : j.items()) {
+    if (!v.is_object() || !v.contains("saved_offsets") || !v["saved_offsets"].is_array())
+      return Status::Corruption(it->first + "['" + fqn + "'] has no saved_offsets list");
+    for (const json& x : v["saved_offsets"])
+      if (!x.is_number_unsigned() && !(x.is_number_integer() && x.get<int64_t>() >= 0))
+        return Status::Corruption(it->first + "['" + fqn + "'] saved_offsets are not non-negative integers");
+    out[fqn] = v["saved_offsets"].get<std::vector<uint64_t>>();
+  }
+  return std::optional(std::move(out));
+}
+
+class SafetensorsReader : public FormatReader {
+ public:
+  std::string name() const override { return "safetensors"; }
+
+  bool Recognise(const DirListing& dir) const override {
+    return std::any_of(dir.files.begin(), dir.files.end(),
+                       [](const std::string& f) { return EndsWith(f, ".safetensors"); });
+  }
+
+  Status Read(const DirListing& dir, FileTable& files, Checkpoint& out) const override {
+    auto problem = [&](const std::string& msg, bool incomplete) {
+      out.problems.push_back(msg);
+      if (incomplete && out.incomplete.empty()) out.incomplete = msg;
+    };
+
+    // Which files: the index's, when there is one; else every .safetensors.
+    std::vector<std::string> names;
+    std::map<std::string, std::string> weight_map;
+    const bool have_index = dir.has_file("model.safetensors.index.json");
+    if (have_index) {
+      auto text = ReadWholeFile(dir.abs + "/model.safetensors.index.json");
+      json j = text.ok() ? json::parse(*text, nullptr, false) : json();
+      if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
+        problem(Join(dir.rel, "model.safetensors.index.json") + ": no weight_map object", true);
+      } else {
+        std::set<std::string> unique;
+        for (auto& [fqn, f] : j["weight_map"].items()) {
+          if (!f.is_string()) continue;
+          weight_map[fqn] = f.get<std::string>();
+          unique.insert(f.get<std::string>());
+        }
+        names.assign(unique.begin(), unique.end());
+      }
+    } else {
+      for (const auto& f : dir.files)
+        if (EndsWith(f, ".safetensors")) names.push_back(f);
+    }
+
+    std::map<std::string, TensorMeta> tensors;
+    bool sharded = false;
+    static const std::regex kShardName(R"(^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$)");
+    std::set<uint64_t> ranks;
+    for (const std::string& name : names) {
+      const std::string rel = Join(dir.rel, name);
+      if (!dir.has_file(name)) {
+        problem(rel + ": listed in model.safetensors.index.json but missing", true);
+        continue;
+      }
+      auto id = files.Add(rel);
+      if (!id.ok()) {
+        problem(id.status().message(), true);
+        continue;
+      }
+      const SourceFile& sf = files.at(*id);
+      auto header = ReadHeader(files.Abs(*id), sf.size);
+      if (!header.ok()) {
+        problem(rel + ": " + header.status().message(), true);
+        continue;
+      }
+      Status size_ok = CheckSafetensorsFileSize(*header, sf.size);
+      if (!size_ok.ok()) problem(rel + ": " + size_ok.message(), false);
+      auto info = ShardingInfo(*header);
+      if (!info.ok()) {
+        problem(rel + ": " + info.status().message(), true);
+        continue;
+      }
+      if (info->has_value()) sharded = true;
+      std::smatch m;
+      if (std::regex_match(name, m, kShardName)) ranks.insert(std::stoull(m[1]));
+
+      for (const SafetensorsEntry& e : header->entries) {
+        Chunk c;
+        c.shard.fqn = e.name;
+        c.shard.box.lengths = e.shape;
+        c.shard.box.offsets.assign(e.shape.size(), 0);
+        if (info->has_value()) {
+          auto it = (*info)->find(e.name);
+          if (it == (*info)->end() || it->second.size() != e.shape.size()) {
+            problem(rel + ": tensor '" + e.name + "' has no saved_offsets of rank " +
+                        std::to_string(e.shape.size()) + " in DCP_SHARDING_INFO",
+                    true);
+            continue;
+          }
+          c.shard.box.offsets = it->second;
+        }
+        c.bytes = {*id, header->data_start() + e.begin, e.end - e.begin};
+        c.basic.dtype = e.dtype;
+        if (c.bytes.offset + c.bytes.length > sf.size)
+          c.unavailable = rel + " is truncated: " + std::to_string(sf.size) +
+                          " bytes, but this chunk ends at byte " +
+                          std::to_string(c.bytes.offset + c.bytes.length);
+        if (have_index && weight_map.count(e.name) && weight_map[e.name] != name)
+          problem(rel + ": holds '" + e.name + "', which the index places in " + weight_map[e.name],
+                  false);
+        TensorMeta& t = tensors[e.name];
+        if (t.chunks.empty()) {
+          t.fqn = e.name;
+          t.dtype = e.dtype;
+        }
+        t.chunks.push_back(std::move(c));
+      }
+    }
+    for (const auto& [fqn, file] : weight_map)
+      if (!tensors.count(fqn))
+        problem(Join(dir.rel, file) + ": tensor '" + fqn + "' listed in the index is not in the file", true);
+    if (!ranks.empty() && (*ranks.begin() != 1 || *ranks.rbegin() != ranks.size())) {
+      std::string found;
+      for (uint64_t r : ranks) found += (found.empty() ? "" : ",") + std::to_string(r);
+      problem(Join(dir.rel, "shard-*") + ": shard files of some ranks are missing (ranks found: " +
+                  found + ")",
+              true);
+    }
+
+    for (auto& [fqn, t] : tensors) {
+      size_t rank = t.chunks.front().shard.box.rank();
+      bool ranks_agree = std::all_of(t.chunks.begin(), t.chunks.end(),
+                                     [&](const Chunk& c) { return c.shard.box.rank() == rank; });
+      if (!ranks_agree) {
+        t.problem = "tensor '" + fqn + "': chunks disagree on the number of dimensions";
+      } else {
+        t.shape.assign(rank, 0);
+        for (const Chunk& c : t.chunks)
+          for (size_t d = 0; d < rank; ++d)
+            t.shape[d] = std::max(t.shape[d], c.shard.box.offsets[d] + c.shard.box.lengths[d]);
+        DropReplicas(t);
+        std::string joined;
+        for (const std::string& p : CheckCoverage(t)) joined += (joined.empty() ? "" : "; ") + p;
+        t.problem = joined;
+      }
+      if (!t.problem.empty()) out.problems.push_back(t.problem);
+      out.tensors.push_back(std::make_shared<const TensorMeta>(std::move(t)));
+    }
+    out.format = sharded ? "sharded-safetensors" : "hf-safetensors";
+    AddSidecars(dir, files, out, problem);
+    return Status::OK();
+  }
+
+ private:
+  template <typename ProblemFn>
+  static void AddSidecars(const DirListing& dir, FileTable& files, Checkpoint& out, ProblemFn problem) {
+    // NeMo keeps them in .hf_metadata/; a plain folder keeps them beside the weights.
+    const std::string meta_rel = Join(dir.rel, ".hf_metadata");
+    for (const char* name : kSidecarNames) {
+      for (const std::string& rel : {Join(meta_rel, name), Join(dir.rel, name)}) {
+        if (::access((files.root() + "/" + rel).c_str(), R_OK) != 0) continue;
+        auto id = files.Add(rel);
+        if (id.ok()) out.sidecars[name] = *id;
+        break;
+      }
+    }
+    const std::string mapping = files.root() + "/" + Join(meta_rel, "fqn_to_file_index_mapping.json");
+    if (::access(mapping.c_str(), R_OK) == 0) {
+      Status st = LoadFileIndexMapping(mapping, out);
+      if (!st.ok()) problem(st.message(), false);
+    }
+  }
+};
+
+}  // namespace
+
+Status LoadFileIndexMapping(const std::string& path, Checkpoint& out) {
+  ASSIGN_OR_RETURN(std::string text, ReadWholeFile(path));
+  json j = json::parse(text, nullptr, false);
+  if (!j.is_object()) return Status::Corruption(path + ": not a JSON object {fqn: file index}");
+  std::map<std::string, int> mapping;
+  for (auto& [fqn, v] : j.items()) {
+    if (!v.is_number_integer() || v.get<int64_t>() < 1 || v.get<int64_t>() > 99999)
+      return Status::Corruption(path + ": '" + fqn + "' must map to a file index from 1 to 99999");
+    mapping[fqn] = v.get<int>();
+  }
+  out.file_index = std::move(mapping);
+  return Status::OK();
+}
+
+std::unique_ptr<FormatReader> MakeSafetensorsReader() { return std::make_unique<SafetensorsReader>(); }
+
+}  // namespace ckptfs

@@ -1,0 +1,432 @@
+// ckptfs: mount sharded training checkpoints as the files tools expect.
+//
+// Thin by design: each subcommand parses its flags and calls the libraries.
+// `cat` and `export` read through VirtualFs, the same read path as a mount.
+// Exit codes are named below and documented in docs/CLI.md.
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <syslog.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <mutex>
+#include <string>
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include "fs/mount.h"
+#include "fs/virtual_fs.h"
+#include "indexer/index_store.h"
+#include "indexer/scan.h"
+#include "tools/progress.h"
+
+namespace ckptfs {
+namespace {
+
+// Exit codes (docs/CLI.md).
+enum Exit : int {
+  kExitOk = 0,
+  kExitUsage = 2,        // bad flags or arguments
+  kExitNoSource = 3,     // the source root or a virtual path does not exist / cannot be read
+  kExitStale = 4,        // sources changed since indexing: re-run `ckptfs index`
+  kExitProblems = 5,     // indexed, but the checkpoint has problems (holes, bad files)
+  kExitReadError = 6,    // data could not be served (EIO): see the message
+  kExitMountFailed = 7,  // the mount itself failed
+  kExitIndexError = 8,   // the index could not be written or read
+};
+
+const char kExamples[] = R"(
+Examples:
+  ckptfs index  /ckpts/step_100                 # build the index (once per checkpoint)
+  ckptfs mount  /ckpts/step_100 /mnt/s100       # serve it; unmount with fusermount3 -u /mnt/s100
+  ls -l /mnt/s100/model/consolidated/           # a Hugging Face folder, computed on read
+  ckptfs ls     /ckpts/step_100 model/consolidated
+  ckptfs cat    /ckpts/step_100 model/consolidated/model.safetensors.index.json
+  ckptfs export /ckpts/step_100 model/consolidated /tmp/hf   # materialise a view
+
+Docs: docs/CLI.md (flags, exit codes), docs/SEMANTICS.md (what the mount serves).
+)";
+
+struct Common {
+  std::string root;
+  std::string index;  // --index; default from DefaultIndexPath
+  uint64_t max_file_bytes = 5'000'000'000;
+  std::string max_file_size = "5GB";
+  std::string mapping;
+  bool reindex = false;
+};
+
+void Error(const std::string& msg) { std::fprintf(stderr, "ckptfs: error: %s\n", msg.c_str()); }
+
+// "5GB" -> 5e9, "512MiB" -> 512*2^20, "1000" -> 1000.
+std::optional<uint64_t> ParseSize(const std::string& s) {
+  size_t pos = 0;
+  double v;
+  try {
+    v = std::stod(s, &pos);
+  } catch (...) {
+    return std::nullopt;
+  }
+  std::string unit = s.substr(pos);
+  for (auto& c : unit) c = std::toupper(c);
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1}, {"B", 1}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
+      {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0}};
+  for (const auto& [name, mult] : kUnits)
+    if (unit == name && v > 0) return uint64_t(v * mult);
+  return std::nullopt;
+}
+
+std::string AbsRoot(const std::string& root) {
+  char real[PATH_MAX];
+  return ::realpath(root.c_str(), real) ? std::string(real) : root;
+}
+
+std::string IndexPath(const Common& c) { return c.index.empty() ? DefaultIndexPath(AbsRoot(c.root)) : c.index; }
+
+void PrintProblems(const Catalog& catalog) {
+  for (const Checkpoint& ck : catalog.checkpoints)
+    for (const std::string& p : ck.problems)
+      std::fprintf(stderr, "ckptfs: problem in %s: %s\n", ck.dir.empty() ? "." : ck.dir.c_str(), p.c_str());
+}
+
+size_t CountProblems(const Catalog& catalog) {
+  size_t n = 0;
+  for (const Checkpoint& ck : catalog.checkpoints) n += ck.problems.size();
+  return n;
+}
+
+// Scans the source and writes the index. Returns an exit code.
+int BuildIndex(const Common& c, bool quiet) {
+  auto t0 = std::chrono::steady_clock::now();
+  ScanOptions so;
+  so.file_index_mapping = c.mapping;
+  Progress progress("indexing " + c.root, 0, "dirs scanned");
+  so.progress = [&](size_t dirs, size_t) { progress.Update(dirs); };
+  auto catalog = ScanSource(c.root, so);
+  if (!catalog.ok()) {
+    Error(catalog.status().message());
+    return kExitNoSource;
+  }
+  const std::string path = IndexPath(c);
+  Status st = WriteIndex(*catalog, path);
+  if (!st.ok()) {
+    Error(st.message());
+    return kExitIndexError;
+  }
+  size_t tensors = 0, chunks = 0;
+  for (const Checkpoint& ck : catalog->checkpoints)
+    for (const auto& t : ck.tensors) {
+      ++tensors;
+      chunks += t->chunks.size();
+    }
+  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  if (!quiet || CountProblems(*catalog))
+    std::fprintf(stderr, "ckptfs: indexed %s: %zu checkpoint(s), %zu tensors, %zu chunks, %zu files in %.2f s -> %s\n",
+                 catalog->root.c_str(), catalog->checkpoints.size(), tensors, chunks, catalog->files.size(), secs,
+                 path.c_str());
+  if (catalog->checkpoints.empty())
+    std::fprintf(stderr, "ckptfs: warning: no checkpoint recognised under %s (looked for *.safetensors)\n",
+                 catalog->root.c_str());
+  PrintProblems(*catalog);
+  if (size_t n = CountProblems(*catalog)) {
+    std::fprintf(stderr, "ckptfs: %zu problem(s); the affected tensors read as EIO. Fix the source and re-run `ckptfs index`.\n", n);
+    return kExitProblems;
+  }
+  return kExitOk;
+}
+
+// Loads the index (building it when missing or when --reindex), checks the
+// sources, and builds the tree. Sets *exit_code on failure.
+std::unique_ptr<VirtualFs> OpenFs(const Common& c, int* exit_code, std::function<void(const std::string&)> log = {}) {
+  struct stat st;
+  if (::stat(c.root.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    Error(c.root + ": not a directory");
+    *exit_code = kExitNoSource;
+    return nullptr;
+  }
+  const std::string path = IndexPath(c);
+  auto catalog = LoadIndex(path);
+  if (c.reindex || (!catalog.ok() && catalog.status().code() == Status::Code::kNotFound)) {
+    int rc = BuildIndex(c, /*quiet=*/true);
+    if (rc != kExitOk && rc != kExitProblems) {
+      *exit_code = rc;
+      return nullptr;
+    }
+    catalog = LoadIndex(path);
+  }
+  if (!catalog.ok()) {
+    Error(catalog.status().message());
+    *exit_code = kExitIndexError;
+    return nullptr;
+  }
+  if (catalog->root != AbsRoot(c.root)) {
+    Error("index " + path + " was built for " + catalog->root + ", not " + AbsRoot(c.root));
+    *exit_code = kExitIndexError;
+    return nullptr;
+  }
+  Status fresh = CheckSources(*catalog);
+  if (!fresh.ok()) {
+    Error(fresh.message());
+    *exit_code = kExitStale;
+    return nullptr;
+  }
+  FsOptions fo;
+  fo.consolidated.max_file_bytes = c.max_file_bytes;
+  fo.uid = ::getuid();
+  fo.gid = ::getgid();
+  fo.log = log ? log : [](const std::string& line) { std::fprintf(stderr, "ckptfs: %s\n", line.c_str()); };
+  auto fs = VirtualFs::Create(std::move(*catalog), fo);
+  if (!fs.ok()) {
+    Error(fs.status().message());
+    *exit_code = kExitIndexError;
+    return nullptr;
+  }
+  return std::move(*fs);
+}
+
+// Streams a virtual file to `out` (a FILE*), returning an exit code.
+int CopyOut(VirtualFs& fs, const Attr& a, const std::string& vpath, std::FILE* out, Progress* progress,
+            uint64_t* done) {
+  auto h = fs.Open(a.ino, O_RDONLY);
+  if (!h.ok()) {
+    Error(vpath + ": " + h.status().message());
+    return kExitReadError;
+  }
+  constexpr size_t kBuf = 8 << 20;
+  std::unique_ptr<char[]> buf(new char[kBuf]);
+  int rc = kExitOk;
+  for (uint64_t off = 0; off < a.size;) {
+    auto n = fs.Read(*h, buf.get(), kBuf, off);
+    if (!n.ok()) {
+      Error(vpath + ": " + std::strerror(n.status().err()) + ": " + n.status().message());
+      rc = kExitReadError;
+      break;
+    }
+    if (*n == 0) break;
+    if (std::fwrite(buf.get(), 1, *n, out) != *n) {
+      Error(std::string("write failed: ") + std::strerror(errno));
+      rc = kExitReadError;
+      break;
+    }
+    off += *n;
+    if (progress) progress->Update(*done += *n);
+  }
+  fs.Release(*h);
+  return rc;
+}
+
+void AddCommon(CLI::App* cmd, Common& c, bool view_flags) {
+  cmd->add_option("--index", c.index, "Index location (default: $CKPTFS_INDEX_DIR or ~/.cache/ckptfs/<name>-<hash>)");
+  if (view_flags) {
+    cmd->add_option("--max-file-size", c.max_file_size,
+                    "Split consolidated/ into files of at most this size when the checkpoint has no file mapping (default 5GB; units B, KB, MB, GB, KiB, MiB, GiB)");
+    cmd->add_flag("--reindex", c.reindex, "Rebuild the index before opening");
+  }
+}
+
+int Main(int argc, char** argv) {
+  CLI::App app{"ckptfs: mount sharded training checkpoints as Hugging Face folders, computed on read."};
+  app.footer(kExamples);
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "ckptfs 0.1.0");
+  Common c;
+  bool quiet = false, foreground = false, debug = false, allow_other = false, json = false;
+  unsigned threads = 16;
+  std::string mountpoint, vpath, dest, log_file;
+
+  auto* index = app.add_subcommand("index", "Build the index of a checkpoint tree (RocksDB)");
+  index->add_option("ROOT", c.root, "Checkpoint directory (or a tree of them)")->required();
+  index->add_option("--mapping", c.mapping, "JSON {fqn: 1-based file index} deciding consolidated/ file split");
+  index->add_flag("-q,--quiet", quiet, "Print only problems");
+  AddCommon(index, c, false);
+  index->footer("\nExample:\n  ckptfs index /ckpts/step_100\n\nExit status 5 when the checkpoint has problems (holes, truncated or corrupt files):\nthey are listed, and reads of the affected tensors fail with EIO.\n");
+
+  auto* mount = app.add_subcommand("mount", "Mount a checkpoint tree read-only (indexes it first if needed)");
+  mount->add_option("ROOT", c.root, "Checkpoint directory")->required();
+  mount->add_option("MOUNTPOINT", mountpoint, "Empty directory to mount on")->required();
+  mount->add_flag("-f,--foreground", foreground, "Stay in the foreground (logs to stderr)");
+  mount->add_flag("-d,--debug", debug, "Log every FUSE request (implies -f)");
+  mount->add_flag("--allow-other", allow_other, "Let other users read the mount (needs user_allow_other in /etc/fuse.conf)");
+  mount->add_option("--threads", threads, "Maximum FUSE worker threads (default 16)");
+  mount->add_option("--log-file", log_file, "Append log lines here (default: stderr with -f, syslog otherwise)");
+  AddCommon(mount, c, true);
+  mount->footer("\nExamples:\n  ckptfs mount /ckpts/step_100 /mnt/s100\n  ckptfs mount -f --max-file-size 2GB /ckpts/step_100 /mnt/s100\n  fusermount3 -u /mnt/s100     # unmount\n");
+
+  auto* ls = app.add_subcommand("ls", "List a directory of the virtual tree, without mounting");
+  ls->add_option("ROOT", c.root, "Checkpoint directory")->required();
+  ls->add_option("PATH", vpath, "Path inside the tree (default: the top)");
+  ls->add_flag("--json", json, "Print JSON: [{name, type, size}]");
+  AddCommon(ls, c, true);
+  ls->footer("\nExample:\n  ckptfs ls /ckpts/step_100 model/consolidated\n");
+
+  auto* cat = app.add_subcommand("cat", "Write a file of the virtual tree to stdout, without mounting");
+  cat->add_option("ROOT", c.root, "Checkpoint directory")->required();
+  cat->add_option("PATH", vpath, "File inside the tree")->required();
+  AddCommon(cat, c, true);
+  cat->footer("\nExample:\n  ckptfs cat /ckpts/step_100 model/consolidated/model-00001-of-00002.safetensors > out.safetensors\n");
+
+  auto* exp = app.add_subcommand("export", "Copy a file or directory of the virtual tree to real files");
+  exp->add_option("ROOT", c.root, "Checkpoint directory")->required();
+  exp->add_option("PATH", vpath, "File or directory inside the tree")->required();
+  exp->add_option("DEST", dest, "Destination directory (created)")->required();
+  AddCommon(exp, c, true);
+  exp->footer("\nExample:\n  ckptfs export /ckpts/step_100 model/consolidated /tmp/hf\n");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int rc = app.exit(e);
+    return rc == 0 ? kExitOk : kExitUsage;
+  }
+  auto size = ParseSize(c.max_file_size);
+  if (!size) {
+    Error("--max-file-size: cannot read '" + c.max_file_size + "' as a size (try 5GB or 512MiB)");
+    return kExitUsage;
+  }
+  c.max_file_bytes = *size;
+
+  if (*index) return BuildIndex(c, quiet);
+
+  int rc = kExitOk;
+  if (*mount) {
+    std::mutex log_mu;
+    std::FILE* log = nullptr;
+    if (!log_file.empty() && !(log = std::fopen(log_file.c_str(), "a"))) {
+      Error(log_file + ": " + std::strerror(errno));
+      return kExitUsage;
+    }
+    const bool to_stderr = (foreground || debug) && !log;
+    if (!log && !to_stderr) ::openlog("ckptfs", LOG_PID, LOG_USER);
+    auto fs = OpenFs(c, &rc, [&log_mu, log, to_stderr](const std::string& line) {
+      std::lock_guard<std::mutex> lock(log_mu);
+      if (log) std::fprintf(log, "ckptfs: %s\n", line.c_str()), std::fflush(log);
+      else if (to_stderr) std::fprintf(stderr, "ckptfs: %s\n", line.c_str());
+      else ::syslog(LOG_WARNING, "%s", line.c_str());
+    });
+    if (!fs) return rc;
+    MountOptions mo;
+    mo.foreground = foreground;
+    mo.debug = debug;
+    mo.allow_other = allow_other;
+    mo.max_threads = threads;
+    Status st = MountAndServe(std::move(fs), mountpoint, mo);
+    if (!st.ok()) {
+      Error(st.message());
+      return kExitMountFailed;
+    }
+    return kExitOk;
+  }
+
+  auto fs = OpenFs(c, &rc);
+  if (!fs) return rc;
+  auto attr = fs->Resolve(vpath);
+  if (!attr.ok()) {
+    Error(vpath + ": " + attr.status().message());
+    return kExitNoSource;
+  }
+
+  if (*ls) {
+    std::vector<DirEntry> entries;
+    if (attr->is_dir()) {
+      auto e = fs->ReadDir(attr->ino);
+      if (!e.ok()) {
+        Error(e.status().message());
+        return kExitNoSource;
+      }
+      entries = std::move(*e);
+    } else {
+      entries.push_back({std::filesystem::path(vpath).filename().string(), *attr});
+    }
+    if (json) {
+      nlohmann::json out = nlohmann::json::array();
+      for (const auto& e : entries)
+        out.push_back({{"name", e.name}, {"type", e.attr.is_dir() ? "dir" : "file"}, {"size", e.attr.size},
+                       {"virtual", e.attr.is_virtual}});
+      std::cout << out.dump(2) << "\n";
+    } else {
+      for (const auto& e : entries)
+        std::printf("%s %14llu  %s%s\n", e.attr.is_dir() ? "dr-xr-xr-x" : "-r--r--r--",
+                    static_cast<unsigned long long>(e.attr.size), e.name.c_str(), e.attr.is_dir() ? "/" : "");
+    }
+    return kExitOk;
+  }
+
+  if (*cat) {
+    if (attr->is_dir()) {
+      Error(vpath + " is a directory (use `ckptfs ls` or `ckptfs export`)");
+      return kExitUsage;
+    }
+    uint64_t done = 0;
+    return CopyOut(*fs, *attr, vpath, stdout, nullptr, &done);
+  }
+
+  // export
+  std::vector<std::pair<std::string, Attr>> files;  // relative name, attr
+  std::function<bool(const std::string&, const Attr&)> walk = [&](const std::string& rel, const Attr& a) {
+    if (!a.is_dir()) {
+      files.push_back({rel, a});
+      return true;
+    }
+    auto entries = fs->ReadDir(a.ino);
+    if (!entries.ok()) return false;
+    for (const auto& e : *entries)
+      if (!walk(rel.empty() ? e.name : rel + "/" + e.name, e.attr)) return false;
+    return true;
+  };
+  std::string base = attr->is_dir() ? "" : std::filesystem::path(vpath).filename().string();
+  if (!walk(base, *attr)) {
+    Error("cannot list " + vpath);
+    return kExitNoSource;
+  }
+  uint64_t total = 0, done = 0;
+  for (const auto& f : files) total += f.second.size;
+  Progress progress("export " + vpath, total, "bytes");
+  for (const auto& [rel, a] : files) {
+    std::filesystem::path out = std::filesystem::path(dest) / rel;
+    std::error_code ec;
+    std::filesystem::create_directories(out.parent_path(), ec);
+    std::string tmp = out.string() + ".ckptfs-partial";
+    std::FILE* f = std::fopen(tmp.c_str(), "wb");
+    if (!f) {
+      Error(tmp + ": " + std::strerror(errno));
+      return kExitReadError;
+    }
+    std::string src = vpath.empty() ? rel : (attr->is_dir() ? vpath + "/" + rel : vpath);
+    int r = CopyOut(*fs, a, src, f, &progress, &done);
+    if (std::fclose(f) != 0 && r == kExitOk) {
+      Error(tmp + ": " + std::strerror(errno));
+      r = kExitReadError;
+    }
+    if (r != kExitOk) {
+      std::filesystem::remove(tmp, ec);  // never leave a partial file under the real name
+      return r;
+    }
+    std::filesystem::rename(tmp, out, ec);
+    if (ec) {
+      Error(out.string() + ": " + ec.message());
+      return kExitReadError;
+    }
+  }
+  return kExitOk;
+}
+
+}  // namespace
+}  // namespace ckptfs
+
+int main(int argc, char** argv) {
+  try {
+    return ckptfs::Main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ckptfs: internal error: %s\n", e.what());
+    return 1;
+  }
+}
