@@ -1,0 +1,111 @@
+#include "core/views.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include "core/planner.h"
+#include "core/safetensors.h"
+
+namespace ckptfs {
+namespace {
+
+std::shared_ptr<const TensorMeta> Whole(const std::string& fqn, DType dtype, Shape shape) {
+  auto t = std::make_shared<TensorMeta>();
+  t->fqn = fqn;
+  t->dtype = dtype;
+  t->shape = shape;
+  Chunk c;
+  c.shard.box = Box::Whole(shape);
+  c.basic.dtype = dtype;
+  c.bytes = {0, 0, t->nbytes()};
+  t->chunks.push_back(c);
+  return t;
+}
+
+Checkpoint ThreeTensors() {
+  Checkpoint ck;
+  ck.tensors = {Whole("a", DType::kBF16, {10}), Whole("b", DType::kF32, {10}), Whole("c", DType::kU8, {10})};
+  return ck;
+}
+
+// Header of a view file, parsed back.
+SafetensorsHeader HeaderOf(const ViewFile& f) {
+  auto plan = Plan(*f.layout, 0, 8);
+  EXPECT_TRUE(plan.ok());
+  const Segment& lit = f.layout->segments().at(0);
+  uint64_t n = *DecodeHeaderLength(lit.literal->substr(0, 8), f.layout->size());
+  return *ParseSafetensorsHeader(lit.literal->substr(8, n), n);
+}
+
+TEST(ConsolidatedView, SmallCheckpointIsOneModelSafetensors) {
+  auto files = ConsolidatedView(ThreeTensors(), {}, {});
+  ASSERT_TRUE(files.ok());
+  ASSERT_EQ(files->size(), 1u);
+  EXPECT_EQ((*files)[0].name, "model.safetensors");
+  auto h = HeaderOf((*files)[0]);
+  EXPECT_EQ(h.metadata, (std::map<std::string, std::string>{{"format", "pt"}}));
+  // Larger dtypes first: F32, BF16, U8.
+  ASSERT_EQ(h.entries.size(), 3u);
+  EXPECT_EQ(h.entries[0].name, "b");
+  EXPECT_EQ(h.entries[1].name, "a");
+  EXPECT_EQ(h.entries[2].name, "c");
+  EXPECT_EQ((*files)[0].layout->size(), 8 + h.header_len + 40 + 20 + 10);
+}
+
+TEST(ConsolidatedView, SplitsBySizeWithAnIndex) {
+  ConsolidatedOptions o;
+  o.max_file_bytes = 30;  // a: 20 B, b: 40 B, c: 10 B -> [a], [b], [c]
+  auto files = ConsolidatedView(ThreeTensors(), {}, o);
+  ASSERT_TRUE(files.ok());
+  ASSERT_EQ(files->size(), 4u);
+  EXPECT_EQ((*files)[0].name, "model-00001-of-00003.safetensors");
+  EXPECT_EQ((*files)[2].name, "model-00003-of-00003.safetensors");
+  EXPECT_EQ((*files)[3].name, "model.safetensors.index.json");
+  const std::string& text = *(*files)[3].layout->segments()[0].literal;
+  auto j = nlohmann::json::parse(text);
+  EXPECT_EQ(j["metadata"]["total_size"], 70);
+  EXPECT_EQ(j["weight_map"]["b"], "model-00002-of-00003.safetensors");
+}
+
+TEST(ConsolidatedView, FollowsTheCheckpointsFileMapping) {
+  Checkpoint ck = ThreeTensors();
+  ck.file_index = {{"a", 2}, {"b", 1}, {"c", 2}};
+  auto files = ConsolidatedView(ck, {}, {});
+  ASSERT_TRUE(files.ok());
+  ASSERT_EQ(files->size(), 3u);
+  EXPECT_EQ(HeaderOf((*files)[0]).entries.size(), 1u);
+  EXPECT_EQ(HeaderOf((*files)[1]).entries.size(), 2u);
+}
+
+TEST(ConsolidatedView, MappingWithoutATensorIsAnError) {
+  Checkpoint ck = ThreeTensors();
+  ck.file_index = {{"a", 1}, {"b", 1}};
+  auto files = ConsolidatedView(ck, {}, {});
+  ASSERT_FALSE(files.ok());
+  EXPECT_NE(files.status().message().find("'c'"), std::string::npos);
+}
+
+TEST(ConsolidatedView, IncompleteCheckpointMarksEveryWeightFile) {
+  Checkpoint ck = ThreeTensors();
+  ck.incomplete = "shard-00002: header is not valid JSON";
+  auto files = ConsolidatedView(ck, {}, {});
+  ASSERT_TRUE(files.ok());
+  for (const auto& f : *files) EXPECT_EQ(f.problem, ck.incomplete);
+}
+
+TEST(ConsolidatedView, SidecarsPassThrough) {
+  Checkpoint ck = ThreeTensors();
+  SourceFile cfg;
+  cfg.path = "config.json";
+  cfg.size = 123;
+  ck.sidecars["config.json"] = 0;
+  auto files = ConsolidatedView(ck, {cfg}, {});
+  ASSERT_TRUE(files.ok());
+  ASSERT_EQ(files->size(), 2u);
+  EXPECT_EQ((*files)[1].name, "config.json");
+  EXPECT_EQ((*files)[1].layout->size(), 123u);
+  EXPECT_EQ((*files)[1].layout->segments()[0].kind, Segment::Kind::kSource);
+}
+
+}  // namespace
+}  // namespace ckptfs

@@ -1,0 +1,160 @@
+// The RocksDB index: round trip, atomic replacement, incomplete indexes,
+// staleness; and the safetensors reader on files written here.
+#include "indexer/index_store.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include "core/safetensors.h"
+#include "indexer/scan.h"
+
+namespace ckptfs {
+namespace {
+
+namespace fs = std::filesystem;
+
+class IndexTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) / ("index_" + std::to_string(::getpid()) + "_" +
+                                             ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_ / "ckpt");
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // Writes a safetensors file with the given (name, dtype, shape, offsets) entries
+  // filled with bytes 0, 1, 2, ...
+  void WriteSafetensors(const std::string& name, const std::vector<SafetensorsEntry>& entries,
+                        const std::map<std::string, std::string>& metadata = {}) {
+    std::string out = *EncodeSafetensorsHeader(entries, metadata);
+    uint64_t end = entries.empty() ? 0 : entries.back().end;
+    for (uint64_t i = 0; i < end; ++i) out.push_back(char(i));
+    std::ofstream(dir_ / "ckpt" / name, std::ios::binary) << out;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(IndexTest, ScanWriteLoadRoundTrip) {
+  WriteSafetensors("shard-00001-model-00001-of-00001.safetensors", {{"w", DType::kF32, {2, 3}, 0, 24}},
+                   {{"DCP_SHARDING_INFO", R"({"w": {"saved_offsets": [0, 0]}})"}});
+  WriteSafetensors("shard-00002-model-00001-of-00001.safetensors", {{"w", DType::kF32, {2, 3}, 0, 24}},
+                   {{"DCP_SHARDING_INFO", R"({"w": {"saved_offsets": [2, 0]}})"}});
+  auto catalog = ScanSource((dir_ / "ckpt").string());
+  ASSERT_TRUE(catalog.ok()) << catalog.status().ToString();
+  ASSERT_EQ(catalog->checkpoints.size(), 1u);
+  EXPECT_EQ(catalog->checkpoints[0].format, "sharded-safetensors");
+  ASSERT_EQ(catalog->checkpoints[0].tensors.size(), 1u);
+  EXPECT_EQ(catalog->checkpoints[0].tensors[0]->shape, (Shape{4, 3}));
+  EXPECT_TRUE(catalog->checkpoints[0].problems.empty());
+
+  const std::string path = (dir_ / "index").string();
+  ASSERT_TRUE(WriteIndex(*catalog, path).ok());
+  auto loaded = LoadIndex(path);
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  EXPECT_EQ(loaded->root, catalog->root);
+  ASSERT_EQ(loaded->files.size(), 2u);
+  EXPECT_EQ(loaded->files[1].size, catalog->files[1].size);
+  EXPECT_EQ(loaded->files[1].inode, catalog->files[1].inode);
+  const TensorMeta& t = *loaded->checkpoints[0].tensors[0];
+  EXPECT_EQ(t.shape, (Shape{4, 3}));
+  ASSERT_EQ(t.chunks.size(), 2u);
+  EXPECT_EQ(t.chunks[1].shard.box, (Box{{2, 0}, {2, 3}}));
+  EXPECT_EQ(t.chunks[1].bytes.offset, catalog->checkpoints[0].tensors[0]->chunks[1].bytes.offset);
+  EXPECT_TRUE(CheckSources(*loaded).ok());
+}
+
+TEST_F(IndexTest, RewriteReplacesTheIndexAtomically) {
+  WriteSafetensors("model.safetensors", {{"a", DType::kU8, {4}, 0, 4}});
+  const std::string path = (dir_ / "index").string();
+  ASSERT_TRUE(WriteIndex(*ScanSource((dir_ / "ckpt").string()), path).ok());
+  WriteSafetensors("model.safetensors", {{"a", DType::kU8, {4}, 0, 4}, {"b", DType::kU8, {2}, 4, 6}});
+  ASSERT_TRUE(WriteIndex(*ScanSource((dir_ / "ckpt").string()), path).ok());
+  auto loaded = LoadIndex(path);
+  ASSERT_TRUE(loaded.ok());
+  EXPECT_EQ(loaded->checkpoints[0].tensors.size(), 2u);
+  for (const auto& e : fs::directory_iterator(dir_))  // no temporary left behind
+    EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
+}
+
+TEST_F(IndexTest, MissingIndexIsNotFound) {
+  auto loaded = LoadIndex((dir_ / "nope").string());
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_EQ(loaded.status().code(), Status::Code::kNotFound);
+}
+
+TEST_F(IndexTest, IndexWithoutCompletionRecordIsRejected) {
+  WriteSafetensors("model.safetensors", {{"a", DType::kU8, {4}, 0, 4}});
+  const std::string path = (dir_ / "index").string();
+  ASSERT_TRUE(WriteIndex(*ScanSource((dir_ / "ckpt").string()), path).ok());
+  // Simulate an interrupted build: an index directory that is not a database
+  // with a completion record.
+  fs::remove_all(path);
+  fs::create_directories(path);
+  auto loaded = LoadIndex(path);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_NE(loaded.status().code(), Status::Code::kOk);
+}
+
+TEST_F(IndexTest, ChangedSourceIsStale) {
+  WriteSafetensors("model.safetensors", {{"a", DType::kU8, {4}, 0, 4}});
+  auto catalog = ScanSource((dir_ / "ckpt").string());
+  ASSERT_TRUE(catalog.ok());
+  std::ofstream(dir_ / "ckpt" / "model.safetensors", std::ios::binary | std::ios::app) << "x";
+  Status st = CheckSources(*catalog);
+  EXPECT_EQ(st.code(), Status::Code::kStale);
+  EXPECT_NE(st.message().find("model.safetensors: size changed"), std::string::npos) << st.message();
+}
+
+TEST_F(IndexTest, OverlappingShardsAreRecordedOnTheTensor) {
+  WriteSafetensors("shard-00001-model-00001-of-00001.safetensors", {{"w", DType::kU8, {3}, 0, 3}},
+                   {{"DCP_SHARDING_INFO", R"({"w": {"saved_offsets": [0]}})"}});
+  WriteSafetensors("shard-00002-model-00001-of-00001.safetensors", {{"w", DType::kU8, {3}, 0, 3}},
+                   {{"DCP_SHARDING_INFO", R"({"w": {"saved_offsets": [2]}})"}});
+  auto catalog = ScanSource((dir_ / "ckpt").string());
+  ASSERT_TRUE(catalog.ok());
+  const auto& t = catalog->checkpoints[0].tensors[0];
+  EXPECT_NE(t->problem.find("overlap in [2:3]"), std::string::npos) << t->problem;
+  EXPECT_TRUE(catalog->checkpoints[0].incomplete.empty());
+}
+
+TEST_F(IndexTest, AlternativeMetadataSpellingIsAccepted) {
+  WriteSafetensors("shard-00001-model-00001-of-00001.safetensors", {{"w", DType::kU8, {3}, 0, 3}},
+                   {{"dcp_custom_metadata", R"({"w": {"saved_offsets": [0]}})"}});
+  WriteSafetensors("shard-00002-model-00001-of-00001.safetensors", {{"w", DType::kU8, {3}, 0, 3}},
+                   {{"dcp_custom_metadata", R"({"w": {"saved_offsets": [3]}})"}});
+  auto catalog = ScanSource((dir_ / "ckpt").string());
+  ASSERT_TRUE(catalog.ok());
+  EXPECT_EQ(catalog->checkpoints[0].tensors[0]->shape, (Shape{6}));
+  EXPECT_TRUE(catalog->checkpoints[0].tensors[0]->problem.empty());
+}
+
+TEST_F(IndexTest, UnreadableHeaderMakesTheCheckpointIncomplete) {
+  WriteSafetensors("model-00001-of-00002.safetensors", {{"a", DType::kU8, {4}, 0, 4}});
+  std::ofstream(dir_ / "ckpt" / "model-00002-of-00002.safetensors", std::ios::binary)
+      << std::string("\x05\0\0\0\0\0\0\0{bad}", 13);
+  auto catalog = ScanSource((dir_ / "ckpt").string());
+  ASSERT_TRUE(catalog.ok());
+  const Checkpoint& ck = catalog->checkpoints[0];
+  EXPECT_NE(ck.incomplete.find("model-00002-of-00002.safetensors"), std::string::npos) << ck.incomplete;
+  EXPECT_EQ(ck.tensors.size(), 1u);
+}
+
+TEST_F(IndexTest, TruncatedShardMarksOnlyItsChunksUnavailable) {
+  WriteSafetensors("model.safetensors", {{"a", DType::kU8, {4}, 0, 4}, {"b", DType::kU8, {4}, 4, 8}});
+  fs::resize_file(dir_ / "ckpt" / "model.safetensors", fs::file_size(dir_ / "ckpt" / "model.safetensors") - 2);
+  auto catalog = ScanSource((dir_ / "ckpt").string());
+  ASSERT_TRUE(catalog.ok());
+  const Checkpoint& ck = catalog->checkpoints[0];
+  EXPECT_TRUE(ck.tensors[0]->chunks[0].unavailable.empty());
+  EXPECT_NE(ck.tensors[1]->chunks[0].unavailable.find("truncated"), std::string::npos);
+  ASSERT_FALSE(ck.problems.empty());
+  EXPECT_NE(ck.problems[0].find("truncated"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace ckptfs
