@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Installs everything ckptfs needs to build, test and run its demo, then
+# builds it. Idempotent: packages already present are not touched.
+#
+#   bash tools/setup.sh            # deps + build (Release-ish, into build/)
+#   CKPTFS_SKIP_PYTHON=1 ...       # C++ only (no torch & friends)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf '\n== %s\n' "$*" >&2; }
+SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+
+# --- Debian packages ---------------------------------------------------------
+apt_pkgs=(build-essential pkg-config fuse3 libfuse3-dev librocksdb-dev nlohmann-json3-dev
+          libcli11-dev libgtest-dev libgmock-dev libzstd-dev)
+command -v cmake >/dev/null || apt_pkgs+=(cmake)
+command -v ninja >/dev/null || apt_pkgs+=(ninja-build)
+missing=()
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  log "installing Debian packages: ${missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# --- Python packages -----------------------------------------------------------
+PY=${PYTHON:-python3}
+if [ -z "${CKPTFS_SKIP_PYTHON:-}" ]; then
+  if ! $PY -c 'import torch' 2>/dev/null; then
+    # Prefer a CPU wheel already on disk (no multi-GB CUDA download).
+    wheel=$(ls /opt/wheels/torch-*+cpu-*.whl 2>/dev/null | head -n 1 || true)
+    [ -n "$wheel" ] || wheel=$(find / -xdev -name 'torch-*+cpu-*.whl' 2>/dev/null | head -n 1 || true)
+    if [ -n "$wheel" ]; then
+      log "installing torch from $wheel"
+      $PY -m pip install -q "$wheel"
+    else
+      log "installing torch (CPU build) from the PyTorch index"
+      $PY -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
+    fi
+  fi
+  if ! $PY -c 'import safetensors, numpy, transformers, pytest' 2>/dev/null; then
+    log "installing Python packages from tools/requirements.txt"
+    $PY -m pip install -q -r tools/requirements.txt
+  fi
+fi
+
+# --- Build -----------------------------------------------------------------------
+log "building ckptfs into build/"
+cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
+ninja -C build
