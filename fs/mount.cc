@@ -11,9 +11,13 @@
 
 #include <csignal>
 
+#include <climits>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <new>
+#include <sstream>
 #include <vector>
 
 #include "fs/mount.h"
@@ -228,6 +232,31 @@ void OpListxattr(fuse_req_t req, fuse_ino_t, size_t size) {
   if (size == 0) fuse_reply_xattr(req, 0); else fuse_reply_buf(req, nullptr, 0);
 }
 
+// The kernel caps FUSE readahead at 128 KiB whatever max_readahead says;
+// the per-device knob in sysfs lifts it, so sequential and mmap reads arrive
+// as 1 MiB requests. Needs root; a failure only costs speed, so it is
+// reported, not fatal. The device number comes from /proc/self/mountinfo,
+// because stat() on the mountpoint would wait on our own, not yet running,
+// request loop.
+std::string TuneReadahead(const std::string& mountpoint) {
+  char real[PATH_MAX];
+  if (!::realpath(mountpoint.c_str(), real)) return "realpath failed";
+  std::ifstream info("/proc/self/mountinfo");
+  std::string line, dev;
+  while (std::getline(info, line)) {
+    std::istringstream fields(line);
+    std::string id, parent, majmin, root, point;
+    fields >> id >> parent >> majmin >> root >> point;
+    if (point == real) dev = majmin;  // the last match is the newest mount
+  }
+  if (dev.empty()) return "mount not found in /proc/self/mountinfo";
+  std::ofstream knob("/sys/class/bdi/" + dev + "/read_ahead_kb");
+  knob << (kMaxIo >> 10);
+  knob.flush();
+  if (!knob) return "cannot write /sys/class/bdi/" + dev + "/read_ahead_kb (not root?)";
+  return "";
+}
+
 fuse_lowlevel_ops MakeOps() {
   fuse_lowlevel_ops ops;
   std::memset(&ops, 0, sizeof ops);
@@ -284,6 +313,8 @@ Status MountAndServe(std::unique_ptr<VirtualFs> fs, const std::string& mountpoin
     return Status::IOError("could not mount at " + mountpoint +
                            " (does it exist, is it empty, is /dev/fuse usable? see docs/TROUBLESHOOTING.md)");
   }
+  if (std::string why = TuneReadahead(mountpoint); !why.empty())
+    LogLine("readahead stays at the kernel default (128 KiB): " + why);
   if (fuse_daemonize(options.foreground || options.debug) != 0) {
     fuse_session_unmount(se);
     fuse_remove_signal_handlers(se);

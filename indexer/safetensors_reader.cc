@@ -230,6 +230,16 @@ class SafetensorsReader : public FormatReader {
     if (::access(mapping.c_str(), R_OK) == 0) {
       Status st = LoadFileIndexMapping(mapping, out);
       if (!st.ok()) problem(st.message(), false);
+      // The mapping is the one record of which tensors were saved: a tensor
+      // it names that no shard holds means a shard file is missing.
+      for (const auto& [fqn, idx] : out.file_index) {
+        bool present = std::any_of(out.tensors.begin(), out.tensors.end(),
+                                   [&](const auto& t) { return t->fqn == fqn; });
+        if (!present)
+          problem(Join(meta_rel, "fqn_to_file_index_mapping.json") + " names tensor '" + fqn +
+                      "', which no shard file holds (missing shard?)",
+                  true);
+      }
     }
   }
 };
