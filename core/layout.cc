@@ -47,22 +47,22 @@ void Layout::AddSource(FileId file, uint64_t file_offset, uint64_t length) {
   if (length) segments_.push_back(std::move(s));
 }
 
-void SortForSafetensors(std::vector<std::shared_ptr<const TensorMeta>>& tensors) {
-  std::stable_sort(tensors.begin(), tensors.end(), [](const auto& a, const auto& b) {
-    int ra = DTypeAlignmentRank(a->dtype), rb = DTypeAlignmentRank(b->dtype);
+void SortForSafetensors(SliceList& slices) {
+  std::stable_sort(slices.begin(), slices.end(), [](const TensorSlice& a, const TensorSlice& b) {
+    int ra = DTypeAlignmentRank(a.tensor->dtype), rb = DTypeAlignmentRank(b.tensor->dtype);
     if (ra != rb) return ra > rb;
-    return a->fqn < b->fqn;
+    return a.tensor->fqn < b.tensor->fqn;
   });
 }
 
 namespace {
 
-std::vector<SafetensorsEntry> Entries(const std::vector<std::shared_ptr<const TensorMeta>>& tensors) {
+std::vector<SafetensorsEntry> Entries(const SliceList& slices) {
   std::vector<SafetensorsEntry> entries;
   uint64_t at = 0;
-  for (const auto& t : tensors) {
-    uint64_t n = t->nbytes();
-    entries.push_back({t->fqn, t->dtype, t->shape, at, at + n});
+  for (const TensorSlice& s : slices) {
+    uint64_t n = s.nbytes();
+    entries.push_back({s.tensor->fqn, s.tensor->dtype, s.box.lengths, at, at + n});
     at += n;
   }
   return entries;
@@ -70,18 +70,16 @@ std::vector<SafetensorsEntry> Entries(const std::vector<std::shared_ptr<const Te
 
 }  // namespace
 
-Result<Layout> SafetensorsFileLayout(const std::vector<std::shared_ptr<const TensorMeta>>& tensors,
-                                     const std::map<std::string, std::string>& metadata) {
-  ASSIGN_OR_RETURN(std::string header, EncodeSafetensorsHeader(Entries(tensors), metadata));
+Result<Layout> SafetensorsFileLayout(const SliceList& slices, const std::map<std::string, std::string>& metadata) {
+  ASSIGN_OR_RETURN(std::string header, EncodeSafetensorsHeader(Entries(slices), metadata));
   Layout layout;
   layout.AddLiteral(std::move(header));
-  for (const auto& t : tensors) RETURN_IF_ERROR(layout.AddTensor(t, Box::Whole(t->shape)));
+  for (const TensorSlice& s : slices) RETURN_IF_ERROR(layout.AddTensor(s.tensor, s.box));
   return layout;
 }
 
-uint64_t SafetensorsHeaderSize(const std::vector<std::shared_ptr<const TensorMeta>>& tensors,
-                               const std::map<std::string, std::string>& metadata) {
-  auto h = EncodeSafetensorsHeader(Entries(tensors), metadata);
+uint64_t SafetensorsHeaderSize(const SliceList& slices, const std::map<std::string, std::string>& metadata) {
+  auto h = EncodeSafetensorsHeader(Entries(slices), metadata);
   return h.ok() ? h->size() : kMaxSafetensorsHeader + 1;
 }
 

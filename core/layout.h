@@ -48,18 +48,28 @@ class Layout {
   uint64_t size_ = 0;
 };
 
+// A box of a tensor, stored in a file under the tensor's fqn.
+struct TensorSlice {
+  std::shared_ptr<const TensorMeta> tensor;
+  Box box;
+  uint64_t nbytes() const { return ByteSize(tensor->dtype, box.numel()).value_or(0); }
+  static TensorSlice Whole(std::shared_ptr<const TensorMeta> t) {
+    Box b = Box::Whole(t->shape);
+    return {std::move(t), std::move(b)};
+  }
+};
+using SliceList = std::vector<TensorSlice>;
+
 // The Hugging Face tensor order in a safetensors file: larger dtypes first
 // (keeps payloads aligned), then by name.
-void SortForSafetensors(std::vector<std::shared_ptr<const TensorMeta>>& tensors);
+void SortForSafetensors(SliceList& slices);
 
-// A safetensors file holding `tensors` whole, in the given order, with
-// `metadata` as __metadata__.
-Result<Layout> SafetensorsFileLayout(const std::vector<std::shared_ptr<const TensorMeta>>& tensors,
-                                     const std::map<std::string, std::string>& metadata);
+// A safetensors file holding `slices` in the given order, with `metadata` as
+// __metadata__. Each entry's shape is its box's lengths.
+Result<Layout> SafetensorsFileLayout(const SliceList& slices, const std::map<std::string, std::string>& metadata);
 
-// Bytes the safetensors header for `tensors` takes (prefix included), for
+// Bytes the safetensors header for `slices` takes (prefix included), for
 // planning file splits without building the layout.
-uint64_t SafetensorsHeaderSize(const std::vector<std::shared_ptr<const TensorMeta>>& tensors,
-                               const std::map<std::string, std::string>& metadata);
+uint64_t SafetensorsHeaderSize(const SliceList& slices, const std::map<std::string, std::string>& metadata);
 
 }  // namespace ckptfs

@@ -10,42 +10,22 @@
 namespace ckptfs {
 namespace {
 
-using TensorList = std::vector<std::shared_ptr<const TensorMeta>>;
-
 const std::map<std::string, std::string> kHfMetadata = {{"format", "pt"}};
 
-// Groups tensors into output files: by the checkpoint's own mapping when it
-// has one, else greedily in name order, starting a new file when the next
-// tensor would pass max_file_bytes or the header cap.
-Result<std::vector<TensorList>> SplitIntoFiles(const Checkpoint& ckpt, const ConsolidatedOptions& o) {
-  std::vector<TensorList> groups;
-  if (!ckpt.file_index.empty()) {
-    int max_index = 0;
-    for (const auto& [fqn, idx] : ckpt.file_index) max_index = std::max(max_index, idx);
-    groups.resize(max_index);
-    for (const auto& t : ckpt.tensors) {
-      auto it = ckpt.file_index.find(t->fqn);
-      if (it == ckpt.file_index.end())
-        return Status::InvalidArgument("fqn_to_file_index_mapping.json has no entry for tensor '" +
-                                       t->fqn + "'");
-      if (it->second < 1)
-        return Status::InvalidArgument("fqn_to_file_index_mapping.json maps '" + t->fqn +
-                                       "' to file index " + std::to_string(it->second) +
-                                       " (indices start at 1)");
-      groups[it->second - 1].push_back(t);
-    }
-    return groups;
-  }
+// Groups slices into files greedily in the given order, starting a new file
+// when the next slice would pass max_file_bytes or the header cap.
+std::vector<SliceList> SplitBySize(const SliceList& slices, uint64_t max_file_bytes) {
+  std::vector<SliceList> groups;
   uint64_t bytes = 0;
-  for (const auto& t : ckpt.tensors) {
+  for (const TensorSlice& s : slices) {
     bool start_new = groups.empty();
-    if (!start_new && bytes > 0 && bytes + t->nbytes() > o.max_file_bytes) start_new = true;
+    if (!start_new && bytes > 0 && bytes + s.nbytes() > max_file_bytes) start_new = true;
     if (!start_new) {
       // Header growth is ~100 bytes a tensor; only recompute near the cap.
-      uint64_t approx = 128 * (groups.back().size() + 1) + t->fqn.size() * 2;
+      uint64_t approx = 128 * (groups.back().size() + 1) + s.tensor->fqn.size() * 2;
       if (approx > kMaxSafetensorsHeader / 2) {
-        TensorList probe = groups.back();
-        probe.push_back(t);
+        SliceList probe = groups.back();
+        probe.push_back(s);
         if (SafetensorsHeaderSize(probe, kHfMetadata) > kMaxSafetensorsHeader) start_new = true;
       }
     }
@@ -53,8 +33,25 @@ Result<std::vector<TensorList>> SplitIntoFiles(const Checkpoint& ckpt, const Con
       groups.emplace_back();
       bytes = 0;
     }
-    groups.back().push_back(t);
-    bytes += t->nbytes();
+    groups.back().push_back(s);
+    bytes += s.nbytes();
+  }
+  return groups;
+}
+
+// Groups by the checkpoint's own {fqn: 1-based file index} mapping.
+Result<std::vector<SliceList>> SplitByMapping(const SliceList& slices, const std::map<std::string, int>& mapping) {
+  int max_index = 0;
+  for (const auto& [fqn, idx] : mapping) max_index = std::max(max_index, idx);
+  std::vector<SliceList> groups(max_index);
+  for (const TensorSlice& s : slices) {
+    auto it = mapping.find(s.tensor->fqn);
+    if (it == mapping.end())
+      return Status::InvalidArgument("fqn_to_file_index_mapping.json has no entry for tensor '" + s.tensor->fqn + "'");
+    if (it->second < 1)
+      return Status::InvalidArgument("fqn_to_file_index_mapping.json maps '" + s.tensor->fqn + "' to file index " +
+                                     std::to_string(it->second) + " (indices start at 1)");
+    groups[it->second - 1].push_back(s);
   }
   return groups;
 }
@@ -65,34 +62,31 @@ std::string ShardName(size_t i, size_t n) {
   return buf;
 }
 
-}  // namespace
-
-Result<std::vector<ViewFile>> ConsolidatedView(const Checkpoint& ckpt,
-                                               const std::vector<SourceFile>& files,
-                                               const ConsolidatedOptions& options) {
-  ASSIGN_OR_RETURN(auto groups, SplitIntoFiles(ckpt, options));
+// Safetensors files (+ index.json when more than one) for `groups`, then
+// the sidecars.
+Result<std::vector<ViewFile>> HfFolder(const std::vector<SliceList>& groups, const Checkpoint& ckpt,
+                                       const std::vector<SourceFile>& files) {
   std::vector<ViewFile> out;
-  nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
   uint64_t total = 0;
   std::map<std::string, std::string> names;  // fqn -> file, sorted for the index
   for (size_t i = 0; i < groups.size(); ++i) {
-    TensorList list = groups[i];
+    SliceList list = groups[i];
     SortForSafetensors(list);
     ASSIGN_OR_RETURN(Layout layout, SafetensorsFileLayout(list, kHfMetadata));
     std::string name = groups.size() == 1 ? "model.safetensors" : ShardName(i, groups.size());
-    for (const auto& t : list) {
-      names[t->fqn] = name;
-      total += t->nbytes();
+    for (const TensorSlice& s : list) {
+      names[s.tensor->fqn] = name;
+      total += s.nbytes();
     }
     out.push_back({name, std::make_shared<const Layout>(std::move(layout)), ckpt.incomplete});
   }
   if (groups.size() > 1) {
+    nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
     for (const auto& [fqn, file] : names) weight_map[fqn] = file;
     nlohmann::ordered_json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
     Layout layout;
     layout.AddLiteral(index.dump(2) + "\n");
-    out.push_back({"model.safetensors.index.json", std::make_shared<const Layout>(std::move(layout)),
-                   ckpt.incomplete});
+    out.push_back({"model.safetensors.index.json", std::make_shared<const Layout>(std::move(layout)), ckpt.incomplete});
   }
   for (const auto& [name, id] : ckpt.sidecars) {
     Layout layout;
@@ -100,6 +94,113 @@ Result<std::vector<ViewFile>> ConsolidatedView(const Checkpoint& ckpt,
     out.push_back({name, std::make_shared<const Layout>(std::move(layout)), ""});
   }
   return out;
+}
+
+std::vector<std::string> Fqns(const Checkpoint& ckpt) {
+  std::vector<std::string> out;
+  for (const auto& t : ckpt.tensors) out.push_back(t->fqn);
+  return out;
+}
+
+}  // namespace
+
+Result<std::vector<ViewFile>> ConsolidatedView(const Checkpoint& ckpt, const std::vector<SourceFile>& files,
+                                               const ConsolidatedOptions& options) {
+  SliceList slices;
+  for (const auto& t : ckpt.tensors) slices.push_back(TensorSlice::Whole(t));
+  std::vector<SliceList> groups;
+  if (!ckpt.file_index.empty()) {
+    ASSIGN_OR_RETURN(groups, SplitByMapping(slices, ckpt.file_index));
+  } else {
+    groups = SplitBySize(slices, options.max_file_bytes);
+  }
+  return HfFolder(groups, ckpt, files);
+}
+
+Status CheckMeshSpec(const Checkpoint& ckpt, const MeshSpec& spec, const ShardingRules& rules) {
+  const auto fqns = Fqns(ckpt);
+  const uint64_t layers = CountIndexed(fqns, "layers"), experts = CountIndexed(fqns, "experts");
+  for (uint64_t rank = 0; rank < spec.world(); ++rank)
+    for (const auto& t : ckpt.tensors) {
+      auto box = RankBox(*t, spec, rank, rules, layers, experts);
+      if (!box.ok()) return box.status();
+    }
+  return Status::OK();
+}
+
+Result<std::vector<ViewFile>> MeshRankView(const Checkpoint& ckpt, const std::vector<SourceFile>& files,
+                                           const MeshSpec& spec, uint64_t rank, const ShardingRules& rules,
+                                           const ConsolidatedOptions& options) {
+  const auto fqns = Fqns(ckpt);
+  const uint64_t layers = CountIndexed(fqns, "layers"), experts = CountIndexed(fqns, "experts");
+  SliceList slices;
+  nlohmann::ordered_json tensors = nlohmann::ordered_json::object();
+  for (const auto& t : ckpt.tensors) {
+    ASSIGN_OR_RETURN(std::optional<Box> box, RankBox(*t, spec, rank, rules, layers, experts));
+    if (!box) continue;
+    slices.push_back({t, *box});
+  }
+  auto groups = SplitBySize(slices, options.max_file_bytes);
+  ASSIGN_OR_RETURN(std::vector<ViewFile> out, HfFolder(groups, ckpt, files));
+
+  std::map<std::string, std::string> file_of;
+  for (const ViewFile& f : out)
+    if (f.name.ends_with(".safetensors"))
+      for (const Segment& s : f.layout->segments())
+        if (s.kind == Segment::Kind::kTensor) file_of[s.tensor->fqn] = f.name;
+  for (const TensorSlice& s : slices)
+    tensors[s.tensor->fqn] = {{"dtype", std::string(DTypeName(s.tensor->dtype))},
+                              {"global_shape", s.tensor->shape},
+                              {"offsets", s.box.offsets},
+                              {"lengths", s.box.lengths},
+                              {"file", file_of[s.tensor->fqn]}};
+  const MeshCoord c = CoordOf(spec, rank);
+  nlohmann::ordered_json layout = {{"mesh", spec.name},
+                                   {"rank", rank},
+                                   {"world_size", spec.world()},
+                                   {"coords", {{"tp", c.tp}, {"pp", c.pp}, {"ep", c.ep}}},
+                                   {"rules", rules.preset},
+                                   {"tensors", tensors}};
+  Layout lj;
+  lj.AddLiteral(layout.dump(2) + "\n");
+  out.push_back({"layout.json", std::make_shared<const Layout>(std::move(lj)), ""});
+  return out;
+}
+
+std::string MeshReadme(const ShardingRules& rules) {
+  std::string s =
+      "mesh/ -- per-rank views of this checkpoint under a new parallel layout\n"
+      "\n"
+      "Open a directory named by a layout spec and it appears, for example:\n"
+      "  ls mesh/tp4/                  rank-00000 .. rank-00003\n"
+      "  mesh/tp2-pp2/rank-00003/      model.safetensors, layout.json, config.json, ...\n"
+      "\n"
+      "Spec: axes tp (tensor), pp (pipeline), ep (expert), each at most once, joined\n"
+      "by '-': tp4, tp2-pp2, tp2-ep4. Ranks are numbered tp fastest, then ep, then pp:\n"
+      "  rank = (pp_rank * ep + ep_rank) * tp + tp_rank\n"
+      "\n"
+      "Splits follow DTensor Shard semantics (torch.chunk sizes: ceil(n/parts) per rank,\n"
+      "the last ranks smaller or empty). Pipeline stages take contiguous ranges of\n"
+      "layers.<i>; embeddings go to the first stage, the final norm and lm_head to the\n"
+      "last. Experts (experts.<e>.) go to ep ranks in contiguous blocks.\n"
+      "\n"
+      "layout.json in each rank folder gives every tensor's global shape and this\n"
+      "rank's box (offsets, lengths), so a loader can check what it got.\n"
+      "An impossible spec (tp larger than a split dimension, an unknown axis) is\n"
+      "ENOENT, with the reason in the log and in `ckptfs ls ROOT --mesh SPEC`.\n"
+      "\n"
+      "Rules in use (" + rules.preset + "; first match wins, no match = replicated):\n";
+  for (const auto& r : rules.rules) {
+    const char* kind = r.kind == SplitKind::kColumn ? "column (dim 0)"
+                       : r.kind == SplitKind::kRow  ? "row (dim 1)"
+                       : r.kind == SplitKind::kVocab ? "vocab (dim 0)"
+                       : r.kind == SplitKind::kDim  ? "dim"
+                                                    : "replicate";
+    s += "  " + r.pattern + "  ->  " + kind + (r.kind == SplitKind::kDim ? " " + std::to_string(r.dim) : "") + "\n";
+  }
+  s += "\nOverride or extend with `ckptfs mount --rules FILE` "
+       "(JSON: {\"rules\": [{\"pattern\": REGEX, \"kind\": column|row|vocab|replicate|dim, \"dim\": N}]}).\n";
+  return s;
 }
 
 }  // namespace ckptfs

@@ -10,6 +10,7 @@
 
 #include "core/layout.h"
 #include "core/meta.h"
+#include "core/sharding.h"
 #include "core/status.h"
 
 namespace ckptfs {
@@ -34,5 +35,21 @@ struct ConsolidatedOptions {
 Result<std::vector<ViewFile>> ConsolidatedView(const Checkpoint& ckpt,
                                                const std::vector<SourceFile>& files,
                                                const ConsolidatedOptions& options);
+
+// What rank `rank` of `spec` loads: its slice of every tensor it holds (in
+// model.safetensors, or split files + index.json when large), the sidecars,
+// and layout.json giving each tensor's global shape and this rank's box.
+// InvalidArgument (with the reason) when the spec is impossible for this
+// checkpoint.
+Result<std::vector<ViewFile>> MeshRankView(const Checkpoint& ckpt, const std::vector<SourceFile>& files,
+                                           const MeshSpec& spec, uint64_t rank, const ShardingRules& rules,
+                                           const ConsolidatedOptions& options);
+
+// Checks a spec against a checkpoint without building files (for ENOENT
+// reasons and `ckptfs ls --mesh`).
+Status CheckMeshSpec(const Checkpoint& ckpt, const MeshSpec& spec, const ShardingRules& rules);
+
+// The text of mesh/README: the grammar, rank order and rules in use.
+std::string MeshReadme(const ShardingRules& rules);
 
 }  // namespace ckptfs

@@ -6,8 +6,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <mutex>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
 
 #include "core/planner.h"
 
@@ -34,6 +39,7 @@ struct VirtualFs::Node {
   std::shared_ptr<const Layout> layout;         // virtual file
   std::string problem;                          // virtual file that cannot be served
   std::map<std::string, uint64_t> children;     // virtual entries (in any dir)
+  int mesh_ckpt = -1;                           // a mesh/ dir: its checkpoint's index
 
   bool is_dir() const { return kind == Kind::kSourceDir || kind == Kind::kVirtualDir; }
   bool is_source() const { return kind == Kind::kSourceDir || kind == Kind::kSourceFile; }
@@ -94,8 +100,75 @@ Status VirtualFs::BuildViews() {
       n->layout = std::move(f.layout);
       n->problem = std::move(f.problem);
     }
+    auto rules = RulesFor(ckpt);
+    if (!rules.ok()) {
+      Log(Join(ckpt.dir, "mesh") + ": not created: " + rules.status().message());
+      continue;
+    }
+    Node* mesh = AddVirtual(dir, "mesh", /*is_dir=*/true);
+    mesh->mesh_ckpt = &ckpt - catalog_.checkpoints.data();
+    Node* readme = AddVirtual(mesh, "README", /*is_dir=*/false);
+    Layout text;
+    text.AddLiteral(MeshReadme(*rules));
+    readme->layout = std::make_shared<const Layout>(std::move(text));
   }
   return Status::OK();
+}
+
+// The preset for the checkpoint's model family (config.json's model_type,
+// else its tensor names), with the --rules file's rules first.
+Result<ShardingRules> VirtualFs::RulesFor(const Checkpoint& ckpt) const {
+  std::string model_type;
+  if (auto it = ckpt.sidecars.find("config.json"); it != ckpt.sidecars.end()) {
+    std::ifstream f(catalog_.root + "/" + catalog_.files[it->second].path);
+    std::stringstream text;
+    text << f.rdbuf();
+    auto j = nlohmann::json::parse(text.str(), nullptr, false);
+    if (j.is_object() && j.contains("model_type") && j["model_type"].is_string()) model_type = j["model_type"];
+  }
+  std::vector<std::string> fqns;
+  for (const auto& t : ckpt.tensors) fqns.push_back(t->fqn);
+  ShardingRules rules = PresetRules(model_type, fqns);
+  if (options_.rules_json.empty()) return rules;
+  return LoadRulesFile(options_.rules_json, std::move(rules));
+}
+
+// Builds mesh/<spec>/rank-NNNNN/ on first lookup. ENOENT, with a log line
+// saying why, for a spec that is malformed or impossible for the checkpoint.
+FsResult<uint64_t> VirtualFs::OpenMesh(Node* mesh_dir, const std::string& name) {
+  const Checkpoint& ckpt = catalog_.checkpoints[mesh_dir->mesh_ckpt];
+  const std::string where = Join(ckpt.dir, "mesh/" + name);
+  auto fail = [&](const std::string& why) {
+    Log(where + ": " + why);
+    return FsError(ENOENT, where + ": " + why);
+  };
+  auto spec = ParseMeshSpec(name);
+  if (!spec.ok()) return fail(spec.status().message());
+  if (spec->name != name) return fail("not the canonical name; open mesh/" + spec->name);
+  auto rules = RulesFor(ckpt);
+  if (!rules.ok()) return fail(rules.status().message());
+  Status possible = CheckMeshSpec(ckpt, *spec, *rules);
+  if (!possible.ok()) return fail(possible.message());
+  std::vector<std::vector<ViewFile>> ranks;
+  for (uint64_t r = 0; r < spec->world(); ++r) {
+    auto files = MeshRankView(ckpt, catalog_.files, *spec, r, *rules, options_.consolidated);
+    if (!files.ok()) return fail(files.status().message());
+    ranks.push_back(std::move(*files));
+  }
+  std::unique_lock lock(mu_);
+  if (auto it = mesh_dir->children.find(name); it != mesh_dir->children.end()) return it->second;
+  Node* dir = AddVirtual(mesh_dir, name, /*is_dir=*/true);
+  for (uint64_t r = 0; r < ranks.size(); ++r) {
+    char rank_name[32];
+    std::snprintf(rank_name, sizeof rank_name, "rank-%05llu", static_cast<unsigned long long>(r));
+    Node* rank_dir = AddVirtual(dir, rank_name, /*is_dir=*/true);
+    for (ViewFile& f : ranks[r]) {
+      Node* n = AddVirtual(rank_dir, f.name, /*is_dir=*/false);
+      n->layout = std::move(f.layout);
+      n->problem = std::move(f.problem);
+    }
+  }
+  return dir->ino;
 }
 
 // REQUIRES: construction time, or mu_ held exclusively.
@@ -191,6 +264,9 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name) {
     std::shared_lock lock(mu_);
     auto it = p->children.find(name);
     if (it != p->children.end()) child = it->second;
+  }
+  if (!child && p->mesh_ckpt >= 0) {
+    ASSIGN_OR_RETURN(child, OpenMesh(p, name));
   }
   if (!child) return FsError(ENOENT, Join(PathOf(*p), name) + ": no such file or directory");
   return AttrOf(*Find(child));

@@ -2,8 +2,9 @@
 //
 // The source tree is mirrored read-only (entries are looked up in the real
 // directory on demand, so new files appear); next to each indexed checkpoint
-// the views are injected as virtual directories (`consolidated/`). Where a
-// real entry has the same name as a virtual one, the real entry wins.
+// the views are injected as virtual directories (`consolidated/`, `mesh/`).
+// Where a real entry has the same name as a virtual one, the real entry wins.
+// `mesh/<spec>/` directories are made on first lookup of a valid spec.
 //
 // Inode numbers are allocated on first lookup and kept for the life of the
 // mount (kernel FORGETs are ignored: the table grows with distinct paths
@@ -35,6 +36,8 @@ namespace ckptfs {
 
 struct FsOptions {
   ConsolidatedOptions consolidated;
+  // Contents of a mesh rules file (`--rules`), or empty for the presets.
+  std::string rules_json;
   uid_t uid = 0;
   gid_t gid = 0;
   // Receives one line per served error (EIO on a read, say) and per view
@@ -88,6 +91,8 @@ class VirtualFs {
   struct Handle;
   VirtualFs(Catalog catalog, FsOptions options);
   Status BuildViews();
+  FsResult<uint64_t> OpenMesh(Node* mesh_dir, const std::string& spec_name);
+  Result<ShardingRules> RulesFor(const Checkpoint& ckpt) const;
   Node* Find(uint64_t ino) const;
   Node* SourceNode(const std::string& rel, bool is_dir);
   Node* AddVirtual(Node* parent, const std::string& name, bool is_dir);

@@ -17,6 +17,7 @@
 #include <fstream>
 #include <iostream>
 #include <mutex>
+#include <sstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -61,6 +62,7 @@ struct Common {
   uint64_t max_file_bytes = 5'000'000'000;
   std::string max_file_size = "5GB";
   std::string mapping;
+  std::string rules;  // --rules FILE
   bool reindex = false;
 };
 
@@ -181,6 +183,17 @@ std::unique_ptr<VirtualFs> OpenFs(const Common& c, int* exit_code, std::function
   }
   FsOptions fo;
   fo.consolidated.max_file_bytes = c.max_file_bytes;
+  if (!c.rules.empty()) {
+    std::ifstream f(c.rules);
+    if (!f) {
+      Error(c.rules + ": cannot read the rules file");
+      *exit_code = kExitUsage;
+      return nullptr;
+    }
+    std::stringstream text;
+    text << f.rdbuf();
+    fo.rules_json = text.str();
+  }
   fo.uid = ::getuid();
   fo.gid = ::getgid();
   fo.log = log ? log : [](const std::string& line) { std::fprintf(stderr, "ckptfs: %s\n", line.c_str()); };
@@ -230,6 +243,8 @@ void AddCommon(CLI::App* cmd, Common& c, bool view_flags) {
     cmd->add_option("--max-file-size", c.max_file_size,
                     "Split consolidated/ into files of at most this size when the checkpoint has no file mapping (default 5GB; units B, KB, MB, GB, KiB, MiB, GiB)");
     cmd->add_flag("--reindex", c.reindex, "Rebuild the index before opening");
+    cmd->add_option("--rules", c.rules,
+                    "Mesh sharding rules (JSON {\"rules\": [{\"pattern\", \"kind\", \"dim\"}]}) placed before the preset's");
   }
 }
 
@@ -265,8 +280,10 @@ int Main(int argc, char** argv) {
   ls->add_option("ROOT", c.root, "Checkpoint directory")->required();
   ls->add_option("PATH", vpath, "Path inside the tree (default: the top)");
   ls->add_flag("--json", json, "Print JSON: [{name, type, size}]");
+  std::string mesh_spec;
+  ls->add_option("--mesh", mesh_spec, "Show the per-rank views of a layout spec (tp4, tp2-pp2, ...), or why it is impossible");
   AddCommon(ls, c, true);
-  ls->footer("\nExample:\n  ckptfs ls /ckpts/step_100 model/consolidated\n");
+  ls->footer("\nExamples:\n  ckptfs ls /ckpts/step_100 model/consolidated\n  ckptfs ls /ckpts/step_100 --mesh tp4\n");
 
   auto* cat = app.add_subcommand("cat", "Write a file of the virtual tree to stdout, without mounting");
   cat->add_option("ROOT", c.root, "Checkpoint directory")->required();
@@ -328,6 +345,27 @@ int Main(int argc, char** argv) {
 
   auto fs = OpenFs(c, &rc);
   if (!fs) return rc;
+  if (*ls && !mesh_spec.empty()) {
+    // Each checkpoint's mesh/<spec>/: opening it builds the views or says why not.
+    int status = kExitOk;
+    for (const Checkpoint& ck : fs->catalog().checkpoints) {
+      std::string dir = (ck.dir.empty() ? "" : ck.dir + "/") + "mesh/" + mesh_spec;
+      auto spec_dir = fs->Resolve(dir);
+      if (!spec_dir.ok()) {  // the reason was logged by the lookup
+        status = kExitNoSource;
+        continue;
+      }
+      std::printf("%s/\n", dir.c_str());
+      auto ranks = fs->ReadDir(spec_dir->ino);
+      for (const auto& rank : ranks.value()) {
+        std::printf("  %s/\n", rank.name.c_str());
+        auto files = fs->ReadDir(rank.attr.ino);
+        for (const auto& f : files.value())
+          std::printf("    %14llu  %s\n", static_cast<unsigned long long>(f.attr.size), f.name.c_str());
+      }
+    }
+    return status;
+  }
   auto attr = fs->Resolve(vpath);
   if (!attr.ok()) {
     Error(vpath + ": " + attr.status().message());
