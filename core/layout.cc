@@ -36,6 +36,18 @@ Status Layout::AddTensor(std::shared_ptr<const TensorMeta> tensor, const Box& bo
   return Status::OK();
 }
 
+Status Layout::AddTensorAsFloat32(std::shared_ptr<const TensorMeta> tensor, const Box& box) {
+  RETURN_IF_ERROR(AddTensor(tensor, box));
+  if (segments_.empty() || segments_.back().tensor != tensor) return Status::OK();  // empty box
+  Segment& s = segments_.back();
+  size_ -= s.length;
+  s.convert = true;
+  s.as = DType::kF32;
+  s.length = box.numel() * 4;
+  size_ += s.length;
+  return Status::OK();
+}
+
 void Layout::AddSource(FileId file, uint64_t file_offset, uint64_t length) {
   Segment s;
   s.kind = Segment::Kind::kSource;

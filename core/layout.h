@@ -28,6 +28,8 @@ struct Segment {
   std::shared_ptr<const std::string> literal;  // kLiteral
   std::shared_ptr<const TensorMeta> tensor;    // kTensor
   Box box;                                     // kTensor: the region, global coords
+  bool convert = false;                        // kTensor: bytes are `as`, decoded on read
+  DType as = DType::kF32;
   FileId file = 0;                             // kSource
   uint64_t file_offset = 0;                    // kSource
 };
@@ -38,6 +40,8 @@ class Layout {
   // The bytes of `box` of `tensor`, row-major. Fails when the box is outside
   // the tensor or its size is not whole bytes.
   Status AddTensor(std::shared_ptr<const TensorMeta> tensor, const Box& box);
+  // The same elements converted to float32 on read (core/convert.h).
+  Status AddTensorAsFloat32(std::shared_ptr<const TensorMeta> tensor, const Box& box);
   void AddSource(FileId file, uint64_t file_offset, uint64_t length);
 
   uint64_t size() const { return size_; }

@@ -190,19 +190,37 @@ Result<ReadPlan> Plan(const Layout& layout, uint64_t offset, uint64_t length) {
         plan.copies.push_back({s.file, s.file_offset + a, dst, b - a});
         break;
       case Segment::Kind::kTensor: {
-        Status st = PlanTensor(s, a, b, s.offset - offset, plan.copies);
+        Status st;
+        if (!s.convert) {
+          st = PlanTensor(s, a, b, s.offset - offset, plan.copies);
+        } else {
+          // Output element range -> whole packed units of the source dtype,
+          // gathered into scratch and decoded there.
+          const uint64_t out_size = DTypeBits(s.as) / 8;
+          const uint64_t g = PackGroup(s.tensor->dtype), pb = PackBytes(s.tensor->dtype);
+          const uint64_t ea = a / out_size, eb = (b + out_size - 1) / out_size;
+          const uint64_t ua = ea / g, ub = (eb + g - 1) / g;
+          const uint64_t sa = ua * pb, sb = ub * pb;
+          size_t first_new = plan.copies.size();
+          st = PlanTensor(s, sa, sb, plan.scratch_size - sa, plan.copies);
+          for (size_t i = first_new; i < plan.copies.size(); ++i) plan.copies[i].to_scratch = true;
+          plan.converts.push_back({s.tensor->dtype, plan.scratch_size, ea - ua * g, eb - ea, dst,
+                                   a - ea * out_size, b - a});
+          plan.scratch_size += sb - sa;
+        }
         if (!st.ok()) return st.WithContext("tensor '" + s.tensor->fqn + "'");
         break;
       }
     }
   }
-  std::sort(plan.copies.begin(), plan.copies.end(),
-            [](const CopyOp& x, const CopyOp& y) { return x.dst_offset < y.dst_offset; });
+  std::sort(plan.copies.begin(), plan.copies.end(), [](const CopyOp& x, const CopyOp& y) {
+    return x.to_scratch != y.to_scratch ? y.to_scratch : x.dst_offset < y.dst_offset;
+  });
   std::vector<CopyOp> merged;
   for (const CopyOp& c : plan.copies) {
     if (!merged.empty()) {
       CopyOp& p = merged.back();
-      if (p.file == c.file && p.src_offset + p.length == c.src_offset &&
+      if (p.file == c.file && p.to_scratch == c.to_scratch && p.src_offset + p.length == c.src_offset &&
           p.dst_offset + p.length == c.dst_offset) {
         p.length += c.length;
         continue;
@@ -212,22 +230,23 @@ Result<ReadPlan> Plan(const Layout& layout, uint64_t offset, uint64_t length) {
   }
   plan.copies = std::move(merged);
 
-  // The plan must fill every byte exactly once.
-  std::vector<std::pair<uint64_t, uint64_t>> spans;
-  for (const auto& c : plan.copies) spans.emplace_back(c.dst_offset, c.length);
+  // The plan must fill every byte of the output, and of scratch, exactly once.
+  std::vector<std::pair<uint64_t, uint64_t>> spans, scratch;
+  for (const auto& c : plan.copies) (c.to_scratch ? scratch : spans).emplace_back(c.dst_offset, c.length);
   for (const auto& l : plan.literals) spans.emplace_back(l.dst_offset, l.length);
-  std::sort(spans.begin(), spans.end());
-  uint64_t at = 0;
-  for (const auto& [d, l] : spans) {
-    if (d != at)
-      return Status::Incomplete("bytes " + std::to_string(offset + std::min(d, at)) + ".." +
-                                std::to_string(offset + std::max(d, at)) +
-                                (d > at ? " are in no chunk" : " are in two chunks"));
-    at += l;
+  for (const auto& v : plan.converts) spans.emplace_back(v.dst_offset, v.length);
+  for (auto* list : {&spans, &scratch}) {
+    std::sort(list->begin(), list->end());
+    const uint64_t want = list == &spans ? length : plan.scratch_size;
+    uint64_t at = 0;
+    for (const auto& [d, l] : *list) {
+      if (d != at) break;
+      at += l;
+    }
+    if (at != want)
+      return Status::Incomplete("bytes " + std::to_string(offset + at) + ".." + std::to_string(end) +
+                                " are in no chunk, or in two");
   }
-  if (at != length)
-    return Status::Incomplete("bytes " + std::to_string(offset + at) + ".." + std::to_string(end) +
-                              " are in no chunk");
   return plan;
 }
 
@@ -245,11 +264,11 @@ std::vector<SourceRead> GroupReads(const std::vector<CopyOp>& copies, const Grou
       if (r.file == c.file && c.src_offset <= r_end + policy.max_gap &&
           std::max(r_end, c_end) - r.offset <= policy.max_span) {
         r.length = std::max(r_end, c_end) - r.offset;
-        r.gathers.push_back({c.src_offset - r.offset, c.dst_offset, c.length});
+        r.gathers.push_back({c.src_offset - r.offset, c.dst_offset, c.length, c.to_scratch});
         continue;
       }
     }
-    reads.push_back({c.file, c.src_offset, c.length, {{0, c.dst_offset, c.length}}});
+    reads.push_back({c.file, c.src_offset, c.length, {{0, c.dst_offset, c.length, c.to_scratch}}});
   }
   return reads;
 }

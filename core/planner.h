@@ -26,8 +26,20 @@ namespace ckptfs {
 struct CopyOp {
   FileId file = 0;
   uint64_t src_offset = 0;  // absolute, in the source file
-  uint64_t dst_offset = 0;  // relative to the start of the read
+  uint64_t dst_offset = 0;  // relative to the start of the read (or of scratch)
   uint64_t length = 0;
+  bool to_scratch = false;  // lands in the plan's scratch buffer, for a ConvertOp
+};
+
+// Decodes elements gathered in scratch into float32 bytes of the output.
+struct ConvertOp {
+  DType from = DType::kF32;
+  uint64_t scratch_offset = 0;  // where element 0 of this run starts in scratch
+  uint64_t first = 0;           // first element to decode, from that start
+  uint64_t count = 0;           // elements to decode
+  uint64_t dst_offset = 0;
+  uint64_t skip = 0;            // bytes of the first decoded value to drop
+  uint64_t length = 0;          // bytes written to the destination
 };
 
 struct LiteralOp {
@@ -37,8 +49,10 @@ struct LiteralOp {
 };
 
 struct ReadPlan {
-  std::vector<CopyOp> copies;      // sorted by dst_offset, coalesced
+  std::vector<CopyOp> copies;      // sorted by (to_scratch, dst_offset), coalesced
   std::vector<LiteralOp> literals;
+  std::vector<ConvertOp> converts;
+  uint64_t scratch_size = 0;       // bytes of scratch the copies fill
   uint64_t length = 0;             // bytes the plan fills (range clipped to EOF)
 };
 
@@ -49,8 +63,9 @@ Result<ReadPlan> Plan(const Layout& layout, uint64_t offset, uint64_t length);
 struct SourceRead {
   struct Gather {
     uint64_t read_offset;  // within this read
-    uint64_t dst_offset;   // within the destination buffer
+    uint64_t dst_offset;   // within the destination buffer (or scratch)
     uint64_t length;
+    bool to_scratch = false;
   };
   FileId file = 0;
   uint64_t offset = 0;
@@ -59,7 +74,8 @@ struct SourceRead {
 
   // True when the read lands in the destination as is (no scratch buffer).
   bool direct() const {
-    return gathers.size() == 1 && gathers[0].read_offset == 0 && gathers[0].length == length;
+    return gathers.size() == 1 && gathers[0].read_offset == 0 && gathers[0].length == length &&
+           !gathers[0].to_scratch;
   }
 };
 

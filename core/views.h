@@ -45,6 +45,22 @@ Result<std::vector<ViewFile>> MeshRankView(const Checkpoint& ckpt, const std::ve
                                            const MeshSpec& spec, uint64_t rank, const ShardingRules& rules,
                                            const ConsolidatedOptions& options);
 
+// tensors/: one NumPy .npy file per tensor (NPY 1.0 header + C-order data),
+// named EscapeFileName(fqn) + ".npy". Dtypes NumPy lacks (BF16, F8_*, F4,
+// F6_*) are presented as float32, converted on read; C64 as complex64.
+Result<std::vector<ViewFile>> TensorsView(const Checkpoint& ckpt);
+
+// A file name for any fqn, reversibly: '%' -> "%25", '/' -> "%2F", and a
+// name that is empty, "." or ".." gets its characters escaped too.
+std::string EscapeFileName(const std::string& fqn);
+std::string UnescapeFileName(const std::string& name);
+
+// The NPY 1.0 header for a C-order array of `descr` ('<f4', '|b1', ...)
+// and `shape`, padded so the data starts on a 64-byte boundary.
+std::string NpyHeader(const std::string& descr, const Shape& shape);
+// NumPy's descr for a dtype as stored in .npy views ('<f4' for converted ones).
+std::string NpyDescr(DType t);
+
 // Checks a spec against a checkpoint without building files (for ENOENT
 // reasons and `ckptfs ls --mesh`).
 Status CheckMeshSpec(const Checkpoint& ckpt, const MeshSpec& spec, const ShardingRules& rules);

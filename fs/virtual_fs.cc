@@ -100,6 +100,15 @@ Status VirtualFs::BuildViews() {
       n->layout = std::move(f.layout);
       n->problem = std::move(f.problem);
     }
+    if (auto npy = TensorsView(ckpt); npy.ok()) {
+      Node* tensors = AddVirtual(dir, "tensors", /*is_dir=*/true);
+      for (ViewFile& f : *npy) {
+        Node* n = AddVirtual(tensors, f.name, /*is_dir=*/false);
+        n->layout = std::move(f.layout);
+      }
+    } else {
+      Log(Join(ckpt.dir, "tensors") + ": not created: " + npy.status().message());
+    }
     auto rules = RulesFor(ckpt);
     if (!rules.ok()) {
       Log(Join(ckpt.dir, "mesh") + ": not created: " + rules.status().message());

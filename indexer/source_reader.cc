@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "core/convert.h"
 #include "indexer/file_table.h"
 #include "indexer/posix_io.h"
 
@@ -72,6 +73,7 @@ Status SourceReader::Execute(const ReadPlan& plan, char* dst) {
   for (const LiteralOp& l : plan.literals) std::memcpy(dst + l.dst_offset, l.data, l.length);
   if (plan.copies.empty()) return Status::OK();
   std::vector<SourceRead> reads = GroupReads(plan.copies, policy_);
+  std::vector<char> converted(plan.scratch_size);  // source bytes of ConvertOps
   std::vector<char> scratch;
   FileId checked = static_cast<FileId>(-1);
   for (const SourceRead& r : reads) {
@@ -86,9 +88,17 @@ Status SourceReader::Execute(const ReadPlan& plan, char* dst) {
     } else {
       scratch.resize(r.length);
       RETURN_IF_ERROR(PreadFull(fd, scratch.data(), r.length, r.offset, what));
-      for (const auto& g : r.gathers) std::memcpy(dst + g.dst_offset, scratch.data() + g.read_offset, g.length);
+      for (const auto& g : r.gathers)
+        std::memcpy((g.to_scratch ? converted.data() : dst) + g.dst_offset, scratch.data() + g.read_offset, g.length);
     }
     bytes_read_->fetch_add(r.length, std::memory_order_relaxed);
+  }
+  std::vector<float> values;
+  for (const ConvertOp& c : plan.converts) {
+    values.resize(c.count);
+    DecodeToFloat32(c.from, reinterpret_cast<const uint8_t*>(converted.data() + c.scratch_offset), c.first, c.count,
+                    values.data());
+    std::memcpy(dst + c.dst_offset, reinterpret_cast<const char*>(values.data()) + c.skip, c.length);
   }
   return Status::OK();
 }

@@ -109,3 +109,44 @@ TEST(ConsolidatedView, SidecarsPassThrough) {
 
 }  // namespace
 }  // namespace ckptfs
+
+namespace ckptfs {
+namespace {
+
+TEST(TensorsView, FileNamesEscapeReversibly) {
+  for (std::string fqn : {"model.layers.0.w", "optim/state/exp_avg", "100%", "", ".", "..", "a%2Fb"}) {
+    std::string name = EscapeFileName(fqn);
+    EXPECT_EQ(name.find('/'), std::string::npos) << fqn;
+    EXPECT_NE(name, ".");
+    EXPECT_NE(name, "..");
+    EXPECT_FALSE(name.empty());
+    EXPECT_EQ(UnescapeFileName(name), fqn) << name;
+  }
+}
+
+TEST(TensorsView, NpyHeaderAlignsDataTo64Bytes) {
+  for (Shape shape : {Shape{}, Shape{3}, Shape{2, 3, 4}, Shape{0, 7}}) {
+    std::string h = NpyHeader("<f4", shape);
+    EXPECT_EQ(h.size() % 64, 0u);
+    EXPECT_EQ(h.substr(0, 6), "\x93NUMPY");
+    EXPECT_EQ(h.back(), '\n');
+    EXPECT_EQ(size_t(uint8_t(h[8])) | size_t(uint8_t(h[9])) << 8, h.size() - 10);
+  }
+  EXPECT_NE(NpyHeader("<f4", {3}).find("'shape': (3,)"), std::string::npos);
+  EXPECT_NE(NpyHeader("|b1", {}).find("'shape': ()"), std::string::npos);
+}
+
+TEST(TensorsView, Bf16IsPresentedAsFloat32) {
+  Checkpoint ck;
+  ck.tensors = {Whole("w", DType::kBF16, {3, 2})};
+  auto files = TensorsView(ck);
+  ASSERT_TRUE(files.ok());
+  ASSERT_EQ(files->size(), 1u);
+  EXPECT_EQ((*files)[0].name, "w.npy");
+  const Layout& l = *(*files)[0].layout;
+  EXPECT_NE(l.segments()[0].literal->find("'<f4'"), std::string::npos);
+  EXPECT_EQ(l.size(), l.segments()[0].length + 6 * 4);
+}
+
+}  // namespace
+}  // namespace ckptfs

@@ -67,8 +67,9 @@ TEST_F(VirtualFsTest, ConsolidatedSitsNextToTheCheckpoint) {
   ASSERT_TRUE(entries.ok());
   std::vector<std::string> names;
   for (const auto& e : *entries) names.push_back(e.name);
-  EXPECT_EQ(names, (std::vector<std::string>{"config.json", "consolidated", "shard-00001-model-00001-of-00001.safetensors",
-                                             "shard-00002-model-00001-of-00001.safetensors"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"config.json", "consolidated", "mesh",
+                                             "shard-00001-model-00001-of-00001.safetensors",
+                                             "shard-00002-model-00001-of-00001.safetensors", "tensors"}));
   auto view = vfs_->ReadDir(vfs_->Resolve("model/consolidated")->ino);
   ASSERT_TRUE(view.ok());
   ASSERT_EQ(view->size(), 2u);
