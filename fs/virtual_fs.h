@@ -84,7 +84,7 @@ class VirtualFs {
   FsResult<Attr> Resolve(const std::string& path);
 
   const Catalog& catalog() const { return catalog_; }
-  const SourceReader& reader() const { return *reader_; }
+  SourceReader& reader() { return *reader_; }
 
  private:
   struct Node;

@@ -29,20 +29,10 @@
 #include "indexer/scan.h"
 #include "tools/progress.h"
 
+#include "tools/cli.h"
+
 namespace ckptfs {
 namespace {
-
-// Exit codes (docs/CLI.md).
-enum Exit : int {
-  kExitOk = 0,
-  kExitUsage = 2,        // bad flags or arguments
-  kExitNoSource = 3,     // the source root or a virtual path does not exist / cannot be read
-  kExitStale = 4,        // sources changed since indexing: re-run `ckptfs index`
-  kExitProblems = 5,     // indexed, but the checkpoint has problems (holes, bad files)
-  kExitReadError = 6,    // data could not be served (EIO): see the message
-  kExitMountFailed = 7,  // the mount itself failed
-  kExitIndexError = 8,   // the index could not be written or read
-};
 
 const char kExamples[] = R"(
 Examples:
@@ -55,187 +45,6 @@ Examples:
 
 Docs: docs/CLI.md (flags, exit codes), docs/SEMANTICS.md (what the mount serves).
 )";
-
-struct Common {
-  std::string root;
-  std::string index;  // --index; default from DefaultIndexPath
-  uint64_t max_file_bytes = 5'000'000'000;
-  std::string max_file_size = "5GB";
-  std::string mapping;
-  std::string rules;  // --rules FILE
-  bool reindex = false;
-};
-
-void Error(const std::string& msg) { std::fprintf(stderr, "ckptfs: error: %s\n", msg.c_str()); }
-
-// "5GB" -> 5e9, "512MiB" -> 512*2^20, "1000" -> 1000.
-std::optional<uint64_t> ParseSize(const std::string& s) {
-  size_t pos = 0;
-  double v;
-  try {
-    v = std::stod(s, &pos);
-  } catch (...) {
-    return std::nullopt;
-  }
-  std::string unit = s.substr(pos);
-  for (auto& c : unit) c = std::toupper(c);
-  static const std::pair<const char*, double> kUnits[] = {
-      {"", 1}, {"B", 1}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
-      {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0}};
-  for (const auto& [name, mult] : kUnits)
-    if (unit == name && v > 0) return uint64_t(v * mult);
-  return std::nullopt;
-}
-
-std::string AbsRoot(const std::string& root) {
-  char real[PATH_MAX];
-  return ::realpath(root.c_str(), real) ? std::string(real) : root;
-}
-
-std::string IndexPath(const Common& c) { return c.index.empty() ? DefaultIndexPath(AbsRoot(c.root)) : c.index; }
-
-void PrintProblems(const Catalog& catalog) {
-  for (const Checkpoint& ck : catalog.checkpoints)
-    for (const std::string& p : ck.problems)
-      std::fprintf(stderr, "ckptfs: problem in %s: %s\n", ck.dir.empty() ? "." : ck.dir.c_str(), p.c_str());
-}
-
-size_t CountProblems(const Catalog& catalog) {
-  size_t n = 0;
-  for (const Checkpoint& ck : catalog.checkpoints) n += ck.problems.size();
-  return n;
-}
-
-// Scans the source and writes the index. Returns an exit code.
-int BuildIndex(const Common& c, bool quiet) {
-  auto t0 = std::chrono::steady_clock::now();
-  ScanOptions so;
-  so.file_index_mapping = c.mapping;
-  Progress progress("indexing " + c.root, 0, "dirs scanned");
-  so.progress = [&](size_t dirs, size_t) { progress.Update(dirs); };
-  auto catalog = ScanSource(c.root, so);
-  if (!catalog.ok()) {
-    Error(catalog.status().message());
-    return kExitNoSource;
-  }
-  const std::string path = IndexPath(c);
-  Status st = WriteIndex(*catalog, path);
-  if (!st.ok()) {
-    Error(st.message());
-    return kExitIndexError;
-  }
-  size_t tensors = 0, chunks = 0;
-  for (const Checkpoint& ck : catalog->checkpoints)
-    for (const auto& t : ck.tensors) {
-      ++tensors;
-      chunks += t->chunks.size();
-    }
-  double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (!quiet || CountProblems(*catalog))
-    std::fprintf(stderr, "ckptfs: indexed %s: %zu checkpoint(s), %zu tensors, %zu chunks, %zu files in %.2f s -> %s\n",
-                 catalog->root.c_str(), catalog->checkpoints.size(), tensors, chunks, catalog->files.size(), secs,
-                 path.c_str());
-  if (catalog->checkpoints.empty())
-    std::fprintf(stderr, "ckptfs: warning: no checkpoint recognised under %s (looked for *.safetensors)\n",
-                 catalog->root.c_str());
-  PrintProblems(*catalog);
-  if (size_t n = CountProblems(*catalog)) {
-    std::fprintf(stderr, "ckptfs: %zu problem(s); the affected tensors read as EIO. Fix the source and re-run `ckptfs index`.\n", n);
-    return kExitProblems;
-  }
-  return kExitOk;
-}
-
-// Loads the index (building it when missing or when --reindex), checks the
-// sources, and builds the tree. Sets *exit_code on failure.
-std::unique_ptr<VirtualFs> OpenFs(const Common& c, int* exit_code, std::function<void(const std::string&)> log = {}) {
-  struct stat st;
-  if (::stat(c.root.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    Error(c.root + ": not a directory");
-    *exit_code = kExitNoSource;
-    return nullptr;
-  }
-  const std::string path = IndexPath(c);
-  auto catalog = LoadIndex(path);
-  if (c.reindex || (!catalog.ok() && catalog.status().code() == Status::Code::kNotFound)) {
-    int rc = BuildIndex(c, /*quiet=*/true);
-    if (rc != kExitOk && rc != kExitProblems) {
-      *exit_code = rc;
-      return nullptr;
-    }
-    catalog = LoadIndex(path);
-  }
-  if (!catalog.ok()) {
-    Error(catalog.status().message());
-    *exit_code = kExitIndexError;
-    return nullptr;
-  }
-  if (catalog->root != AbsRoot(c.root)) {
-    Error("index " + path + " was built for " + catalog->root + ", not " + AbsRoot(c.root));
-    *exit_code = kExitIndexError;
-    return nullptr;
-  }
-  Status fresh = CheckSources(*catalog);
-  if (!fresh.ok()) {
-    Error(fresh.message());
-    *exit_code = kExitStale;
-    return nullptr;
-  }
-  FsOptions fo;
-  fo.consolidated.max_file_bytes = c.max_file_bytes;
-  if (!c.rules.empty()) {
-    std::ifstream f(c.rules);
-    if (!f) {
-      Error(c.rules + ": cannot read the rules file");
-      *exit_code = kExitUsage;
-      return nullptr;
-    }
-    std::stringstream text;
-    text << f.rdbuf();
-    fo.rules_json = text.str();
-  }
-  fo.uid = ::getuid();
-  fo.gid = ::getgid();
-  fo.log = log ? log : [](const std::string& line) { std::fprintf(stderr, "ckptfs: %s\n", line.c_str()); };
-  auto fs = VirtualFs::Create(std::move(*catalog), fo);
-  if (!fs.ok()) {
-    Error(fs.status().message());
-    *exit_code = kExitIndexError;
-    return nullptr;
-  }
-  return std::move(*fs);
-}
-
-// Streams a virtual file to `out` (a FILE*), returning an exit code.
-int CopyOut(VirtualFs& fs, const Attr& a, const std::string& vpath, std::FILE* out, Progress* progress,
-            uint64_t* done) {
-  auto h = fs.Open(a.ino, O_RDONLY);
-  if (!h.ok()) {
-    Error(vpath + ": " + h.status().message());
-    return kExitReadError;
-  }
-  constexpr size_t kBuf = 8 << 20;
-  std::unique_ptr<char[]> buf(new char[kBuf]);
-  int rc = kExitOk;
-  for (uint64_t off = 0; off < a.size;) {
-    auto n = fs.Read(*h, buf.get(), kBuf, off);
-    if (!n.ok()) {
-      Error(vpath + ": " + std::strerror(n.status().err()) + ": " + n.status().message());
-      rc = kExitReadError;
-      break;
-    }
-    if (*n == 0) break;
-    if (std::fwrite(buf.get(), 1, *n, out) != *n) {
-      Error(std::string("write failed: ") + std::strerror(errno));
-      rc = kExitReadError;
-      break;
-    }
-    off += *n;
-    if (progress) progress->Update(*done += *n);
-  }
-  fs.Release(*h);
-  return rc;
-}
 
 void AddCommon(CLI::App* cmd, Common& c, bool view_flags) {
   cmd->add_option("--index", c.index, "Index location (default: $CKPTFS_INDEX_DIR or ~/.cache/ckptfs/<name>-<hash>)");
@@ -276,14 +85,39 @@ int Main(int argc, char** argv) {
   AddCommon(mount, c, true);
   mount->footer("\nExamples:\n  ckptfs mount /ckpts/step_100 /mnt/s100\n  ckptfs mount -f --max-file-size 2GB /ckpts/step_100 /mnt/s100\n  fusermount3 -u /mnt/s100     # unmount\n");
 
-  auto* ls = app.add_subcommand("ls", "List a directory of the virtual tree, without mounting");
+  auto* ls = app.add_subcommand("ls", "List tensors (no PATH) or a directory of the virtual tree (PATH), without mounting");
   ls->add_option("ROOT", c.root, "Checkpoint directory")->required();
-  ls->add_option("PATH", vpath, "Path inside the tree (default: the top)");
-  ls->add_flag("--json", json, "Print JSON: [{name, type, size}]");
-  std::string mesh_spec;
+  ls->add_option("PATH", vpath, "Path inside the tree: list its entries instead of the tensors");
+  ls->add_flag("--json", json, "Print JSON (tensors: name, dtype, shape, chunks, bytes, files; entries: name, type, size)");
+  std::string mesh_spec, pattern;
+  ls->add_option("--filter", pattern, "Only tensors whose name matches this glob (e.g. '*.q_proj.weight')");
   ls->add_option("--mesh", mesh_spec, "Show the per-rank views of a layout spec (tp4, tp2-pp2, ...), or why it is impossible");
   AddCommon(ls, c, true);
-  ls->footer("\nExamples:\n  ckptfs ls /ckpts/step_100 model/consolidated\n  ckptfs ls /ckpts/step_100 --mesh tp4\n");
+  ls->footer("\nExamples:\n  ckptfs ls /ckpts/step_100                        # table of tensors\n"
+             "  ckptfs ls /ckpts/step_100 --filter '*embed*' --json\n"
+             "  ckptfs ls /ckpts/step_100 model/consolidated     # files of a view\n"
+             "  ckptfs ls /ckpts/step_100 --mesh tp4\n");
+
+  std::string tensor_name, against;
+  auto* inspect = app.add_subcommand("inspect", "Show one tensor: chunks, files, byte ranges, and statistics read from it");
+  inspect->add_option("ROOT", c.root, "Checkpoint directory")->required();
+  inspect->add_option("NAME", tensor_name, "Tensor name (fqn), as `ckptfs ls` prints it")->required();
+  inspect->add_flag("--json", json, "Print JSON");
+  AddCommon(inspect, c, true);
+  inspect->footer("\nExample:\n  ckptfs inspect /ckpts/step_100 model.embed_tokens.weight\n");
+
+  auto* check = app.add_subcommand("check", "Report holes, overlaps, changed sources and unreadable items; prints only problems");
+  check->add_option("ROOT", c.root, "Checkpoint directory")->required();
+  AddCommon(check, c, false);
+  check->footer("\nExample:\n  ckptfs check /ckpts/step_100 && echo clean\n\nExit status 0 when clean, 5 when there are problems.\n");
+
+  auto* verify = app.add_subcommand("verify", "Read every byte of every virtual file and validate each safetensors file");
+  verify->add_option("ROOT", c.root, "Checkpoint directory")->required();
+  verify->add_option("--against", against, "Compare consolidated/ tensor by tensor with this Hugging Face folder");
+  verify->add_flag("--json", json, "Print JSON");
+  AddCommon(verify, c, true);
+  verify->footer("\nExamples:\n  ckptfs verify /ckpts/step_100\n  ckptfs verify /ckpts/step_100 --against /models/reference-hf\n\n"
+                 "Prints only problems; exit status 0 when clean, 5 when there are problems.\n");
 
   auto* cat = app.add_subcommand("cat", "Write a file of the virtual tree to stdout, without mounting");
   cat->add_option("ROOT", c.root, "Checkpoint directory")->required();
@@ -312,6 +146,7 @@ int Main(int argc, char** argv) {
   c.max_file_bytes = *size;
 
   if (*index) return BuildIndex(c, quiet);
+  if (*check) return RunCheck(c);
 
   int rc = kExitOk;
   if (*mount) {
@@ -345,6 +180,9 @@ int Main(int argc, char** argv) {
 
   auto fs = OpenFs(c, &rc);
   if (!fs) return rc;
+  if (*inspect) return RunInspect(*fs, tensor_name, json);
+  if (*verify) return RunVerify(*fs, against, json);
+  if (*ls && vpath.empty() && mesh_spec.empty()) return RunTensorTable(fs->catalog(), pattern, json);
   if (*ls && !mesh_spec.empty()) {
     // Each checkpoint's mesh/<spec>/: opening it builds the views or says why not.
     int status = kExitOk;

@@ -1,0 +1,69 @@
+// Shared pieces of the ckptfs CLI: exit codes, the flags every subcommand
+// takes, and opening a checkpoint tree (index -> Catalog -> VirtualFs).
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "fs/virtual_fs.h"
+#include "tools/progress.h"
+
+namespace ckptfs {
+
+// Exit codes (docs/CLI.md).
+enum Exit : int {
+  kExitOk = 0,
+  kExitUsage = 2,        // bad flags or arguments
+  kExitNoSource = 3,     // the source root or a virtual path does not exist / cannot be read
+  kExitStale = 4,        // sources changed since indexing: re-run `ckptfs index`
+  kExitProblems = 5,     // indexed, but the checkpoint has problems (holes, bad files)
+  kExitReadError = 6,    // data could not be served (EIO): see the message
+  kExitMountFailed = 7,  // the mount itself failed
+  kExitIndexError = 8,   // the index could not be written or read
+};
+
+
+struct Common {
+  std::string root;
+  std::string index;  // --index; default from DefaultIndexPath
+  uint64_t max_file_bytes = 5'000'000'000;
+  std::string max_file_size = "5GB";
+  std::string mapping;
+  std::string rules;  // --rules FILE
+  bool reindex = false;
+};
+
+
+void Error(const std::string& msg);
+// "5GB" -> 5e9, "512MiB" -> 512*2^20, "1000" -> 1000.
+std::optional<uint64_t> ParseSize(const std::string& s);
+std::string AbsRoot(const std::string& root);
+std::string IndexPath(const Common& c);
+size_t CountProblems(const Catalog& catalog);
+
+// Scans the source and writes the index. Returns an exit code.
+int BuildIndex(const Common& c, bool quiet);
+
+// Loads the index (building it when missing or when --reindex). With
+// `allow_stale`, sources that changed since indexing are not an error (for
+// `check`, which reports them). Sets *exit_code on failure.
+std::optional<Catalog> LoadCatalog(const Common& c, bool allow_stale, int* exit_code);
+
+// LoadCatalog + the tree. Sets *exit_code on failure.
+std::unique_ptr<VirtualFs> OpenFs(const Common& c, int* exit_code, std::function<void(const std::string&)> log = {});
+
+// Streams a virtual file to `out`, counting into *done; returns an exit code.
+int CopyOut(VirtualFs& fs, const Attr& a, const std::string& vpath, std::FILE* out, Progress* progress,
+            uint64_t* done);
+
+// Inspection subcommands (tools/inspect_commands.cc).
+int RunTensorTable(const Catalog& catalog, const std::string& pattern, bool json);
+int RunInspect(VirtualFs& fs, const std::string& name, bool json);
+int RunCheck(const Common& c);
+int RunVerify(VirtualFs& fs, const std::string& against, bool json);
+
+}  // namespace ckptfs

@@ -1,0 +1,385 @@
+// The inspection subcommands: ls (tensor table), inspect, check, verify.
+// Each prints only what was asked (check and verify: only problems) and
+// returns an exit code from tools/cli.h.
+#include <fcntl.h>
+#include <fnmatch.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <limits>
+#include <map>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "core/convert.h"
+#include "core/planner.h"
+#include "core/safetensors.h"
+#include "indexer/file_table.h"
+#include "indexer/posix_io.h"
+#include "indexer/source_reader.h"
+#include "tools/cli.h"
+
+namespace ckptfs {
+namespace {
+
+using nlohmann::json;
+
+std::string Where(const Checkpoint& ck) { return ck.dir.empty() ? "." : ck.dir; }
+
+std::set<std::string> FilesOf(const TensorMeta& t, const Catalog& catalog) {
+  std::set<std::string> out;
+  for (const Chunk& c : t.chunks) out.insert(std::filesystem::path(catalog.files[c.bytes.file].path).filename());
+  return out;
+}
+
+// Calls fn(offset, bytes) for consecutive blocks of a virtual file.
+Status ForEachBlock(VirtualFs& fs, uint64_t ino, uint64_t size, uint64_t block,
+                    const std::function<Status(uint64_t, const char*, size_t)>& fn) {
+  auto h = fs.Open(ino, O_RDONLY);
+  if (!h.ok()) return Status::IOError(h.status().message());
+  std::vector<char> buf(block);
+  Status st;
+  for (uint64_t off = 0; off < size && st.ok();) {
+    auto n = fs.Read(*h, buf.data(), std::min<uint64_t>(block, size - off), off);
+    if (!n.ok()) {
+      st = Status::IOError(std::string(std::strerror(n.status().err())) + ": " + n.status().message());
+      break;
+    }
+    if (*n == 0) {
+      st = Status::Corruption("short read at " + std::to_string(off));
+      break;
+    }
+    st = fn(off, buf.data(), *n);
+    off += *n;
+  }
+  fs.Release(*h);
+  return st;
+}
+
+// Reads `len` bytes at `off` of a virtual file.
+Result<std::string> ReadVirtual(VirtualFs& fs, const Attr& a, uint64_t off, uint64_t len) {
+  auto h = fs.Open(a.ino, O_RDONLY);
+  if (!h.ok()) return Status::IOError(h.status().message());
+  std::string out(len, '\0');
+  auto n = fs.Read(*h, out.data(), len, off);
+  fs.Release(*h);
+  if (!n.ok()) return Status::IOError(n.status().message());
+  if (*n != len) return Status::Corruption("short read");
+  return out;
+}
+
+// The header of a virtual safetensors file, parsed with the strict rules.
+Result<SafetensorsHeader> VirtualHeader(VirtualFs& fs, const Attr& a) {
+  ASSIGN_OR_RETURN(std::string prefix, ReadVirtual(fs, a, 0, std::min<uint64_t>(8, a.size)));
+  ASSIGN_OR_RETURN(uint64_t n, DecodeHeaderLength(prefix, a.size));
+  ASSIGN_OR_RETURN(std::string text, ReadVirtual(fs, a, 8, n));
+  return ParseSafetensorsHeader(text, n);
+}
+
+}  // namespace
+
+int RunTensorTable(const Catalog& catalog, const std::string& pattern, bool as_json) {
+  json rows = json::array();
+  for (const Checkpoint& ck : catalog.checkpoints)
+    for (const auto& t : ck.tensors) {
+      if (!pattern.empty() && ::fnmatch(pattern.c_str(), t->fqn.c_str(), 0) != 0) continue;
+      auto files = FilesOf(*t, catalog);
+      rows.push_back({{"checkpoint", ck.dir},
+                      {"name", t->fqn},
+                      {"dtype", std::string(DTypeName(t->dtype))},
+                      {"shape", t->shape},
+                      {"chunks", t->chunks.size()},
+                      {"bytes", t->nbytes()},
+                      {"files", std::vector<std::string>(files.begin(), files.end())},
+                      {"problem", t->problem}});
+    }
+  if (as_json) {
+    std::cout << rows.dump(2) << "\n";
+    return kExitOk;
+  }
+  size_t w = 4;
+  for (const auto& r : rows) w = std::max(w, r["name"].get<std::string>().size());
+  std::printf("%-*s  %-8s %-20s %6s %12s  %s\n", int(w), "name", "dtype", "shape", "chunks", "bytes", "files");
+  for (const auto& r : rows) {
+    std::string files;
+    for (const auto& f : r["files"]) files += (files.empty() ? "" : ",") + f.get<std::string>();
+    std::printf("%-*s  %-8s %-20s %6zu %12llu  %s%s\n", int(w), r["name"].get<std::string>().c_str(),
+                r["dtype"].get<std::string>().c_str(), ShapeToString(r["shape"].get<Shape>()).c_str(),
+                r["chunks"].get<size_t>(), static_cast<unsigned long long>(r["bytes"].get<uint64_t>()), files.c_str(),
+                r["problem"].get<std::string>().empty() ? "" : "  [PROBLEM]");
+  }
+  return kExitOk;
+}
+
+int RunInspect(VirtualFs& fs, const std::string& name, bool as_json) {
+  const Catalog& catalog = fs.catalog();
+  std::shared_ptr<const TensorMeta> t;
+  const Checkpoint* owner = nullptr;
+  for (const Checkpoint& ck : catalog.checkpoints)
+    for (const auto& x : ck.tensors)
+      if (x->fqn == name) t = x, owner = &ck;
+  if (!t) {
+    Error("no tensor named '" + name + "' (list them with `ckptfs ls ROOT`)");
+    return kExitNoSource;
+  }
+  json chunks = json::array();
+  for (const Chunk& c : t->chunks)
+    chunks.push_back({{"box", ToString(c.shard.box)},
+                      {"file", catalog.files[c.bytes.file].path},
+                      {"bytes", {c.bytes.offset, c.bytes.offset + c.bytes.length}},
+                      {"strides", c.basic.strides},
+                      {"unavailable", c.unavailable}});
+  json out = {{"checkpoint", owner->dir}, {"name", t->fqn}, {"dtype", std::string(DTypeName(t->dtype))},
+              {"shape", t->shape}, {"numel", t->numel()}, {"bytes", t->nbytes()}, {"chunks", chunks}};
+  if (!t->problem.empty()) out["problem"] = t->problem;
+
+  // Statistics, computed by reading the tensor through the read path.
+  int rc = kExitOk;
+  if (HasRealValue(t->dtype) && t->problem.empty()) {
+    Layout layout;
+    Status st = layout.AddTensor(t, Box::Whole(t->shape));
+    const uint64_t pb = PackBytes(t->dtype), g = PackGroup(t->dtype);
+    const uint64_t block = std::max<uint64_t>(pb, ((8u << 20) / pb) * pb);
+    std::vector<char> buf(block);
+    double lo = std::numeric_limits<double>::infinity(), hi = -lo, sum = 0;
+    uint64_t nan = 0, inf = 0, finite = 0;
+    for (uint64_t off = 0; st.ok() && off < layout.size(); off += block) {
+      auto plan = Plan(layout, off, block);
+      if (!plan.ok()) {
+        st = plan.status();
+        break;
+      }
+      st = fs.reader().Execute(*plan, buf.data());
+      const uint64_t elems = plan->length / pb * g;
+      for (uint64_t k = 0; st.ok() && k < elems; ++k) {
+        double v = DecodeElement(t->dtype, reinterpret_cast<const uint8_t*>(buf.data()), k);
+        if (std::isnan(v)) ++nan;
+        else if (std::isinf(v)) ++inf;
+        else {
+          lo = std::min(lo, v);
+          hi = std::max(hi, v);
+          sum += v;
+          ++finite;
+        }
+      }
+    }
+    if (st.ok()) {
+      out["stats"] = {{"min", finite ? json(lo) : json(nullptr)},
+                      {"max", finite ? json(hi) : json(nullptr)},
+                      {"mean", finite ? json(sum / finite) : json(nullptr)},
+                      {"nan", nan},
+                      {"inf", inf}};
+    } else {
+      out["stats_error"] = st.ToString();
+      rc = kExitReadError;
+    }
+  }
+  if (as_json) {
+    std::cout << out.dump(2) << "\n";
+    return rc;
+  }
+  std::printf("%s  (checkpoint %s)\n  dtype %s  shape %s  numel %llu  bytes %llu\n", t->fqn.c_str(),
+              Where(*owner).c_str(), std::string(DTypeName(t->dtype)).c_str(), ShapeToString(t->shape).c_str(),
+              static_cast<unsigned long long>(t->numel()), static_cast<unsigned long long>(t->nbytes()));
+  if (!t->problem.empty()) std::printf("  PROBLEM: %s\n", t->problem.c_str());
+  std::printf("  %zu chunk(s):\n", t->chunks.size());
+  for (const auto& c : chunks) {
+    auto b = c["bytes"];
+    std::printf("    %-20s %s bytes [%llu, %llu)%s%s\n", c["box"].get<std::string>().c_str(),
+                c["file"].get<std::string>().c_str(), static_cast<unsigned long long>(b[0].get<uint64_t>()),
+                static_cast<unsigned long long>(b[1].get<uint64_t>()), c["strides"].empty() ? "" : " strided",
+                c["unavailable"].get<std::string>().empty() ? "" : (" UNAVAILABLE: " + c["unavailable"].get<std::string>()).c_str());
+  }
+  if (out.contains("stats")) {
+    const json& s = out["stats"];
+    std::printf("  min %s  max %s  mean %s  NaN %llu  Inf %llu\n", s["min"].dump().c_str(), s["max"].dump().c_str(),
+                s["mean"].dump().c_str(), static_cast<unsigned long long>(s["nan"].get<uint64_t>()),
+                static_cast<unsigned long long>(s["inf"].get<uint64_t>()));
+  } else if (out.contains("stats_error")) {
+    std::printf("  statistics: cannot read the tensor: %s\n", out["stats_error"].get<std::string>().c_str());
+  }
+  return rc;
+}
+
+int RunCheck(const Common& c) {
+  int rc = kExitOk;
+  auto catalog = LoadCatalog(c, /*allow_stale=*/true, &rc);
+  if (!catalog) return rc;
+  std::vector<std::string> problems;
+  for (const Checkpoint& ck : catalog->checkpoints)
+    for (const std::string& p : ck.problems) problems.push_back(Where(ck) + ": " + p);
+  std::vector<bool> changed(catalog->files.size(), false);
+  for (size_t i = 0; i < catalog->files.size(); ++i) {
+    const SourceFile& f = catalog->files[i];
+    auto now = StatSource(catalog->root + "/" + f.path);
+    std::string what = now.ok() ? DescribeChange(f, *now) : now.status().message();
+    if (what.empty()) continue;
+    changed[i] = true;
+    problems.push_back(f.path + ": " + what + " since indexing (re-run `ckptfs index`)");
+  }
+  // Unreadable items: read the last byte of every chunk through the read path.
+  SourceReader reader(&*catalog);
+  for (const Checkpoint& ck : catalog->checkpoints)
+    for (const auto& t : ck.tensors)
+      for (const Chunk& ch : t->chunks) {
+        if (!ch.unavailable.empty() || ch.bytes.length == 0 || changed[ch.bytes.file]) continue;
+        ReadPlan plan;
+        plan.length = 1;
+        plan.copies.push_back({ch.bytes.file, ch.bytes.offset + ch.bytes.length - 1, 0, 1});
+        char byte;
+        Status st = reader.Execute(plan, &byte);
+        if (!st.ok())
+          problems.push_back(Where(ck) + ": tensor '" + t->fqn + "' chunk " + ToString(ch.shard.box) +
+                             " is unreadable: " + st.message());
+      }
+  for (const std::string& p : problems) std::printf("%s\n", p.c_str());
+  return problems.empty() ? kExitOk : kExitProblems;
+}
+
+namespace {
+
+struct RefTensor {
+  std::string path;
+  DType dtype;
+  std::vector<uint64_t> shape;
+  uint64_t offset = 0, length = 0;
+};
+
+// Tensors of a real Hugging Face folder, by name.
+Result<std::map<std::string, RefTensor>> ReadReference(const std::string& dir) {
+  std::map<std::string, RefTensor> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
+    if (e.path().extension() != ".safetensors") continue;
+    const std::string path = e.path().string();
+    uint64_t size = std::filesystem::file_size(e.path(), ec);
+    ASSIGN_OR_RETURN(std::string prefix, ReadFileRange(path, 0, std::min<uint64_t>(8, size)));
+    auto n = DecodeHeaderLength(prefix, size);
+    if (!n.ok()) return n.status().WithContext(path);
+    ASSIGN_OR_RETURN(std::string text, ReadFileRange(path, 8, *n));
+    auto h = ParseSafetensorsHeader(text, *n);
+    if (!h.ok()) return h.status().WithContext(path);
+    for (const auto& en : h->entries)
+      out[en.name] = {path, en.dtype, en.shape, h->data_start() + en.begin, en.end - en.begin};
+  }
+  if (ec) return Status::IOError(dir + ": " + ec.message());
+  if (out.empty()) return Status::NotFound(dir + ": no .safetensors files");
+  return out;
+}
+
+}  // namespace
+
+int RunVerify(VirtualFs& fs, const std::string& against, bool as_json) {
+  const Catalog& catalog = fs.catalog();
+  struct VFile {
+    std::string path;
+    Attr attr;
+  };
+  std::vector<VFile> files;
+  for (const Checkpoint& ck : catalog.checkpoints)
+    for (const char* view : {"consolidated", "tensors"}) {
+      std::string dir = (ck.dir.empty() ? "" : ck.dir + "/") + view;
+      auto d = fs.Resolve(dir);
+      if (!d.ok() || !d->is_virtual) continue;
+      auto entries = fs.ReadDir(d->ino);
+      if (!entries.ok()) continue;
+      for (const auto& e : *entries)
+        if (!e.attr.is_dir() && e.attr.is_virtual) files.push_back({dir + "/" + e.name, e.attr});
+    }
+  uint64_t total = 0, done = 0;
+  for (const auto& f : files) total += f.attr.size;
+  std::vector<std::string> problems;
+  {
+    Progress progress("verify", total, "bytes");
+    for (const auto& f : files) {
+      Status st = ForEachBlock(fs, f.attr.ino, f.attr.size, 8 << 20, [&](uint64_t, const char*, size_t n) {
+        progress.Update(done += n);
+        return Status::OK();
+      });
+      if (!st.ok()) {
+        problems.push_back(f.path + ": " + st.message());
+        continue;
+      }
+      if (f.path.ends_with(".safetensors")) {
+        auto h = VirtualHeader(fs, f.attr);
+        Status valid = h.ok() ? CheckSafetensorsFileSize(*h, f.attr.size) : h.status();
+        if (!valid.ok()) problems.push_back(f.path + ": not a valid safetensors file: " + valid.message());
+      }
+    }
+  }
+
+  if (!against.empty()) {
+    auto ref = ReadReference(against);
+    if (!ref.ok()) {
+      Error(ref.status().message());
+      return kExitNoSource;
+    }
+    // Our tensors: entries of the consolidated safetensors files.
+    std::map<std::string, std::pair<const VFile*, SafetensorsEntry>> ours;
+    std::map<std::string, uint64_t> data_start;
+    for (const auto& f : files) {
+      if (!f.path.ends_with(".safetensors") || f.path.find("/tensors/") != std::string::npos) continue;
+      auto h = VirtualHeader(fs, f.attr);
+      if (!h.ok()) continue;  // already reported above
+      for (const auto& e : h->entries) {
+        ours[e.name] = {&f, e};
+        data_start[e.name] = h->data_start();
+      }
+    }
+    for (const auto& [name, r] : *ref) {
+      auto it = ours.find(name);
+      if (it == ours.end()) {
+        problems.push_back("tensor '" + name + "' is in " + against + " but not in consolidated/");
+        continue;
+      }
+      const auto& [vf, e] = it->second;
+      if (e.dtype != r.dtype || e.shape != r.shape) {
+        problems.push_back("tensor '" + name + "': consolidated/ has " + std::string(DTypeName(e.dtype)) +
+                           ShapeToString(e.shape) + ", reference has " + std::string(DTypeName(r.dtype)) +
+                           ShapeToString(r.shape));
+        continue;
+      }
+      // Compare bytes in blocks.
+      ScopedFd fd(::open(r.path.c_str(), O_RDONLY | O_CLOEXEC));
+      auto h = fs.Open(vf->attr.ino, O_RDONLY);
+      if (fd.get() < 0 || !h.ok()) {
+        problems.push_back("tensor '" + name + "': cannot open both copies");
+        continue;
+      }
+      const uint64_t block = 8 << 20;
+      std::vector<char> a(block), b(block);
+      for (uint64_t off = 0; off < r.length; off += block) {
+        uint64_t n = std::min(block, r.length - off);
+        auto got = fs.Read(*h, a.data(), n, data_start[name] + e.begin + off);
+        Status rs = PreadFull(fd.get(), b.data(), n, r.offset + off, r.path);
+        if (!got.ok() || *got != n || !rs.ok()) {
+          problems.push_back("tensor '" + name + "': read failed: " +
+                             (got.ok() ? rs.message() : got.status().message()));
+          break;
+        }
+        auto mm = std::mismatch(a.begin(), a.begin() + n, b.begin());
+        if (mm.first != a.begin() + n) {
+          problems.push_back("tensor '" + name + "': differs from " + r.path + " at byte " +
+                             std::to_string(off + (mm.first - a.begin())) + " of the tensor");
+          break;
+        }
+      }
+      fs.Release(*h);
+    }
+    for (const auto& [name, v] : ours)
+      if (!ref->count(name)) problems.push_back("tensor '" + name + "' is in consolidated/ but not in " + against);
+  }
+  if (as_json) {
+    std::cout << json({{"files", files.size()}, {"bytes", total}, {"problems", problems}}).dump(2) << "\n";
+  } else {
+    for (const auto& p : problems) std::printf("%s\n", p.c_str());
+  }
+  return problems.empty() ? kExitOk : kExitProblems;
+}
+
+}  // namespace ckptfs
