@@ -88,9 +88,15 @@ std::vector<std::string> CheckCoverage(const TensorMeta& t) {
   if (!problems.empty()) return problems;
   for (size_t i = 0; i < t.chunks.size(); ++i) {
     for (size_t j = i + 1; j < t.chunks.size(); ++j) {
-      if (auto o = Intersect(t.chunks[i].shard.box, t.chunks[j].shard.box)) {
-        problems.push_back(who + ": chunks " + ToString(t.chunks[i].shard.box) + " and " +
-                           ToString(t.chunks[j].shard.box) + " overlap in " + ToString(*o));
+      const Box& a = t.chunks[i].shard.box;
+      const Box& b = t.chunks[j].shard.box;
+      if (a.offsets == b.offsets && a.lengths != b.lengths) {
+        problems.push_back(who + ": replicas at offsets " + ToString(a) + " and " + ToString(b) +
+                           " disagree in shape");
+        return problems;
+      }
+      if (auto o = Intersect(a, b)) {
+        problems.push_back(who + ": chunks " + ToString(a) + " and " + ToString(b) + " overlap in " + ToString(*o));
         return problems;
       }
     }

@@ -42,6 +42,13 @@ TEST(Coverage, OverlapIsReportedWithBothBoxes) {
   EXPECT_NE(p[0].find("overlap in [4:5]"), std::string::npos) << p[0];
 }
 
+TEST(Coverage, ReplicasThatDisagreeInShapeAreNamedAsSuch) {
+  auto t = Tensor({8, 4}, {Box{{0, 0}, {8, 4}}, Box{{0, 0}, {4, 4}}});
+  auto p = CheckCoverage(t);
+  ASSERT_EQ(p.size(), 1u);
+  EXPECT_NE(p[0].find("disagree in shape"), std::string::npos) << p[0];
+}
+
 TEST(Coverage, OutOfBoundsChunk) {
   auto t = Tensor({4}, {Box{{0}, {4}}, Box{{3}, {2}}});
   auto p = CheckCoverage(t);
