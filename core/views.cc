@@ -64,9 +64,10 @@ std::string ShardName(size_t i, size_t n) {
 }
 
 // Safetensors files (+ index.json when more than one) for `groups`, then
-// the sidecars.
+// the sidecars. Fills *file_of (fqn -> file name) when given.
 Result<std::vector<ViewFile>> HfFolder(const std::vector<SliceList>& groups, const Checkpoint& ckpt,
-                                       const std::vector<SourceFile>& files) {
+                                       const std::vector<SourceFile>& files,
+                                       std::map<std::string, std::string>* file_of = nullptr) {
   std::vector<ViewFile> out;
   uint64_t total = 0;
   std::map<std::string, std::string> names;  // fqn -> file, sorted for the index
@@ -94,6 +95,7 @@ Result<std::vector<ViewFile>> HfFolder(const std::vector<SliceList>& groups, con
     layout.AddSource(id, 0, files.at(id).size);
     out.push_back({name, std::make_shared<const Layout>(std::move(layout)), ""});
   }
+  if (file_of) *file_of = std::move(names);
   return out;
 }
 
@@ -224,13 +226,8 @@ Result<std::vector<ViewFile>> MeshRankView(const Checkpoint& ckpt, const std::ve
     slices.push_back({t, *box});
   }
   auto groups = SplitBySize(slices, options.max_file_bytes);
-  ASSIGN_OR_RETURN(std::vector<ViewFile> out, HfFolder(groups, ckpt, files));
-
   std::map<std::string, std::string> file_of;
-  for (const ViewFile& f : out)
-    if (f.name.ends_with(".safetensors"))
-      for (const Segment& s : f.layout->segments())
-        if (s.kind == Segment::Kind::kTensor) file_of[s.tensor->fqn] = f.name;
+  ASSIGN_OR_RETURN(std::vector<ViewFile> out, HfFolder(groups, ckpt, files, &file_of));
   for (const TensorSlice& s : slices)
     tensors[s.tensor->fqn] = {{"dtype", std::string(DTypeName(s.tensor->dtype))},
                               {"global_shape", s.tensor->shape},
