@@ -1,0 +1,353 @@
+"""Shared fixtures for the ckptfs end-to-end tests.
+
+- ``ckptfs_bin``: the binary under test ($CKPTFS_BIN, default
+  /work/main/build/ckptfs).
+- ``ckptfs``: run a CLI subcommand, returning a CompletedProcess (bytes).
+- ``index_dir``: $CKPTFS_INDEX_DIR for the whole session (a tmp dir, so
+  ~/.cache is never touched).
+- ``main_ckpt`` / ``mapping_ckpt`` / ``llama_ckpt``: real checkpoints written
+  by torch's HuggingFaceStorageWriter on 2 gloo ranks (generated once per
+  session, all three in parallel, see ``_generation``).
+- ``mount_ckptfs(...)``: context manager that mounts into a tmp dir with
+  ``--log-file``, yields a ``Mount`` and always unmounts (``fusermount3 -u``,
+  falling back to ``-u -z``), even when the body fails.
+- ``main_mount`` / ``main_split_mount`` / ``mapping_mount`` / ``llama_mount``:
+  session-scoped mounts of the above.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+E2E_DIR = Path(__file__).resolve().parent
+if str(E2E_DIR) not in sys.path:
+    sys.path.insert(0, str(E2E_DIR))
+
+import ckpt_gen  # noqa: E402
+import torch  # noqa: E402
+
+DEFAULT_BIN = "/work/main/build/ckptfs"
+
+# ---------------------------------------------------------------------------
+# what the generated checkpoints hold
+# ---------------------------------------------------------------------------
+
+# The main checkpoint: BF16/F32 Shard(0) (7 rows over 2 ranks) and Shard(1)
+# (9 cols over 2 ranks), Replicate, ints (I64 sharded, I32 replicated), and
+# the edge cases: 3-d Shard(1), a Shard(0) tensor with fewer rows than ranks
+# (one empty chunk), 0-d scalar, empty (0, 3) tensor, F16/F64/I16/U8/BOOL,
+# a plain tensor, plus two larger tensors that span several pages (a
+# column-sharded F32 with uneven columns -> many row pieces; an uneven
+# row-sharded BF16).
+MAIN_SPECS: dict = {}
+MAIN_SPECS.update(ckpt_gen.BASE_SPECS)
+MAIN_SPECS.update(ckpt_gen.INT_SPECS)
+MAIN_SPECS.update(ckpt_gen.EXTRA_SPECS)
+MAIN_SPECS.update({
+    "extra.empty": ((0, 3), torch.float32, "shard1"),
+    "extra.flag": ((5,), torch.bool, "replicate"),
+    "extra.bytes": ((7, 2), torch.uint8, "shard0"),
+    "extra.short": ((3, 5), torch.int16, "shard1"),
+    "extra.wide": ((129, 67), torch.float32, "shard1"),
+    "extra.tall": ((257, 33), torch.bfloat16, "shard0"),
+})
+
+# Files added to the main checkpoint directory besides the shards: sidecars
+# (beside the weights and in .hf_metadata/) and unrelated files whose modes
+# the mount must mirror (minus write bits).  relpath -> (mode, bytes)
+MAIN_EXTRA_FILES: dict[str, tuple[int, bytes]] = {
+    "config.json": (0o644, json.dumps({"model_type": "synthetic",
+                                       "architectures": ["Synthetic"]},
+                                      indent=2).encode() + b"\n"),
+    "tokenizer_config.json": (0o644, b'{"model_max_length": 128}\n'),
+    ".hf_metadata/generation_config.json": (0o644, b'{"do_sample": false}\n'),
+    "README.md": (0o640, b"# step 100\n\nA test checkpoint.\n"),
+    "scripts/run.sh": (0o755, b"#!/bin/sh\necho run\n"),
+    "notes/empty.txt": (0o600, b""),
+    "notes/deep/data.bin": (0o444, bytes(range(256)) * 50),
+}
+MAIN_EXTRA_DIRS: dict[str, int] = {"empty_dir": 0o750}
+# sidecar name in consolidated/ -> source relpath
+MAIN_SIDECARS = {
+    "config.json": "config.json",
+    "tokenizer_config.json": "tokenizer_config.json",
+    "generation_config.json": ".hf_metadata/generation_config.json",
+}
+
+# The mapping checkpoint: BASE + INT tensors, written with a round-robin
+# fqn_to_index_mapping over 3 files and the NeMo-style .hf_metadata sidecar.
+MAPPING_NUM_FILES = 3
+
+
+def _gen_main(path: str) -> dict:
+    info = ckpt_gen.write_hf_sharded(path, 2, specs=MAIN_SPECS)
+    for rel, (mode, data) in MAIN_EXTRA_FILES.items():
+        p = os.path.join(path, rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(data)
+        os.chmod(p, mode)
+    for rel, mode in MAIN_EXTRA_DIRS.items():
+        os.makedirs(os.path.join(path, rel))
+        os.chmod(os.path.join(path, rel), mode)
+    return info
+
+
+def _gen_mapping(path: str) -> dict:
+    return ckpt_gen.write_hf_sharded(path, 2, include_int=True,
+                                     num_files=MAPPING_NUM_FILES, hf_metadata=True,
+                                     seed=4321)
+
+
+def _gen_llama(path: str) -> dict:
+    return ckpt_gen.write_llama_sharded(path, 2, dtype="float32")
+
+
+# ---------------------------------------------------------------------------
+# binary, index dir, CLI runner
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def ckptfs_bin() -> str:
+    path = os.environ.get("CKPTFS_BIN", DEFAULT_BIN)
+    assert os.path.isfile(path) and os.access(path, os.X_OK), (
+        f"ckptfs binary not found at {path}: build it or set CKPTFS_BIN")
+    return path
+
+
+@pytest.fixture(scope="session", autouse=True)
+def index_dir(tmp_path_factory) -> str:
+    """$CKPTFS_INDEX_DIR for every ckptfs run of the session."""
+    d = str(tmp_path_factory.mktemp("ckptfs-index"))
+    old = os.environ.get("CKPTFS_INDEX_DIR")
+    os.environ["CKPTFS_INDEX_DIR"] = d
+    yield d
+    if old is None:
+        os.environ.pop("CKPTFS_INDEX_DIR", None)
+    else:
+        os.environ["CKPTFS_INDEX_DIR"] = old
+
+
+def run_ckptfs(bin_path: str, *args, timeout: float = 120, cwd=None) -> subprocess.CompletedProcess:
+    """Runs `ckptfs ARGS...`, stdout/stderr through files (never pipes a
+    daemon could keep open). Returns CompletedProcess with bytes."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        p = subprocess.run([bin_path, *map(str, args)], stdout=out, stderr=err,
+                           stdin=subprocess.DEVNULL, timeout=timeout, cwd=cwd,
+                           env=dict(os.environ))
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read())
+
+
+@pytest.fixture(scope="session")
+def ckptfs(ckptfs_bin):
+    def run(*args, **kw) -> subprocess.CompletedProcess:
+        return run_ckptfs(ckptfs_bin, *args, **kw)
+    return run
+
+
+# ---------------------------------------------------------------------------
+# mounting
+# ---------------------------------------------------------------------------
+
+
+def _unescape_mount_path(s: str) -> str:
+    # /proc/self/mounts escapes space, tab, newline and backslash as \ooo.
+    out, i = [], 0
+    while i < len(s):
+        if s[i] == "\\" and i + 4 <= len(s) and s[i + 1:i + 4].isdigit():
+            out.append(chr(int(s[i + 1:i + 4], 8)))
+            i += 4
+        else:
+            out.append(s[i])
+            i += 1
+    return "".join(out)
+
+
+def is_mounted(path: str) -> bool:
+    """True when `path` is a mount point (works for a dead FUSE daemon too,
+    where stat() fails with ENOTCONN and os.path.ismount says False)."""
+    path = os.path.realpath(path)
+    with open("/proc/self/mounts") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) > 1 and _unescape_mount_path(parts[1]) == path:
+                return True
+    return False
+
+
+def unmount(path: str) -> None:
+    """fusermount3 -u, retried while busy, then lazy (-z) as a last resort."""
+    if not is_mounted(path):
+        return
+    for _ in range(10):
+        subprocess.run(["fusermount3", "-u", path], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        if not is_mounted(path):
+            return
+        time.sleep(0.2)
+    subprocess.run(["fusermount3", "-u", "-z", path], stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    for _ in range(50):
+        if not is_mounted(path):
+            return
+        time.sleep(0.1)
+
+
+class MountError(RuntimeError):
+    def __init__(self, rc: int, stderr: str, cmd):
+        super().__init__(f"{' '.join(map(str, cmd))} exited {rc}: {stderr}")
+        self.rc = rc
+        self.stderr = stderr
+
+
+@dataclass
+class Mount:
+    path: str            # the mount point
+    root: str            # the source root
+    log_path: str        # --log-file
+    args: tuple = ()
+    stderr: str = ""
+    extra: dict = field(default_factory=dict)
+
+    def p(self, *rel: str) -> str:
+        return os.path.join(self.path, *rel)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+
+@contextlib.contextmanager
+def mount_ckptfs(bin_path: str, root: str, *args: str, base_dir: str | None = None):
+    """Mounts `root` on a fresh tmp dir (`ckptfs mount ROOT MNT --log-file F
+    ARGS`), yields a Mount, and always unmounts afterwards."""
+    base = base_dir or tempfile.gettempdir()
+    mnt = tempfile.mkdtemp(prefix="ckptfs-mnt-", dir=base)
+    log_path = mnt + ".log"
+    try:
+        proc = run_ckptfs(bin_path, "mount", root, mnt, "--log-file", log_path, *args)
+        stderr = proc.stderr.decode(errors="replace")
+        if proc.returncode != 0:
+            raise MountError(proc.returncode, stderr, proc.args)
+        if not is_mounted(mnt):
+            raise MountError(proc.returncode, "exited 0 but nothing is mounted: " + stderr,
+                             proc.args)
+        yield Mount(path=mnt, root=root, log_path=log_path, args=args, stderr=stderr)
+    finally:
+        unmount(mnt)
+        if not is_mounted(mnt):
+            with contextlib.suppress(OSError):
+                os.rmdir(mnt)
+
+
+@pytest.fixture(scope="session")
+def mount_factory(ckptfs_bin, tmp_path_factory):
+    """mount_factory(root, *args) -> context manager yielding a Mount."""
+    base = str(tmp_path_factory.mktemp("mounts"))
+
+    def make(root: str, *args: str):
+        return mount_ckptfs(ckptfs_bin, root, *args, base_dir=base)
+    return make
+
+
+# ---------------------------------------------------------------------------
+# generated checkpoints (once per session, in parallel)
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def _generation(tmp_path_factory):
+    """Starts all generators at once (they mostly wait on process start-up
+    and gloo, so running them together roughly halves the wall time)."""
+    base = tmp_path_factory.mktemp("ckpts")
+    jobs = {"main": _gen_main, "mapping": _gen_mapping, "llama": _gen_llama}
+    ex = ThreadPoolExecutor(max_workers=len(jobs))
+    futures = {name: ex.submit(fn, str(base / name)) for name, fn in jobs.items()}
+    yield futures
+    ex.shutdown(wait=True)
+
+
+@pytest.fixture(scope="session")
+def main_ckpt(_generation, ckptfs) -> dict:
+    """The main checkpoint (MAIN_SPECS + MAIN_EXTRA_FILES), indexed with
+    `ckptfs index` (exit 0, no problems)."""
+    info = _generation["main"].result(timeout=600)
+    r = ckptfs("index", info["out_dir"])
+    assert r.returncode == 0, r.stderr.decode()
+    assert b"problem" not in r.stderr, r.stderr.decode()
+    return info
+
+
+@pytest.fixture(scope="session")
+def mapping_ckpt(_generation) -> dict:
+    """BASE+INT tensors saved over 3 files per rank with a
+    fqn_to_index_mapping, and .hf_metadata/{config.json,
+    fqn_to_file_index_mapping.json}. Not indexed beforehand (the mount
+    indexes it)."""
+    return _generation["mapping"].result(timeout=600)
+
+
+@pytest.fixture(scope="session")
+def llama_ckpt(_generation) -> dict:
+    """Tiny random Llama (F32) saved across 2 ranks, with config.json."""
+    return _generation["llama"].result(timeout=600)
+
+
+@pytest.fixture(scope="session")
+def main_mount(main_ckpt, mount_factory):
+    with mount_factory(main_ckpt["out_dir"]) as m:
+        yield m
+
+
+SPLIT_SIZE = "1KB"
+SPLIT_BYTES = 1000
+
+
+@pytest.fixture(scope="session")
+def main_split_mount(main_ckpt, mount_factory):
+    with mount_factory(main_ckpt["out_dir"], "--max-file-size", SPLIT_SIZE) as m:
+        yield m
+
+
+@pytest.fixture(scope="session")
+def mapping_mount(mapping_ckpt, mount_factory):
+    with mount_factory(mapping_ckpt["out_dir"]) as m:
+        yield m
+
+
+@pytest.fixture(scope="session")
+def llama_mount(llama_ckpt, mount_factory):
+    with mount_factory(llama_ckpt["out_dir"]) as m:
+        yield m
+
+
+@pytest.fixture(scope="session")
+def copy_ckpt(tmp_path_factory):
+    """copy_ckpt(src_dir) -> a fresh copy (own index, free to break)."""
+    base = tmp_path_factory.mktemp("copies")
+    n = [0]
+
+    def make(src: str) -> str:
+        n[0] += 1
+        dst = str(base / f"copy{n[0]}" / os.path.basename(src))
+        shutil.copytree(src, dst)
+        return dst
+    return make
