@@ -31,6 +31,15 @@ using nlohmann::json;
 
 std::string Where(const Checkpoint& ck) { return ck.dir.empty() ? "." : ck.dir; }
 
+// What makes a tensor unservable: its coverage problem, else the first
+// unavailable chunk; "" when it reads fine.
+std::string TensorProblem(const TensorMeta& t) {
+  if (!t.problem.empty()) return t.problem;
+  for (const Chunk& c : t.chunks)
+    if (!c.unavailable.empty()) return "chunk " + ToString(c.shard.box) + ": " + c.unavailable;
+  return "";
+}
+
 std::set<std::string> FilesOf(const TensorMeta& t, const Catalog& catalog) {
   std::set<std::string> out;
   for (const Chunk& c : t.chunks) out.insert(std::filesystem::path(catalog.files[c.bytes.file].path).filename());
@@ -96,7 +105,7 @@ int RunTensorTable(const Catalog& catalog, const std::string& pattern, bool as_j
                       {"chunks", t->chunks.size()},
                       {"bytes", t->nbytes()},
                       {"files", std::vector<std::string>(files.begin(), files.end())},
-                      {"problem", t->problem}});
+                      {"problem", TensorProblem(*t)}});
     }
   if (as_json) {
     std::cout << rows.dump(2) << "\n";
@@ -136,7 +145,7 @@ int RunInspect(VirtualFs& fs, const std::string& name, bool as_json) {
                       {"unavailable", c.unavailable}});
   json out = {{"checkpoint", owner->dir}, {"name", t->fqn}, {"dtype", std::string(DTypeName(t->dtype))},
               {"shape", t->shape}, {"numel", t->numel()}, {"bytes", t->nbytes()}, {"chunks", chunks}};
-  if (!t->problem.empty()) out["problem"] = t->problem;
+  if (std::string p = TensorProblem(*t); !p.empty()) out["problem"] = p;
 
   // Statistics, computed by reading the tensor through the read path.
   int rc = kExitOk;
@@ -186,7 +195,7 @@ int RunInspect(VirtualFs& fs, const std::string& name, bool as_json) {
   std::printf("%s  (checkpoint %s)\n  dtype %s  shape %s  numel %llu  bytes %llu\n", t->fqn.c_str(),
               Where(*owner).c_str(), std::string(DTypeName(t->dtype)).c_str(), ShapeToString(t->shape).c_str(),
               static_cast<unsigned long long>(t->numel()), static_cast<unsigned long long>(t->nbytes()));
-  if (!t->problem.empty()) std::printf("  PROBLEM: %s\n", t->problem.c_str());
+  if (out.contains("problem")) std::printf("  PROBLEM: %s\n", out["problem"].get<std::string>().c_str());
   std::printf("  %zu chunk(s):\n", t->chunks.size());
   for (const auto& c : chunks) {
     auto b = c["bytes"];
@@ -227,7 +236,12 @@ int RunCheck(const Common& c) {
   for (const Checkpoint& ck : catalog->checkpoints)
     for (const auto& t : ck.tensors)
       for (const Chunk& ch : t->chunks) {
-        if (!ch.unavailable.empty() || ch.bytes.length == 0 || changed[ch.bytes.file]) continue;
+        if (!ch.unavailable.empty()) {
+          problems.push_back(Where(ck) + ": tensor '" + t->fqn + "' chunk " + ToString(ch.shard.box) +
+                             " is unreadable: " + ch.unavailable);
+          continue;
+        }
+        if (ch.bytes.length == 0 || changed[ch.bytes.file]) continue;
         ReadPlan plan;
         plan.length = 1;
         plan.copies.push_back({ch.bytes.file, ch.bytes.offset + ch.bytes.length - 1, 0, 1});
