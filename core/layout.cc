@@ -83,7 +83,7 @@ std::vector<SafetensorsEntry> Entries(const SliceList& slices) {
 }  // namespace
 
 Result<Layout> SafetensorsFileLayout(const SliceList& slices, const std::map<std::string, std::string>& metadata) {
-  ASSIGN_OR_RETURN(std::string header, EncodeSafetensorsHeader(Entries(slices), metadata));
+  ASSIGN_OR_RETURN(std::string header, EncodeSafetensorsHeader(Entries(slices), metadata, kVirtualDataAlignment));
   Layout layout;
   layout.AddLiteral(std::move(header));
   for (const TensorSlice& s : slices) RETURN_IF_ERROR(layout.AddTensor(s.tensor, s.box));
@@ -91,7 +91,7 @@ Result<Layout> SafetensorsFileLayout(const SliceList& slices, const std::map<std
 }
 
 uint64_t SafetensorsHeaderSize(const SliceList& slices, const std::map<std::string, std::string>& metadata) {
-  auto h = EncodeSafetensorsHeader(Entries(slices), metadata);
+  auto h = EncodeSafetensorsHeader(Entries(slices), metadata, kVirtualDataAlignment);
   return h.ok() ? h->size() : kMaxSafetensorsHeader + 1;
 }
 

@@ -68,6 +68,12 @@ using SliceList = std::vector<TensorSlice>;
 // (keeps payloads aligned), then by name.
 void SortForSafetensors(SliceList& slices);
 
+// Virtual safetensors files start their data on a page boundary: the header
+// page then never shares a page with tensor bytes, so when one tensor cannot
+// be served (EIO), the kernel's per-page retry still reads the header and the
+// other tensors. Readers accept any padding; it stays a multiple of 8.
+inline constexpr uint64_t kVirtualDataAlignment = 4096;
+
 // A safetensors file holding `slices` in the given order, with `metadata` as
 // __metadata__. Each entry's shape is its box's lengths.
 Result<Layout> SafetensorsFileLayout(const SliceList& slices, const std::map<std::string, std::string>& metadata);

@@ -115,7 +115,8 @@ Status CheckSafetensorsFileSize(const SafetensorsHeader& h, uint64_t file_size) 
 }
 
 Result<std::string> EncodeSafetensorsHeader(const std::vector<SafetensorsEntry>& entries,
-                                            const std::map<std::string, std::string>& metadata) {
+                                            const std::map<std::string, std::string>& metadata,
+                                            uint64_t data_alignment) {
   nlohmann::ordered_json j = nlohmann::ordered_json::object();
   if (!metadata.empty()) {
     nlohmann::ordered_json m = nlohmann::ordered_json::object();
@@ -126,7 +127,7 @@ Result<std::string> EncodeSafetensorsHeader(const std::vector<SafetensorsEntry>&
     j[e.name] = {{"dtype", std::string(DTypeName(e.dtype))}, {"shape", e.shape}, {"data_offsets", {e.begin, e.end}}};
   }
   std::string text = j.dump();
-  text.append((8 - text.size() % 8) % 8, ' ');
+  text.append((data_alignment - (8 + text.size()) % data_alignment) % data_alignment, ' ');
   if (text.size() > kMaxSafetensorsHeader)
     return Status::InvalidArgument("safetensors header of " + std::to_string(text.size()) +
                                    " bytes exceeds the limit; split the file");

@@ -52,9 +52,11 @@ Result<SafetensorsHeader> ParseSafetensorsHeader(std::string_view json, uint64_t
 Status CheckSafetensorsFileSize(const SafetensorsHeader& h, uint64_t file_size);
 
 // Encodes prefix + JSON for `entries` (in the given order, which must be the
-// data order) and `metadata`, padded with spaces to a multiple of 8 bytes.
+// data order) and `metadata`, padded with spaces so the data starts at a
+// multiple of `data_alignment` bytes (a multiple of 8, as the format asks).
 // Fails when the header would exceed kMaxSafetensorsHeader.
 Result<std::string> EncodeSafetensorsHeader(const std::vector<SafetensorsEntry>& entries,
-                                            const std::map<std::string, std::string>& metadata);
+                                            const std::map<std::string, std::string>& metadata,
+                                            uint64_t data_alignment = 8);
 
 }  // namespace ckptfs

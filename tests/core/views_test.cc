@@ -50,6 +50,7 @@ TEST(ConsolidatedView, SmallCheckpointIsOneModelSafetensors) {
   EXPECT_EQ(h.entries[1].name, "a");
   EXPECT_EQ(h.entries[2].name, "c");
   EXPECT_EQ((*files)[0].layout->size(), 8 + h.header_len + 40 + 20 + 10);
+  EXPECT_EQ((8 + h.header_len) % 4096, 0u);  // data starts on a page boundary
 }
 
 TEST(ConsolidatedView, SplitsBySizeWithAnIndex) {

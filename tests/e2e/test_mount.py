@@ -4,7 +4,8 @@ The reference for every consolidated file is built here, from the original
 tensors, with a small safetensors serializer of our own (never from ckptfs
 output): header = compact JSON with __metadata__ {"format": "pt"} first,
 then the tensors ordered by dtype size (descending) then name, each
-{"dtype", "shape", "data_offsets"}; padded with spaces to a multiple of 8.
+{"dtype", "shape", "data_offsets"}; padded with spaces so the data starts
+on a 4096-byte (page) boundary (still a multiple of 8, as the format asks).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def st_serialize(tensors: dict[str, torch.Tensor]) -> bytes:
         blobs.append(b)
         off += len(b)
     hj = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    hj += b" " * (-len(hj) % 8)
+    hj += b" " * (-(8 + len(hj)) % 4096)
     return struct.pack("<Q", len(hj)) + hj + b"".join(blobs)
 
 
