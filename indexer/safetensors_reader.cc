@@ -76,6 +76,31 @@ Result<std::optional<std::map<std::string, std::vector<uint64_t>>>> ShardingInfo
   return std::optional(std::move(out));
 }
 
+// The shard files record no world size, so a missing last rank shrinks
+// shapes without leaving a hole. config.json, when there is one, says what
+// the shapes should be: a disagreement marks the checkpoint incomplete.
+template <typename ProblemFn>
+void CheckAgainstConfig(const std::string& path, const Checkpoint& out, ProblemFn problem) {
+  auto text = ReadWholeFile(path);
+  json cfg = text.ok() ? json::parse(*text, nullptr, false) : json();
+  if (!cfg.is_object()) return;
+  auto dim = [&](const char* key) -> std::optional<uint64_t> {
+    if (cfg.contains(key) && cfg[key].is_number_unsigned()) return cfg[key].get<uint64_t>();
+    return std::nullopt;
+  };
+  auto vocab = dim("vocab_size"), hidden = dim("hidden_size");
+  for (const auto& t : out.tensors) {
+    bool embedding = t->fqn.ends_with("embed_tokens.weight") || t->fqn == "lm_head.weight" ||
+                     t->fqn.ends_with(".lm_head.weight");
+    if (!embedding || t->shape.size() != 2) continue;
+    if ((vocab && t->shape[0] != *vocab) || (hidden && t->shape[1] != *hidden))
+      problem("tensor '" + t->fqn + "' is " + ShapeToString(t->shape) + " but config.json says vocab_size " +
+                  (vocab ? std::to_string(*vocab) : "?") + ", hidden_size " + (hidden ? std::to_string(*hidden) : "?") +
+                  " (a shard file missing?)",
+              true);
+  }
+}
+
 class SafetensorsReader : public FormatReader {
  public:
   std::string name() const override { return "safetensors"; }
@@ -185,9 +210,11 @@ class SafetensorsReader : public FormatReader {
       std::string found;
       for (uint64_t r : ranks) found += (found.empty() ? "" : ",") + std::to_string(r);
       problem(Join(dir.rel, "shard-*") + ": shard files of some ranks are missing (ranks found: " +
-                  found + ")",
-              // Not proof of loss: a rank with nothing to save writes no file.
-              false);
+                  found + "); tensors or parts only they held would be missing",
+              // torch writes no file for a rank with nothing to save, but it
+              // gives replicated tensors to the rank with the least data, so
+              // a rank without a file is all but impossible: treat it as loss.
+              true);
     }
 
     for (auto& [fqn, t] : tensors) {
@@ -227,6 +254,8 @@ class SafetensorsReader : public FormatReader {
         break;
       }
     }
+    if (auto it = out.sidecars.find("config.json"); it != out.sidecars.end())
+      CheckAgainstConfig(files.Abs(it->second), out, problem);
     const std::string mapping = files.root() + "/" + Join(meta_rel, "fqn_to_file_index_mapping.json");
     if (::access(mapping.c_str(), R_OK) == 0) {
       Status st = LoadFileIndexMapping(mapping, out);
