@@ -1,0 +1,1473 @@
+// How the restricted unpickler works (what and why: pickle.h).
+//
+// The machine mirrors CPython's C unpickler (Modules/_pickle.c): a value
+// stack, a mark stack whose top is a fence no fixed-arity pop may cross, and a
+// memo. Values live in a deque owned by the PickleDocument and point at each
+// other with raw pointers, so destruction is flat (no recursion, whatever the
+// nesting) and shared references cost nothing. Containers are mutated in
+// place (APPEND, SETITEM, BUILD) because memoized references must see the
+// mutation, as in Python.
+//
+// Opcode reference: CPython Lib/pickletools.py.
+#include "indexer/pickle.h"
+
+#include <bit>
+#include <charconv>
+#include <cstring>
+#include <deque>
+#include <limits>
+#include <unordered_map>
+#include <unordered_set>
+
+namespace ckptfs {
+
+struct PickleDocument::Storage {
+  std::deque<PickleValue> values;
+};
+
+PickleDocument::PickleDocument() : storage_(std::make_unique<Storage>()) {}
+PickleDocument::~PickleDocument() = default;
+size_t PickleDocument::value_count() const { return storage_->values.size(); }
+
+namespace {
+
+using Kind = PickleValue::Kind;
+
+// Opcode bytes (pickletools names).
+enum Op : uint8_t {
+  MARK = '(', STOP = '.', POP = '0', POP_MARK = '1', DUP = '2', FLOAT = 'F', INT = 'I',
+  BININT = 'J', BININT1 = 'K', LONG = 'L', BININT2 = 'M', NONE = 'N', PERSID = 'P',
+  BINPERSID = 'Q', REDUCE = 'R', STRING = 'S', BINSTRING = 'T', SHORT_BINSTRING = 'U',
+  UNICODE = 'V', BINUNICODE = 'X', APPEND = 'a', BUILD = 'b', GLOBAL = 'c', DICT = 'd',
+  EMPTY_DICT = '}', APPENDS = 'e', GET = 'g', BINGET = 'h', INST = 'i', LONG_BINGET = 'j',
+  LIST = 'l', EMPTY_LIST = ']', OBJ = 'o', PUT = 'p', BINPUT = 'q', LONG_BINPUT = 'r',
+  SETITEM = 's', TUPLE = 't', EMPTY_TUPLE = ')', SETITEMS = 'u', BINFLOAT = 'G',
+  // protocol 2
+  PROTO = 0x80, NEWOBJ = 0x81, EXT1 = 0x82, EXT2 = 0x83, EXT4 = 0x84, TUPLE1 = 0x85,
+  TUPLE2 = 0x86, TUPLE3 = 0x87, NEWTRUE = 0x88, NEWFALSE = 0x89, LONG1 = 0x8a, LONG4 = 0x8b,
+  // protocol 3
+  BINBYTES = 'B', SHORT_BINBYTES = 'C',
+  // protocol 4
+  SHORT_BINUNICODE = 0x8c, BINUNICODE8 = 0x8d, BINBYTES8 = 0x8e, EMPTY_SET = 0x8f,
+  ADDITEMS = 0x90, FROZENSET = 0x91, NEWOBJ_EX = 0x92, STACK_GLOBAL = 0x93, MEMOIZE = 0x94,
+  FRAME = 0x95,
+  // protocol 5
+  BYTEARRAY8 = 0x96, NEXT_BUFFER = 0x97, READONLY_BUFFER = 0x98,
+};
+
+const char* OpName(uint8_t op) {
+  switch (op) {
+    case MARK: return "MARK";
+    case STOP: return "STOP";
+    case POP: return "POP";
+    case POP_MARK: return "POP_MARK";
+    case DUP: return "DUP";
+    case FLOAT: return "FLOAT";
+    case INT: return "INT";
+    case BININT: return "BININT";
+    case BININT1: return "BININT1";
+    case LONG: return "LONG";
+    case BININT2: return "BININT2";
+    case NONE: return "NONE";
+    case PERSID: return "PERSID";
+    case BINPERSID: return "BINPERSID";
+    case REDUCE: return "REDUCE";
+    case STRING: return "STRING";
+    case BINSTRING: return "BINSTRING";
+    case SHORT_BINSTRING: return "SHORT_BINSTRING";
+    case UNICODE: return "UNICODE";
+    case BINUNICODE: return "BINUNICODE";
+    case APPEND: return "APPEND";
+    case BUILD: return "BUILD";
+    case GLOBAL: return "GLOBAL";
+    case DICT: return "DICT";
+    case EMPTY_DICT: return "EMPTY_DICT";
+    case APPENDS: return "APPENDS";
+    case GET: return "GET";
+    case BINGET: return "BINGET";
+    case INST: return "INST";
+    case LONG_BINGET: return "LONG_BINGET";
+    case LIST: return "LIST";
+    case EMPTY_LIST: return "EMPTY_LIST";
+    case OBJ: return "OBJ";
+    case PUT: return "PUT";
+    case BINPUT: return "BINPUT";
+    case LONG_BINPUT: return "LONG_BINPUT";
+    case SETITEM: return "SETITEM";
+    case TUPLE: return "TUPLE";
+    case EMPTY_TUPLE: return "EMPTY_TUPLE";
+    case SETITEMS: return "SETITEMS";
+    case BINFLOAT: return "BINFLOAT";
+    case PROTO: return "PROTO";
+    case NEWOBJ: return "NEWOBJ";
+    case EXT1: return "EXT1";
+    case EXT2: return "EXT2";
+    case EXT4: return "EXT4";
+    case TUPLE1: return "TUPLE1";
+    case TUPLE2: return "TUPLE2";
+    case TUPLE3: return "TUPLE3";
+    case NEWTRUE: return "NEWTRUE";
+    case NEWFALSE: return "NEWFALSE";
+    case LONG1: return "LONG1";
+    case LONG4: return "LONG4";
+    case BINBYTES: return "BINBYTES";
+    case SHORT_BINBYTES: return "SHORT_BINBYTES";
+    case SHORT_BINUNICODE: return "SHORT_BINUNICODE";
+    case BINUNICODE8: return "BINUNICODE8";
+    case BINBYTES8: return "BINBYTES8";
+    case EMPTY_SET: return "EMPTY_SET";
+    case ADDITEMS: return "ADDITEMS";
+    case FROZENSET: return "FROZENSET";
+    case NEWOBJ_EX: return "NEWOBJ_EX";
+    case STACK_GLOBAL: return "STACK_GLOBAL";
+    case MEMOIZE: return "MEMOIZE";
+    case FRAME: return "FRAME";
+    case BYTEARRAY8: return "BYTEARRAY8";
+    case NEXT_BUFFER: return "NEXT_BUFFER";
+    case READONLY_BUFFER: return "READONLY_BUFFER";
+  }
+  return nullptr;
+}
+
+// Strict UTF-8 (no overlongs, no surrogates, nothing above U+10FFFF): what
+// Python's decoder accepts, minus the lone surrogates `surrogatepass` lets
+// through, which JSON encoders downstream would reject anyway.
+bool IsValidUtf8(std::string_view s) {
+  size_t i = 0, n = s.size();
+  while (i < n) {
+    uint8_t c = s[i];
+    if (c < 0x80) { ++i; continue; }
+    int len;
+    uint32_t cp;
+    if ((c & 0xE0) == 0xC0) { len = 2; cp = c & 0x1F; }
+    else if ((c & 0xF0) == 0xE0) { len = 3; cp = c & 0x0F; }
+    else if ((c & 0xF8) == 0xF0) { len = 4; cp = c & 0x07; }
+    else return false;
+    if (n - i < static_cast<size_t>(len)) return false;
+    for (int k = 1; k < len; ++k) {
+      uint8_t cc = s[i + k];
+      if ((cc & 0xC0) != 0x80) return false;
+      cp = (cp << 6) | (cc & 0x3F);
+    }
+    if ((len == 2 && cp < 0x80) || (len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000)) return false;
+    if (cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+    i += len;
+  }
+  return true;
+}
+
+void AppendUtf8(std::string& out, uint32_t cp) {
+  if (cp < 0x80) {
+    out.push_back(char(cp));
+  } else if (cp < 0x800) {
+    out.push_back(char(0xC0 | (cp >> 6)));
+    out.push_back(char(0x80 | (cp & 0x3F)));
+  } else if (cp < 0x10000) {
+    out.push_back(char(0xE0 | (cp >> 12)));
+    out.push_back(char(0x80 | ((cp >> 6) & 0x3F)));
+    out.push_back(char(0x80 | (cp & 0x3F)));
+  } else {
+    out.push_back(char(0xF0 | (cp >> 18)));
+    out.push_back(char(0x80 | ((cp >> 12) & 0x3F)));
+    out.push_back(char(0x80 | ((cp >> 6) & 0x3F)));
+    out.push_back(char(0x80 | (cp & 0x3F)));
+  }
+}
+
+// str.encode('latin-1') of valid UTF-8; nullopt when a code point is > 0xFF.
+std::optional<std::string> Latin1Encode(std::string_view utf8) {
+  std::string out;
+  out.reserve(utf8.size());
+  for (size_t i = 0; i < utf8.size();) {
+    uint8_t c = utf8[i];
+    if (c < 0x80) {
+      out.push_back(char(c));
+      ++i;
+    } else if ((c & 0xE0) == 0xC0 && i + 1 < utf8.size()) {
+      uint32_t cp = ((c & 0x1F) << 6) | (uint8_t(utf8[i + 1]) & 0x3F);
+      if (cp > 0xFF) return std::nullopt;
+      out.push_back(char(cp));
+      i += 2;
+    } else {
+      return std::nullopt;
+    }
+  }
+  return out;
+}
+
+int HexValue(char c) {
+  if (c >= '0' && c <= '9') return c - '0';
+  if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+  if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+  return -1;
+}
+
+// Little-endian two's complement (LONG1/LONG4 payload) to decimal text.
+std::string TwosComplementToDecimal(std::string_view le) {
+  std::vector<uint8_t> mag(le.begin(), le.end());
+  bool negative = !mag.empty() && (mag.back() & 0x80);
+  if (negative) {  // magnitude = ~x + 1
+    unsigned carry = 1;
+    for (auto& b : mag) {
+      unsigned v = uint8_t(~b) + carry;
+      b = uint8_t(v);
+      carry = v >> 8;
+    }
+  }
+  // Base-2^32 limbs, least significant first, then repeated division by 1e9.
+  std::vector<uint32_t> limbs((mag.size() + 3) / 4, 0);
+  for (size_t i = 0; i < mag.size(); ++i) limbs[i / 4] |= uint32_t(mag[i]) << (8 * (i % 4));
+  while (!limbs.empty() && limbs.back() == 0) limbs.pop_back();
+  std::vector<uint32_t> groups;  // base 1e9, least significant first
+  while (!limbs.empty()) {
+    uint64_t rem = 0;
+    for (size_t i = limbs.size(); i-- > 0;) {
+      uint64_t cur = (rem << 32) | limbs[i];
+      limbs[i] = uint32_t(cur / 1'000'000'000u);
+      rem = cur % 1'000'000'000u;
+    }
+    groups.push_back(uint32_t(rem));
+    while (!limbs.empty() && limbs.back() == 0) limbs.pop_back();
+  }
+  std::string out = negative ? "-" : "";
+  if (groups.empty()) return "0";
+  out += std::to_string(groups.back());
+  for (size_t i = groups.size() - 1; i-- > 0;) {
+    std::string g = std::to_string(groups[i]);
+    out.append(9 - g.size(), '0');
+    out += g;
+  }
+  return out;
+}
+
+struct GlobalName {
+  std::string_view module;
+  std::string_view name;
+};
+
+// Exact (module, name) pairs on the allowlist. Why each is there: the
+// tensor rebuild functions, storage classes and dtypes are what torch.save
+// writes; the layout/memory-format names, torch.Size and the DCP classes are
+// what `.metadata` writes; the builtins are how protocol 0-2 spell sets,
+// bytes and OrderedDicts; pathlib is StorageMeta.checkpoint_id; numpy scalars
+// appear in optimizer and trainer state.
+constexpr GlobalName kAllowed[] = {
+    {"torch._utils", "_rebuild_tensor"},
+    {"torch._utils", "_rebuild_tensor_v2"},
+    {"torch._utils", "_rebuild_tensor_v3"},
+    {"torch._utils", "_rebuild_parameter"},
+    {"torch._utils", "_rebuild_parameter_with_state"},
+    {"torch._tensor", "_rebuild_from_type_v2"},
+    {"torch.nn.parameter", "Parameter"},
+    {"torch.storage", "UntypedStorage"},
+    {"torch.storage", "TypedStorage"},
+    {"torch", "UntypedStorage"},
+    {"torch", "TypedStorage"},
+    {"torch", "Size"},
+    {"torch", "device"},
+    {"torch.serialization", "_get_layout"},
+    {"torch.distributed.checkpoint.filesystem", "_StorageInfo"},
+    {"collections", "OrderedDict"},
+    {"builtins", "set"},
+    {"builtins", "frozenset"},
+    {"builtins", "bytes"},
+    {"builtins", "bytearray"},
+    {"_codecs", "encode"},
+    {"pathlib", "Path"},
+    {"pathlib", "PosixPath"},
+    {"pathlib", "PurePosixPath"},
+    {"pathlib", "WindowsPath"},
+    {"pathlib", "PureWindowsPath"},
+    {"pathlib._local", "Path"},  // Python 3.13 moved the classes here
+    {"pathlib._local", "PosixPath"},
+    {"pathlib._local", "PurePosixPath"},
+    {"pathlib._local", "WindowsPath"},
+    {"pathlib._local", "PureWindowsPath"},
+    {"numpy", "dtype"},
+    {"numpy.core.multiarray", "scalar"},
+    {"numpy._core.multiarray", "scalar"},  // numpy >= 2
+};
+
+// Modules all of whose names are allowed: DCP metadata classes (torch <= 2.2
+// spells TensorProperties' module the _shard way).
+constexpr std::string_view kAllowedModules[] = {
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed._shard.sharded_tensor.metadata",
+};
+
+// Names under module `torch`: storages, dtypes, layouts, memory formats.
+constexpr std::string_view kTorchNames[] = {
+    "DoubleStorage", "FloatStorage", "HalfStorage", "BFloat16Storage", "LongStorage",
+    "IntStorage", "ShortStorage", "CharStorage", "ByteStorage", "BoolStorage",
+    "ComplexFloatStorage", "ComplexDoubleStorage",
+    "float32", "float", "float64", "double", "float16", "half", "bfloat16", "int64", "long",
+    "int32", "int", "int16", "short", "int8", "uint8", "bool", "uint16", "uint32", "uint64",
+    "complex32", "chalf", "complex64", "cfloat", "complex128", "cdouble", "float8_e4m3fn",
+    "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc",
+    "contiguous_format", "preserve_format", "channels_last", "channels_last_3d",
+};
+
+}  // namespace
+
+bool IsAllowedGlobal(std::string_view module, std::string_view name) {
+  for (const auto& g : kAllowed)
+    if (g.module == module && g.name == name) return true;
+  for (auto m : kAllowedModules)
+    if (m == module) return true;
+  if (module == "torch")
+    for (auto n : kTorchNames)
+      if (n == name) return true;
+  return false;
+}
+
+// ---------------------------------------------------------------------------
+// PickleValue accessors.
+
+const char* PickleValue::KindName(Kind k) {
+  switch (k) {
+    case Kind::kNone: return "None";
+    case Kind::kBool: return "bool";
+    case Kind::kInt: return "int";
+    case Kind::kBigInt: return "big int";
+    case Kind::kFloat: return "float";
+    case Kind::kStr: return "str";
+    case Kind::kBytes: return "bytes";
+    case Kind::kTuple: return "tuple";
+    case Kind::kList: return "list";
+    case Kind::kDict: return "dict";
+    case Kind::kSet: return "set";
+    case Kind::kFrozenSet: return "frozenset";
+    case Kind::kGlobal: return "global";
+    case Kind::kReduce: return "reduce";
+    case Kind::kNewObj: return "newobj";
+    case Kind::kBuild: return "build";
+    case Kind::kPersistentId: return "persistent id";
+  }
+  return "?";
+}
+
+std::optional<bool> PickleValue::AsBool() const {
+  if (kind_ != Kind::kBool) return std::nullopt;
+  return int_ != 0;
+}
+std::optional<int64_t> PickleValue::AsInt() const {
+  if (kind_ != Kind::kInt) return std::nullopt;
+  return int_;
+}
+std::optional<double> PickleValue::AsFloat() const {
+  if (kind_ != Kind::kFloat) return std::nullopt;
+  return std::bit_cast<double>(int_);
+}
+const std::string* PickleValue::AsStr() const {
+  return kind_ == Kind::kStr ? &std::get<std::string>(body_) : nullptr;
+}
+const std::string* PickleValue::AsBytes() const {
+  return kind_ == Kind::kBytes ? &std::get<std::string>(body_) : nullptr;
+}
+const std::string* PickleValue::BigIntText() const {
+  return kind_ == Kind::kBigInt ? &std::get<std::string>(body_) : nullptr;
+}
+const std::vector<const PickleValue*>* PickleValue::AsTuple() const {
+  return kind_ == Kind::kTuple ? &std::get<Items>(body_) : nullptr;
+}
+const std::vector<const PickleValue*>* PickleValue::AsList() const {
+  return kind_ == Kind::kList ? &std::get<Items>(body_) : nullptr;
+}
+const std::vector<const PickleValue*>* PickleValue::AsSequence() const {
+  return kind_ == Kind::kTuple || kind_ == Kind::kList ? &std::get<Items>(body_) : nullptr;
+}
+const std::vector<const PickleValue*>* PickleValue::AsSet() const {
+  return kind_ == Kind::kSet || kind_ == Kind::kFrozenSet ? &std::get<Items>(body_) : nullptr;
+}
+const PickleValue* PickleValue::At(size_t i) const {
+  const auto* items = AsSequence();
+  return items && i < items->size() ? (*items)[i] : nullptr;
+}
+const std::vector<PickleDictEntry>* PickleValue::AsDict() const {
+  return kind_ == Kind::kDict ? &std::get<Entries>(body_) : nullptr;
+}
+const PickleValue* PickleValue::DictGet(std::string_view key) const {
+  const auto* entries = AsDict();
+  if (!entries) return nullptr;
+  for (size_t i = entries->size(); i-- > 0;) {
+    const std::string* s = (*entries)[i].key->AsStr();
+    if (s && *s == key) return (*entries)[i].value;
+  }
+  return nullptr;
+}
+const PickleValue* PickleValue::DictGetInt(int64_t key) const {
+  const auto* entries = AsDict();
+  if (!entries) return nullptr;
+  for (size_t i = entries->size(); i-- > 0;) {
+    auto k = (*entries)[i].key->AsInt();
+    if (k && *k == key) return (*entries)[i].value;
+  }
+  return nullptr;
+}
+
+std::string_view PickleValue::global_module() const {
+  if (kind_ != Kind::kGlobal) return {};
+  return std::string_view(std::get<std::string>(body_)).substr(0, size_t(int_));
+}
+std::string_view PickleValue::global_name() const {
+  if (kind_ != Kind::kGlobal) return {};
+  return std::string_view(std::get<std::string>(body_)).substr(size_t(int_));
+}
+bool PickleValue::IsGlobal(std::string_view module, std::string_view name) const {
+  return kind_ == Kind::kGlobal && global_module() == module && global_name() == name;
+}
+
+const PickleValue* PickleValue::callable() const {
+  if (kind_ != Kind::kReduce && kind_ != Kind::kNewObj) return nullptr;
+  return std::get<Items>(body_)[0];
+}
+const PickleValue* PickleValue::args() const {
+  if (kind_ != Kind::kReduce && kind_ != Kind::kNewObj) return nullptr;
+  return std::get<Items>(body_)[1];
+}
+const PickleValue* PickleValue::kwargs() const {
+  if (kind_ != Kind::kNewObj) return nullptr;
+  const auto& items = std::get<Items>(body_);
+  return items.size() > 2 ? items[2] : nullptr;
+}
+bool PickleValue::IsCallOf(std::string_view module, std::string_view name) const {
+  const PickleValue* c = callable();
+  return c && c->IsGlobal(module, name);
+}
+const std::vector<const PickleValue*>* PickleValue::CallArgs(std::string_view module,
+                                                             std::string_view name) const {
+  return IsCallOf(module, name) ? args()->AsTuple() : nullptr;
+}
+const PickleValue* PickleValue::built_object() const {
+  return kind_ == Kind::kBuild ? std::get<Items>(body_)[0] : nullptr;
+}
+const PickleValue* PickleValue::build_state() const {
+  return kind_ == Kind::kBuild ? std::get<Items>(body_)[1] : nullptr;
+}
+const PickleValue& PickleValue::Unwrapped() const {
+  const PickleValue* v = this;
+  while (v->kind_ == Kind::kBuild) v = std::get<Items>(v->body_)[0];
+  return *v;
+}
+const PickleValue* PickleValue::pid() const {
+  return kind_ == Kind::kPersistentId ? std::get<Items>(body_)[0] : nullptr;
+}
+
+namespace {
+const std::vector<const PickleValue*> kNoItems;
+const std::vector<PickleDictEntry> kNoEntries;
+}  // namespace
+
+const std::vector<const PickleValue*>& PickleValue::object_list_items() const {
+  return object_items_ ? object_items_->list_items : kNoItems;
+}
+const std::vector<PickleDictEntry>& PickleValue::object_dict_items() const {
+  return object_items_ ? object_items_->dict_items : kNoEntries;
+}
+
+size_t PickleValue::ChildCount() const {
+  size_t n = 0;
+  if (auto* items = std::get_if<Items>(&body_)) n += items->size();
+  if (auto* entries = std::get_if<Entries>(&body_)) n += 2 * entries->size();
+  if (object_items_) n += object_items_->list_items.size() + 2 * object_items_->dict_items.size();
+  return n;
+}
+
+const PickleValue* PickleValue::Child(size_t i) const {
+  if (auto* items = std::get_if<Items>(&body_)) {
+    if (i < items->size()) return (*items)[i];
+    i -= items->size();
+  }
+  if (auto* entries = std::get_if<Entries>(&body_)) {
+    if (i < 2 * entries->size()) return i % 2 ? (*entries)[i / 2].value : (*entries)[i / 2].key;
+    i -= 2 * entries->size();
+  }
+  const auto& list = object_items_->list_items;
+  if (i < list.size()) return list[i];
+  i -= list.size();
+  const auto& dict = object_items_->dict_items;
+  return i % 2 ? dict[i / 2].value : dict[i / 2].key;
+}
+
+// ---------------------------------------------------------------------------
+// Rendering.
+
+namespace {
+
+void RenderQuoted(std::string& out, std::string_view s, bool bytes) {
+  static const char kHex[] = "0123456789abcdef";
+  if (bytes) out.push_back('b');
+  out.push_back('\'');
+  for (char ch : s) {
+    uint8_t c = ch;
+    switch (c) {
+      case '\\': out += "\\\\"; break;
+      case '\'': out += "\\'"; break;
+      case '\n': out += "\\n"; break;
+      case '\r': out += "\\r"; break;
+      case '\t': out += "\\t"; break;
+      default:
+        if (c < 0x20 || c == 0x7f || (bytes && c >= 0x80)) {
+          out += "\\x";
+          out.push_back(kHex[c >> 4]);
+          out.push_back(kHex[c & 15]);
+        } else {
+          out.push_back(ch);
+        }
+    }
+  }
+  out.push_back('\'');
+}
+
+}  // namespace
+
+void PickleValue::Render(std::string& out, size_t max_chars, int depth) const {
+  if (out.size() >= max_chars) return;
+  if (depth > 64) {
+    out += "...";
+    return;
+  }
+  auto list = [&](const std::vector<const PickleValue*>& items, const char* open, const char* close,
+                  bool one_tuple) {
+    out += open;
+    for (size_t i = 0; i < items.size() && out.size() < max_chars; ++i) {
+      if (i) out += ", ";
+      items[i]->Render(out, max_chars, depth + 1);
+    }
+    if (one_tuple && items.size() == 1) out += ",";
+    out += close;
+  };
+  auto dict = [&](const std::vector<PickleDictEntry>& entries) {
+    out += "{";
+    for (size_t i = 0; i < entries.size() && out.size() < max_chars; ++i) {
+      if (i) out += ", ";
+      entries[i].key->Render(out, max_chars, depth + 1);
+      out += ": ";
+      entries[i].value->Render(out, max_chars, depth + 1);
+    }
+    out += "}";
+  };
+  switch (kind_) {
+    case Kind::kNone: out += "None"; break;
+    case Kind::kBool: out += int_ ? "True" : "False"; break;
+    case Kind::kInt: out += std::to_string(int_); break;
+    case Kind::kBigInt: out += std::get<std::string>(body_); break;
+    case Kind::kFloat: {
+      char buf[64];
+      auto r = std::to_chars(buf, buf + sizeof buf, std::bit_cast<double>(int_));
+      std::string_view s(buf, r.ptr - buf);
+      out += s;
+      if (s.find_first_of(".en") == std::string_view::npos) out += ".0";  // Python's 1.0
+      break;
+    }
+    case Kind::kStr: RenderQuoted(out, std::get<std::string>(body_), false); break;
+    case Kind::kBytes: RenderQuoted(out, std::get<std::string>(body_), true); break;
+    case Kind::kTuple: list(std::get<Items>(body_), "(", ")", true); break;
+    case Kind::kList: list(std::get<Items>(body_), "[", "]", false); break;
+    case Kind::kSet:
+    case Kind::kFrozenSet: {
+      const auto& items = std::get<Items>(body_);
+      const char* name = kind_ == Kind::kSet ? "set" : "frozenset";
+      if (items.empty()) {
+        out += name;
+        out += "()";
+      } else if (kind_ == Kind::kSet) {
+        list(items, "{", "}", false);
+      } else {
+        list(items, "frozenset({", "})", false);
+      }
+      break;
+    }
+    case Kind::kDict:
+      if (flag_) out += "OrderedDict(";
+      dict(std::get<Entries>(body_));
+      if (flag_) out += ")";
+      break;
+    case Kind::kGlobal:
+      out += global_module();
+      out += ".";
+      out += global_name();
+      break;
+    case Kind::kReduce:
+    case Kind::kNewObj: {
+      callable()->Render(out, max_chars, depth + 1);
+      if (kind_ == Kind::kNewObj) out += ".__new__";
+      if (const auto* t = args()->AsTuple()) {
+        list(*t, "(", ")", false);
+      } else {
+        out += "(*";
+        args()->Render(out, max_chars, depth + 1);
+        out += ")";
+      }
+      if (const PickleValue* kw = kwargs()) {
+        out += "(**";
+        kw->Render(out, max_chars, depth + 1);
+        out += ")";
+      }
+      if (!object_list_items().empty()) {
+        out += ".extend(";
+        list(object_list_items(), "[", "]", false);
+        out += ")";
+      }
+      if (!object_dict_items().empty()) {
+        out += ".update(";
+        dict(object_dict_items());
+        out += ")";
+      }
+      break;
+    }
+    case Kind::kBuild:
+      built_object()->Render(out, max_chars, depth + 1);
+      out += ".__setstate__(";
+      build_state()->Render(out, max_chars, depth + 1);
+      out += ")";
+      break;
+    case Kind::kPersistentId:
+      out += "persistent_id(";
+      pid()->Render(out, max_chars, depth + 1);
+      out += ")";
+      break;
+  }
+}
+
+std::string PickleValue::DebugString(size_t max_chars) const {
+  std::string out;
+  Render(out, max_chars, 0);
+  if (out.size() > max_chars) {
+    out.resize(max_chars);
+    out += "...";
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// The machine.
+
+class Unpickler {
+ public:
+  Unpickler(std::string_view in, const UnpickleLimits& limits, PickleDocument& doc)
+      : in_(in), lim_(limits), doc_(doc), values_(doc.storage_->values) {}
+
+  Status Run();
+
+ private:
+  // --- errors ---
+  Status Fail(const std::string& what) const {
+    const char* name = OpName(op_);
+    return Status::Corruption("pickle: offset " + std::to_string(op_pos_) + ": " +
+                              (name ? name : "opcode") + " " + what);
+  }
+  Status Refuse(const std::string& why) const {
+    return Status::NotSupported("pickle: offset " + std::to_string(op_pos_) + ": " + OpName(op_) +
+                                " is refused: " + why);
+  }
+
+  // --- input ---
+  uint64_t remaining() const { return in_.size() - pos_; }
+  // Takes `n` argument bytes; `what` names them for the error ("length 7").
+  Result<std::string_view> Take(uint64_t n, const std::string& what) {
+    if (n > remaining())
+      return Fail(what + " exceeds remaining " + std::to_string(remaining()) + " bytes");
+    std::string_view s = in_.substr(pos_, n);
+    pos_ += n;
+    return s;
+  }
+  Result<uint64_t> ReadUint(int bytes) {
+    ASSIGN_OR_RETURN(std::string_view s, Take(bytes, "argument of " + std::to_string(bytes) + " bytes"));
+    uint64_t v = 0;
+    for (int i = bytes; i-- > 0;) v = (v << 8) | uint8_t(s[i]);
+    return v;
+  }
+  // A '\n'-terminated argument of a text opcode, without the newline.
+  Result<std::string_view> ReadLine() {
+    uint64_t window = std::min<uint64_t>(remaining(), lim_.max_string_bytes + 1);
+    const void* nl = std::memchr(in_.data() + pos_, '\n', window);
+    if (!nl) {
+      if (window < remaining())
+        return Fail("line longer than the limit of " + std::to_string(lim_.max_string_bytes) + " bytes");
+      return Fail("line is not terminated before the end of input");
+    }
+    size_t len = static_cast<const char*>(nl) - (in_.data() + pos_);
+    std::string_view s = in_.substr(pos_, len);
+    pos_ += len + 1;
+    return s;
+  }
+  // Length-prefixed payload: the declared length is checked against the
+  // input and the string cap before anything is allocated.
+  Result<std::string_view> ReadCounted(uint64_t len) {
+    if (len > remaining())
+      return Fail("length " + std::to_string(len) + " exceeds remaining " + std::to_string(remaining()) +
+                  " bytes");
+    if (len > lim_.max_string_bytes)
+      return Fail("length " + std::to_string(len) + " exceeds the limit of " +
+                  std::to_string(lim_.max_string_bytes) + " bytes");
+    return Take(len, "length");
+  }
+
+  // --- values ---
+  Result<PickleValue*> New(Kind kind) {
+    if (values_.size() >= lim_.max_values)
+      return Fail("would create more than " + std::to_string(lim_.max_values) + " values");
+    PickleValue& v = values_.emplace_back();
+    v.kind_ = kind;
+    v.index_ = static_cast<uint32_t>(values_.size() - 1);
+    return &v;
+  }
+  Result<PickleValue*> NewText(Kind kind, std::string text) {
+    ASSIGN_OR_RETURN(PickleValue * v, New(kind));
+    v->body_ = std::move(text);
+    return v;
+  }
+  Result<PickleValue*> NewStr(std::string_view utf8) {
+    if (!IsValidUtf8(utf8)) return Fail("string is not valid UTF-8");
+    return NewText(Kind::kStr, std::string(utf8));
+  }
+  Result<PickleValue*> NewInt(int64_t i) {
+    ASSIGN_OR_RETURN(PickleValue * v, New(Kind::kInt));
+    v->int_ = i;
+    return v;
+  }
+  Result<PickleValue*> NewItems(Kind kind, std::vector<const PickleValue*> items) {
+    if (items.size() > lim_.max_container_length)
+      return Fail("container of " + std::to_string(items.size()) + " items exceeds the limit of " +
+                  std::to_string(lim_.max_container_length));
+    ASSIGN_OR_RETURN(PickleValue * v, New(kind));
+    v->body_ = std::move(items);
+    return v;
+  }
+  Result<PickleValue*> NewDict() {
+    ASSIGN_OR_RETURN(PickleValue * v, New(Kind::kDict));
+    v->body_ = PickleValue::Entries();
+    return v;
+  }
+  // None, True and False are immutable (every mutating opcode refuses them),
+  // so one value each is shared.
+  Result<PickleValue*> Singleton(PickleValue*& slot, Kind kind, int64_t i) {
+    if (!slot) {
+      ASSIGN_OR_RETURN(slot, New(kind));
+      slot->int_ = i;
+    }
+    return slot;
+  }
+  Result<PickleValue*> MakeGlobal(std::string_view module, std::string_view name);
+  Result<PickleValue*> MakeReduce(PickleValue* callable, PickleValue* args);
+  Result<PickleValue*> ParseIntText(std::string_view text, bool allow_bool);
+  Result<PickleValue*> DecodeLong(std::string_view le);
+
+  // --- stack ---
+  size_t fence() const { return marks_.empty() ? 0 : marks_.back(); }
+  Status Push(PickleValue* v) {
+    if (stack_.size() >= lim_.max_container_length)
+      return Fail("stack exceeds " + std::to_string(lim_.max_container_length) + " values");
+    stack_.push_back(v);
+    return Status::OK();
+  }
+  Result<PickleValue*> Pop() {
+    if (stack_.size() <= fence()) return Fail("needs a value on the stack (stack underflow)");
+    PickleValue* v = stack_.back();
+    stack_.pop_back();
+    return v;
+  }
+  Result<PickleValue*> Top() {
+    if (stack_.size() <= fence()) return Fail("needs a value on the stack (stack underflow)");
+    return stack_.back();
+  }
+  Result<std::vector<const PickleValue*>> PopMark() {
+    if (marks_.empty()) return Fail("has no MARK to pop to");
+    size_t m = marks_.back();
+    marks_.pop_back();
+    std::vector<const PickleValue*> items(stack_.begin() + m, stack_.end());
+    stack_.resize(m);
+    return items;
+  }
+  Result<std::vector<PickleDictEntry>> Pairs(const std::vector<const PickleValue*>& items) {
+    if (items.size() % 2) return Fail("has an odd number of items (" + std::to_string(items.size()) + ")");
+    std::vector<PickleDictEntry> out;
+    out.reserve(items.size() / 2);
+    for (size_t i = 0; i < items.size(); i += 2) out.push_back({items[i], items[i + 1]});
+    return out;
+  }
+
+  // --- mutation targets ---
+  static PickleValue* MutableUnwrapped(PickleValue* v) {
+    while (v->kind_ == Kind::kBuild) v = const_cast<PickleValue*>(std::get<PickleValue::Items>(v->body_)[0]);
+    return v;
+  }
+  PickleValue::ObjectItems& ObjectItemsOf(PickleValue* v) {
+    if (!v->object_items_) v->object_items_ = std::make_unique<PickleValue::ObjectItems>();
+    return *v->object_items_;
+  }
+  Status CheckLength(size_t n) const {
+    if (n > lim_.max_container_length)
+      return Fail("container grows past the limit of " + std::to_string(lim_.max_container_length) + " items");
+    return Status::OK();
+  }
+  Status AddListItems(PickleValue* target, const std::vector<const PickleValue*>& items, Kind want);
+  Status AddDictItems(PickleValue* target, const std::vector<PickleDictEntry>& entries);
+  Status Build();
+
+  // --- memo ---
+  Status MemoPut(uint64_t index);
+  Result<PickleValue*> MemoGet(uint64_t index);
+
+  Status Step(bool& done);
+  Status CheckTree(const PickleValue* root);
+
+  std::string_view in_;
+  uint64_t pos_ = 0;
+  uint64_t op_pos_ = 0;
+  uint8_t op_ = 0;
+  const UnpickleLimits& lim_;
+  PickleDocument& doc_;
+  std::deque<PickleValue>& values_;
+  int protocol_ = 0;
+  std::vector<PickleValue*> stack_;
+  std::vector<size_t> marks_;
+  // Picklers number the memo 0, 1, 2, ...: that part is a vector; anything
+  // else (a hostile LONG_BINPUT 4e9) goes to the map, so memory follows the
+  // number of PUTs, not the largest index.
+  std::vector<PickleValue*> memo_dense_;
+  std::unordered_map<uint64_t, PickleValue*> memo_sparse_;
+  uint64_t memo_count_ = 0;
+  std::unordered_set<std::string> unknown_seen_;
+  PickleValue* none_ = nullptr;
+  PickleValue* true_ = nullptr;
+  PickleValue* false_ = nullptr;
+};
+
+Result<PickleValue*> Unpickler::MakeGlobal(std::string_view module, std::string_view name) {
+  if (!IsValidUtf8(module) || !IsValidUtf8(name)) return Fail("name is not valid UTF-8");
+  // Python's fix_imports: protocol 0-2 pickles use Python 2 module names.
+  if (protocol_ < 3) {
+    if (module == "__builtin__") module = "builtins";
+    else if (module == "copy_reg") module = "copyreg";
+  }
+  std::string text;
+  text.reserve(module.size() + name.size());
+  text.append(module).append(name);
+  ASSIGN_OR_RETURN(PickleValue * v, NewText(Kind::kGlobal, std::move(text)));
+  v->int_ = static_cast<int64_t>(module.size());
+  v->flag_ = IsAllowedGlobal(module, name);
+  if (!v->flag_) {
+    std::string full = std::string(module) + "." + std::string(name);
+    if (unknown_seen_.insert(full).second) doc_.unknown_globals_.push_back(std::move(full));
+  }
+  return v;
+}
+
+// Calls whose result is plain data become that data (pickle.h); nothing is
+// called, the arguments are only read. Everything else stays a Reduce node.
+Result<PickleValue*> Unpickler::MakeReduce(PickleValue* callable, PickleValue* args) {
+  const auto* a = args->AsTuple();
+  if (callable->IsGlobal() && a) {
+    if (callable->IsGlobal("collections", "OrderedDict") && a->empty()) {
+      ASSIGN_OR_RETURN(PickleValue * d, NewDict());
+      d->flag_ = true;
+      return d;
+    }
+    bool is_set = callable->IsGlobal("builtins", "set");
+    if (is_set || callable->IsGlobal("builtins", "frozenset")) {
+      Kind k = is_set ? Kind::kSet : Kind::kFrozenSet;
+      if (a->empty()) return NewItems(k, {});
+      if (a->size() == 1 && (*a)[0]->AsSequence()) return NewItems(k, *(*a)[0]->AsSequence());
+    }
+    if (callable->IsGlobal("_codecs", "encode") || callable->IsGlobal("builtins", "bytearray")) {
+      if (a->size() == 2 && (*a)[0]->AsStr() && (*a)[1]->AsStr() &&
+          (*(*a)[1]->AsStr() == "latin1" || *(*a)[1]->AsStr() == "latin-1")) {
+        if (auto bytes = Latin1Encode(*(*a)[0]->AsStr())) return NewText(Kind::kBytes, std::move(*bytes));
+      }
+    }
+    if (callable->IsGlobal("builtins", "bytearray") && a->size() == 1 && (*a)[0]->AsBytes())
+      return NewText(Kind::kBytes, *(*a)[0]->AsBytes());
+    if ((callable->IsGlobal("builtins", "bytes") || callable->IsGlobal("builtins", "bytearray")) &&
+        a->empty())
+      return NewText(Kind::kBytes, "");
+  }
+  return NewItems(Kind::kReduce, {callable, args});
+}
+
+Result<PickleValue*> Unpickler::ParseIntText(std::string_view text, bool allow_bool) {
+  if (allow_bool && text == "00") return Singleton(false_, Kind::kBool, 0);
+  if (allow_bool && text == "01") return Singleton(true_, Kind::kBool, 1);
+  std::string_view digits = text;
+  bool negative = false;
+  if (!digits.empty() && (digits[0] == '-' || digits[0] == '+')) {
+    negative = digits[0] == '-';
+    digits.remove_prefix(1);
+  }
+  if (digits.empty() || digits.find_first_not_of("0123456789") != std::string_view::npos)
+    return Fail("argument '" + std::string(text.substr(0, 40)) + "' is not an integer");
+  int64_t v;
+  std::string signed_digits = (negative ? "-" : "") + std::string(digits);
+  auto r = std::from_chars(signed_digits.data(), signed_digits.data() + signed_digits.size(), v);
+  if (r.ec == std::errc() && r.ptr == signed_digits.data() + signed_digits.size()) return NewInt(v);
+  // Too wide for int64: keep the decimal text (bounded like LONG4).
+  if (digits.size() > lim_.max_bigint_bytes * 3)
+    return Fail("integer of " + std::to_string(digits.size()) + " digits exceeds the limit");
+  size_t nz = digits.find_first_not_of('0');
+  return NewText(Kind::kBigInt, (negative ? "-" : "") + std::string(digits.substr(nz)));
+}
+
+Result<PickleValue*> Unpickler::DecodeLong(std::string_view le) {
+  size_t n = le.size();
+  if (n == 0) return NewInt(0);
+  bool negative = uint8_t(le[n - 1]) & 0x80;
+  // Fits int64 when every byte above the eighth is sign fill and the eighth
+  // byte's top bit agrees with the sign.
+  bool fits = true;
+  if (n > 8) {
+    uint8_t fill = negative ? 0xFF : 0x00;
+    for (size_t i = 8; i < n; ++i)
+      if (uint8_t(le[i]) != fill) fits = false;
+    if (bool(uint8_t(le[7]) & 0x80) != negative) fits = false;
+  }
+  if (!fits) {
+    if (n > lim_.max_bigint_bytes)
+      return Fail("integer of " + std::to_string(n) + " bytes exceeds the limit of " +
+                  std::to_string(lim_.max_bigint_bytes));
+    return NewText(Kind::kBigInt, TwosComplementToDecimal(le));
+  }
+  uint64_t u = negative ? ~uint64_t(0) : 0;
+  size_t m = std::min<size_t>(n, 8);
+  for (size_t i = 0; i < m; ++i) {
+    u &= ~(uint64_t(0xFF) << (8 * i));
+    u |= uint64_t(uint8_t(le[i])) << (8 * i);
+  }
+  return NewInt(static_cast<int64_t>(u));
+}
+
+Status Unpickler::AddListItems(PickleValue* top, const std::vector<const PickleValue*>& items, Kind want) {
+  PickleValue* t = MutableUnwrapped(top);
+  if (t->kind_ == want) {
+    auto& list = std::get<PickleValue::Items>(t->body_);
+    RETURN_IF_ERROR(CheckLength(list.size() + items.size()));
+    list.insert(list.end(), items.begin(), items.end());
+    return Status::OK();
+  }
+  if (t->kind_ == Kind::kReduce || t->kind_ == Kind::kNewObj) {  // a list/set subclass
+    auto& list = ObjectItemsOf(t).list_items;
+    RETURN_IF_ERROR(CheckLength(list.size() + items.size()));
+    list.insert(list.end(), items.begin(), items.end());
+    return Status::OK();
+  }
+  return Fail(std::string("target is a ") + PickleValue::KindName(t->kind_) + ", not a " +
+              PickleValue::KindName(want));
+}
+
+Status Unpickler::AddDictItems(PickleValue* top, const std::vector<PickleDictEntry>& entries) {
+  PickleValue* t = MutableUnwrapped(top);
+  std::vector<PickleDictEntry>* dest = nullptr;
+  if (t->kind_ == Kind::kDict) dest = &std::get<PickleValue::Entries>(t->body_);
+  else if (t->kind_ == Kind::kReduce || t->kind_ == Kind::kNewObj) dest = &ObjectItemsOf(t).dict_items;
+  else return Fail(std::string("target is a ") + PickleValue::KindName(t->kind_) + ", not a dict");
+  RETURN_IF_ERROR(CheckLength(dest->size() + entries.size()));
+  dest->insert(dest->end(), entries.begin(), entries.end());
+  return Status::OK();
+}
+
+// BUILD applies state to the object in place: the object's node becomes a
+// Build whose first operand holds what the node was, so every reference
+// (memo, containers) sees the built object, as Python's in-place
+// __setstate__ would make them.
+Status Unpickler::Build() {
+  ASSIGN_OR_RETURN(PickleValue * state, Pop());
+  ASSIGN_OR_RETURN(PickleValue * obj, Top());
+  const PickleValue& inner = obj->Unwrapped();
+  bool ok = inner.kind_ == Kind::kReduce || inner.kind_ == Kind::kNewObj ||
+            inner.kind_ == Kind::kGlobal || inner.kind_ == Kind::kPersistentId ||
+            (inner.kind_ == Kind::kDict && inner.flag_);
+  // Python fails here too: builtins other than OrderedDict have no __dict__.
+  if (!ok) return Fail(std::string("target is a ") + PickleValue::KindName(inner.kind_) + ", which has no state");
+  ASSIGN_OR_RETURN(PickleValue * moved, New(obj->kind_));
+  moved->flag_ = obj->flag_;
+  moved->int_ = obj->int_;
+  moved->body_ = std::move(obj->body_);
+  moved->object_items_ = std::move(obj->object_items_);
+  obj->kind_ = Kind::kBuild;
+  obj->flag_ = false;
+  obj->int_ = 0;
+  obj->body_ = PickleValue::Items{moved, state};
+  obj->object_items_.reset();
+  return Status::OK();
+}
+
+Status Unpickler::MemoPut(uint64_t index) {
+  ASSIGN_OR_RETURN(PickleValue * v, Top());
+  PickleValue** slot = nullptr;
+  if (index < memo_dense_.size()) {
+    slot = &memo_dense_[index];
+  } else if (auto it = memo_sparse_.find(index); it != memo_sparse_.end()) {
+    slot = &it->second;
+  }
+  if (slot && *slot) {
+    *slot = v;
+    return Status::OK();
+  }
+  if (memo_count_ >= lim_.max_memo_entries)
+    return Fail("memo exceeds " + std::to_string(lim_.max_memo_entries) + " entries");
+  ++memo_count_;
+  if (slot) *slot = v;
+  else if (index == memo_dense_.size()) memo_dense_.push_back(v);
+  else memo_sparse_[index] = v;
+  return Status::OK();
+}
+
+Result<PickleValue*> Unpickler::MemoGet(uint64_t index) {
+  PickleValue* v = nullptr;
+  if (index < memo_dense_.size()) v = memo_dense_[index];
+  else if (auto it = memo_sparse_.find(index); it != memo_sparse_.end()) v = it->second;
+  if (!v) return Fail("memo index " + std::to_string(index) + " is unset");
+  return v;
+}
+
+Status Unpickler::Step(bool& done) {
+  op_pos_ = pos_;
+  op_ = uint8_t(in_[pos_++]);
+  switch (op_) {
+    // --- framing and protocol ---
+    case PROTO: {
+      ASSIGN_OR_RETURN(uint64_t p, ReadUint(1));
+      if (p > 5) return Fail("protocol " + std::to_string(p) + " is newer than 5");
+      protocol_ = int(p);
+      doc_.protocol_ = protocol_;
+      return Status::OK();
+    }
+    case FRAME: {  // a read-ahead hint; only its length is checked
+      ASSIGN_OR_RETURN(uint64_t n, ReadUint(8));
+      if (n > remaining())
+        return Fail("length " + std::to_string(n) + " exceeds remaining " + std::to_string(remaining()) + " bytes");
+      return Status::OK();
+    }
+    case STOP: {
+      ASSIGN_OR_RETURN(PickleValue * v, Pop());
+      doc_.root_ = v;
+      doc_.end_offset_ = pos_;
+      done = true;
+      return Status::OK();
+    }
+
+    // --- stack manipulation ---
+    case MARK:
+      if (marks_.size() >= lim_.max_depth)
+        return Fail("nesting exceeds the limit of " + std::to_string(lim_.max_depth) + " marks");
+      marks_.push_back(stack_.size());
+      return Status::OK();
+    case POP:
+      // As CPython: POP right after MARK discards the mark.
+      if (!marks_.empty() && marks_.back() == stack_.size()) {
+        marks_.pop_back();
+        return Status::OK();
+      }
+      return Pop().status();
+    case POP_MARK:
+      return PopMark().status();
+    case DUP: {
+      ASSIGN_OR_RETURN(PickleValue * v, Top());
+      return Push(v);
+    }
+
+    // --- scalars ---
+    case NONE: {
+      ASSIGN_OR_RETURN(PickleValue * v, Singleton(none_, Kind::kNone, 0));
+      return Push(v);
+    }
+    case NEWTRUE: {
+      ASSIGN_OR_RETURN(PickleValue * v, Singleton(true_, Kind::kBool, 1));
+      return Push(v);
+    }
+    case NEWFALSE: {
+      ASSIGN_OR_RETURN(PickleValue * v, Singleton(false_, Kind::kBool, 0));
+      return Push(v);
+    }
+    case BININT: {
+      ASSIGN_OR_RETURN(uint64_t u, ReadUint(4));
+      ASSIGN_OR_RETURN(PickleValue * v, NewInt(static_cast<int32_t>(static_cast<uint32_t>(u))));
+      return Push(v);
+    }
+    case BININT1:
+    case BININT2: {
+      ASSIGN_OR_RETURN(uint64_t u, ReadUint(op_ == BININT1 ? 1 : 2));
+      ASSIGN_OR_RETURN(PickleValue * v, NewInt(static_cast<int64_t>(u)));
+      return Push(v);
+    }
+    case INT:
+    case LONG: {
+      ASSIGN_OR_RETURN(std::string_view line, ReadLine());
+      if (op_ == LONG && !line.empty() && line.back() == 'L') line.remove_suffix(1);
+      ASSIGN_OR_RETURN(PickleValue * v, ParseIntText(line, op_ == INT));
+      return Push(v);
+    }
+    case LONG1:
+    case LONG4: {
+      uint64_t n;
+      if (op_ == LONG1) {
+        ASSIGN_OR_RETURN(n, ReadUint(1));
+      } else {
+        ASSIGN_OR_RETURN(uint64_t u, ReadUint(4));
+        if (static_cast<int32_t>(static_cast<uint32_t>(u)) < 0) return Fail("byte count is negative");
+        n = u;
+      }
+      ASSIGN_OR_RETURN(std::string_view bytes, Take(n, "length " + std::to_string(n)));
+      ASSIGN_OR_RETURN(PickleValue * v, DecodeLong(bytes));
+      return Push(v);
+    }
+    case BINFLOAT: {
+      ASSIGN_OR_RETURN(std::string_view s, Take(8, "argument of 8 bytes"));
+      uint64_t bits = 0;
+      for (char c : s) bits = (bits << 8) | uint8_t(c);  // big-endian
+      ASSIGN_OR_RETURN(PickleValue * v, New(Kind::kFloat));
+      v->int_ = static_cast<int64_t>(bits);
+      return Push(v);
+    }
+    case FLOAT: {
+      ASSIGN_OR_RETURN(std::string_view line, ReadLine());
+      while (!line.empty() && (line.back() == ' ' || line.back() == '\r')) line.remove_suffix(1);
+      while (!line.empty() && line.front() == ' ') line.remove_prefix(1);
+      double d = 0;
+      auto r = std::from_chars(line.data(), line.data() + line.size(), d);
+      if (line.empty() || r.ec != std::errc() || r.ptr != line.data() + line.size())
+        return Fail("argument '" + std::string(line.substr(0, 40)) + "' is not a float");
+      ASSIGN_OR_RETURN(PickleValue * v, New(Kind::kFloat));
+      v->int_ = std::bit_cast<int64_t>(d);
+      return Push(v);
+    }
+
+    // --- strings and bytes ---
+    case SHORT_BINUNICODE:
+    case BINUNICODE:
+    case BINUNICODE8: {
+      ASSIGN_OR_RETURN(uint64_t n, ReadUint(op_ == SHORT_BINUNICODE ? 1 : op_ == BINUNICODE ? 4 : 8));
+      ASSIGN_OR_RETURN(std::string_view s, ReadCounted(n));
+      ASSIGN_OR_RETURN(PickleValue * v, NewStr(s));
+      return Push(v);
+    }
+    case SHORT_BINSTRING:
+    case BINSTRING: {  // Python 2 str; torch reads these as UTF-8 text
+      uint64_t n;
+      if (op_ == SHORT_BINSTRING) {
+        ASSIGN_OR_RETURN(n, ReadUint(1));
+      } else {
+        ASSIGN_OR_RETURN(uint64_t u, ReadUint(4));
+        if (static_cast<int32_t>(static_cast<uint32_t>(u)) < 0) return Fail("byte count is negative");
+        n = u;
+      }
+      ASSIGN_OR_RETURN(std::string_view s, ReadCounted(n));
+      ASSIGN_OR_RETURN(PickleValue * v, NewStr(s));
+      return Push(v);
+    }
+    case SHORT_BINBYTES:
+    case BINBYTES:
+    case BINBYTES8:
+    case BYTEARRAY8: {
+      ASSIGN_OR_RETURN(uint64_t n, ReadUint(op_ == SHORT_BINBYTES ? 1 : op_ == BINBYTES ? 4 : 8));
+      ASSIGN_OR_RETURN(std::string_view s, ReadCounted(n));
+      ASSIGN_OR_RETURN(PickleValue * v, NewText(Kind::kBytes, std::string(s)));
+      return Push(v);
+    }
+    case STRING: {  // repr() of a Python 2 str: quoted, backslash escapes
+      ASSIGN_OR_RETURN(std::string_view line, ReadLine());
+      while (!line.empty() && (line.back() == ' ' || line.back() == '\r')) line.remove_suffix(1);
+      if (line.size() < 2 || (line[0] != '\'' && line[0] != '"') || line.back() != line[0])
+        return Fail("argument is not a quoted string");
+      line = line.substr(1, line.size() - 2);
+      std::string out;
+      for (size_t i = 0; i < line.size(); ++i) {
+        if (line[i] != '\\' || i + 1 == line.size()) {
+          out.push_back(line[i]);
+          continue;
+        }
+        char e = line[++i];
+        switch (e) {
+          case 'n': out.push_back('\n'); break;
+          case 't': out.push_back('\t'); break;
+          case 'r': out.push_back('\r'); break;
+          case 'a': out.push_back('\a'); break;
+          case 'b': out.push_back('\b'); break;
+          case 'f': out.push_back('\f'); break;
+          case 'v': out.push_back('\v'); break;
+          case '\n': break;
+          case '\\': out.push_back('\\'); break;
+          case '\'': out.push_back('\''); break;
+          case '"': out.push_back('"'); break;
+          case 'x': {
+            int h = i + 2 < line.size() ? HexValue(line[i + 1]) : -1;
+            int l = h >= 0 ? HexValue(line[i + 2]) : -1;
+            if (l < 0) return Fail("has a bad \\x escape");
+            out.push_back(char(h * 16 + l));
+            i += 2;
+            break;
+          }
+          default:
+            if (e >= '0' && e <= '7') {
+              int v = e - '0';
+              for (int k = 0; k < 2 && i + 1 < line.size() && line[i + 1] >= '0' && line[i + 1] <= '7'; ++k)
+                v = v * 8 + (line[++i] - '0');
+              out.push_back(char(v & 0xFF));
+            } else {  // unknown escapes are kept, as Python does
+              out.push_back('\\');
+              out.push_back(e);
+            }
+        }
+      }
+      ASSIGN_OR_RETURN(PickleValue * v, NewStr(out));
+      return Push(v);
+    }
+    case UNICODE: {  // raw-unicode-escape: latin-1 bytes plus \uXXXX, \UXXXXXXXX
+      ASSIGN_OR_RETURN(std::string_view line, ReadLine());
+      std::string out;
+      for (size_t i = 0; i < line.size(); ++i) {
+        size_t digits = 0;
+        if (line[i] == '\\' && i + 1 < line.size()) digits = line[i + 1] == 'u' ? 4 : line[i + 1] == 'U' ? 8 : 0;
+        if (!digits) {
+          AppendUtf8(out, uint8_t(line[i]));
+          continue;
+        }
+        if (i + 2 + digits > line.size()) return Fail("has a truncated \\u escape");
+        uint32_t cp = 0;
+        for (size_t k = 0; k < digits; ++k) {
+          int h = HexValue(line[i + 2 + k]);
+          if (h < 0) return Fail("has a bad \\u escape");
+          cp = cp * 16 + h;
+        }
+        if (cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return Fail("escapes an invalid code point");
+        AppendUtf8(out, cp);
+        i += 1 + digits;
+      }
+      ASSIGN_OR_RETURN(PickleValue * v, NewText(Kind::kStr, std::move(out)));
+      return Push(v);
+    }
+
+    // --- containers ---
+    case EMPTY_TUPLE: {
+      ASSIGN_OR_RETURN(PickleValue * v, NewItems(Kind::kTuple, {}));
+      return Push(v);
+    }
+    case TUPLE1:
+    case TUPLE2:
+    case TUPLE3: {
+      size_t n = op_ - TUPLE1 + 1;
+      std::vector<const PickleValue*> items(n);
+      for (size_t i = n; i-- > 0;) {
+        ASSIGN_OR_RETURN(items[i], Pop());
+      }
+      ASSIGN_OR_RETURN(PickleValue * v, NewItems(Kind::kTuple, std::move(items)));
+      return Push(v);
+    }
+    case TUPLE:
+    case LIST:
+    case FROZENSET: {
+      ASSIGN_OR_RETURN(auto items, PopMark());
+      Kind k = op_ == TUPLE ? Kind::kTuple : op_ == LIST ? Kind::kList : Kind::kFrozenSet;
+      ASSIGN_OR_RETURN(PickleValue * v, NewItems(k, std::move(items)));
+      return Push(v);
+    }
+    case EMPTY_LIST:
+    case EMPTY_SET: {
+      ASSIGN_OR_RETURN(PickleValue * v, NewItems(op_ == EMPTY_LIST ? Kind::kList : Kind::kSet, {}));
+      return Push(v);
+    }
+    case EMPTY_DICT: {
+      ASSIGN_OR_RETURN(PickleValue * v, NewDict());
+      return Push(v);
+    }
+    case DICT: {
+      ASSIGN_OR_RETURN(auto items, PopMark());
+      ASSIGN_OR_RETURN(auto entries, Pairs(items));
+      RETURN_IF_ERROR(CheckLength(entries.size()));
+      ASSIGN_OR_RETURN(PickleValue * v, NewDict());
+      std::get<PickleValue::Entries>(v->body_) = std::move(entries);
+      return Push(v);
+    }
+    case APPEND: {
+      ASSIGN_OR_RETURN(PickleValue * item, Pop());
+      ASSIGN_OR_RETURN(PickleValue * target, Top());
+      return AddListItems(target, {item}, Kind::kList);
+    }
+    case APPENDS:
+    case ADDITEMS: {
+      ASSIGN_OR_RETURN(auto items, PopMark());
+      ASSIGN_OR_RETURN(PickleValue * target, Top());
+      return AddListItems(target, items, op_ == APPENDS ? Kind::kList : Kind::kSet);
+    }
+    case SETITEM: {
+      ASSIGN_OR_RETURN(PickleValue * value, Pop());
+      ASSIGN_OR_RETURN(PickleValue * key, Pop());
+      ASSIGN_OR_RETURN(PickleValue * target, Top());
+      return AddDictItems(target, {{key, value}});
+    }
+    case SETITEMS: {
+      ASSIGN_OR_RETURN(auto items, PopMark());
+      ASSIGN_OR_RETURN(auto entries, Pairs(items));
+      ASSIGN_OR_RETURN(PickleValue * target, Top());
+      return AddDictItems(target, entries);
+    }
+
+    // --- memo ---
+    case PUT: {
+      ASSIGN_OR_RETURN(std::string_view line, ReadLine());
+      uint64_t index;
+      auto r = std::from_chars(line.data(), line.data() + line.size(), index);
+      if (line.empty() || r.ec != std::errc() || r.ptr != line.data() + line.size())
+        return Fail("argument is not a memo index");
+      return MemoPut(index);
+    }
+    case BINPUT:
+    case LONG_BINPUT: {
+      ASSIGN_OR_RETURN(uint64_t index, ReadUint(op_ == BINPUT ? 1 : 4));
+      return MemoPut(index);
+    }
+    case MEMOIZE:
+      return MemoPut(memo_count_);
+    case GET: {
+      ASSIGN_OR_RETURN(std::string_view line, ReadLine());
+      uint64_t index;
+      auto r = std::from_chars(line.data(), line.data() + line.size(), index);
+      if (line.empty() || r.ec != std::errc() || r.ptr != line.data() + line.size())
+        return Fail("argument is not a memo index");
+      ASSIGN_OR_RETURN(PickleValue * v, MemoGet(index));
+      return Push(v);
+    }
+    case BINGET:
+    case LONG_BINGET: {
+      ASSIGN_OR_RETURN(uint64_t index, ReadUint(op_ == BINGET ? 1 : 4));
+      ASSIGN_OR_RETURN(PickleValue * v, MemoGet(index));
+      return Push(v);
+    }
+
+    // --- objects: recorded, never imported or called ---
+    case GLOBAL: {
+      ASSIGN_OR_RETURN(std::string_view module, ReadLine());
+      ASSIGN_OR_RETURN(std::string_view name, ReadLine());
+      ASSIGN_OR_RETURN(PickleValue * v, MakeGlobal(module, name));
+      return Push(v);
+    }
+    case STACK_GLOBAL: {
+      ASSIGN_OR_RETURN(PickleValue * name, Pop());
+      ASSIGN_OR_RETURN(PickleValue * module, Pop());
+      if (!name->AsStr() || !module->AsStr()) return Fail("needs two str values");
+      ASSIGN_OR_RETURN(PickleValue * v, MakeGlobal(*module->AsStr(), *name->AsStr()));
+      return Push(v);
+    }
+    case REDUCE: {
+      ASSIGN_OR_RETURN(PickleValue * args, Pop());
+      ASSIGN_OR_RETURN(PickleValue * callable, Pop());
+      ASSIGN_OR_RETURN(PickleValue * v, MakeReduce(callable, args));
+      return Push(v);
+    }
+    case NEWOBJ: {
+      ASSIGN_OR_RETURN(PickleValue * args, Pop());
+      ASSIGN_OR_RETURN(PickleValue * cls, Pop());
+      ASSIGN_OR_RETURN(PickleValue * v, NewItems(Kind::kNewObj, {cls, args}));
+      return Push(v);
+    }
+    case NEWOBJ_EX: {
+      ASSIGN_OR_RETURN(PickleValue * kwargs, Pop());
+      ASSIGN_OR_RETURN(PickleValue * args, Pop());
+      ASSIGN_OR_RETURN(PickleValue * cls, Pop());
+      ASSIGN_OR_RETURN(PickleValue * v, NewItems(Kind::kNewObj, {cls, args, kwargs}));
+      return Push(v);
+    }
+    case BUILD:
+      return Build();
+    case BINPERSID: {
+      ASSIGN_OR_RETURN(PickleValue * pid, Pop());
+      ASSIGN_OR_RETURN(PickleValue * v, NewItems(Kind::kPersistentId, {pid}));
+      return Push(v);
+    }
+    case PERSID: {
+      ASSIGN_OR_RETURN(std::string_view line, ReadLine());
+      ASSIGN_OR_RETURN(PickleValue * pid, NewStr(line));
+      ASSIGN_OR_RETURN(PickleValue * v, NewItems(Kind::kPersistentId, {pid}));
+      return Push(v);
+    }
+
+    // --- refused ---
+    case INST:
+    case OBJ:
+      return Refuse("protocol 0/1 object construction imports and calls a class");
+    case EXT1:
+    case EXT2:
+    case EXT4:
+      return Refuse("extension codes name callables from the copyreg registry");
+    case NEXT_BUFFER:
+    case READONLY_BUFFER:
+      return Refuse("out-of-band buffers are not supported");
+  }
+  static const char kHex[] = "0123456789abcdef";
+  return Status::Corruption("pickle: offset " + std::to_string(op_pos_) + ": unknown opcode 0x" +
+                            kHex[op_ >> 4] + kHex[op_ & 15]);
+}
+
+// Acyclic, no deeper than max_depth, at most max_tree_values when shared
+// values are counted once per reference. One iterative depth-first pass,
+// linear in values plus references.
+Status Unpickler::CheckTree(const PickleValue* root) {
+  enum : uint8_t { kWhite, kGrey, kBlack };
+  const uint64_t cap = lim_.max_tree_values;
+  std::vector<uint8_t> color(values_.size(), kWhite);
+  std::vector<uint32_t> height(values_.size(), 0);
+  std::vector<uint64_t> size(values_.size(), 0);
+  struct Frame {
+    const PickleValue* v;
+    size_t next;
+  };
+  std::vector<Frame> path{{root, 0}};
+  color[root->index_] = kGrey;
+  auto fail = [](const std::string& what) { return Status::Corruption("pickle: " + what); };
+  while (!path.empty()) {
+    Frame& f = path.back();
+    if (f.next < f.v->ChildCount()) {
+      const PickleValue* c = f.v->Child(f.next++);
+      if (color[c->index_] == kGrey) return fail("value refers to itself (reference cycle through the memo)");
+      if (color[c->index_] == kWhite) {
+        if (path.size() >= lim_.max_depth)
+          return fail("values nest deeper than the limit of " + std::to_string(lim_.max_depth));
+        color[c->index_] = kGrey;
+        path.push_back({c, 0});
+      }
+      continue;
+    }
+    uint32_t h = 0;
+    uint64_t s = 1;
+    for (size_t i = 0, n = f.v->ChildCount(); i < n; ++i) {
+      const PickleValue* c = f.v->Child(i);
+      h = std::max(h, height[c->index_]);
+      s = std::min(cap + 1, s + size[c->index_]);
+    }
+    if (h + 1 > lim_.max_depth)
+      return fail("values nest deeper than the limit of " + std::to_string(lim_.max_depth));
+    if (s > cap)
+      return fail("value tree expands to more than " + std::to_string(cap) +
+                  " values through shared references");
+    height[f.v->index_] = h + 1;
+    size[f.v->index_] = s;
+    color[f.v->index_] = kBlack;
+    path.pop_back();
+  }
+  return Status::OK();
+}
+
+Status Unpickler::Run() {
+  if (in_.size() > lim_.max_input_bytes)
+    return Status::Corruption("pickle: input of " + std::to_string(in_.size()) + " bytes exceeds the limit of " +
+                              std::to_string(lim_.max_input_bytes));
+  bool done = false;
+  while (!done) {
+    if (pos_ >= in_.size())
+      return Status::Corruption("pickle: offset " + std::to_string(pos_) +
+                                ": input ends before the STOP opcode (truncated)");
+    RETURN_IF_ERROR(Step(done));
+  }
+  return CheckTree(doc_.root_);
+}
+
+Result<std::unique_ptr<const PickleDocument>> Unpickle(std::string_view bytes, const UnpickleLimits& limits) {
+  auto doc = std::make_unique<PickleDocument>();
+  Unpickler u(bytes, limits, *doc);
+  RETURN_IF_ERROR(u.Run());
+  return std::unique_ptr<const PickleDocument>(std::move(doc));
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,542 @@
+// How torch.save archives are read (what and why: torch_zip.h).
+//
+// Zip layout reference: PKWARE APPNOTE.TXT 6.3 (sections 4.3.7 local header,
+// 4.3.12 central directory header, 4.3.14-16 zip64 end records, 4.5.3 zip64
+// extra field). All offsets inside the zip are relative to `base`.
+#include "indexer/torch_zip.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <set>
+#include <unordered_map>
+
+#include "indexer/posix_io.h"
+
+namespace ckptfs {
+namespace {
+
+constexpr uint32_t kLocalSig = 0x04034b50;
+constexpr uint32_t kCentralSig = 0x02014b50;
+constexpr uint32_t kEocdSig = 0x06054b50;
+constexpr uint32_t kZip64EocdSig = 0x06064b50;
+constexpr uint32_t kZip64LocatorSig = 0x07064b50;
+constexpr uint64_t kEocdSize = 22;
+constexpr uint64_t kZip64LocatorSize = 20;
+constexpr uint64_t kZip64EocdSize = 56;
+constexpr uint64_t kCentralHeaderSize = 46;
+constexpr uint64_t kLocalHeaderSize = 30;
+constexpr uint64_t kMaxCommentSize = 0xFFFF;
+
+uint64_t Le(std::string_view s, size_t at, int bytes) {
+  uint64_t v = 0;
+  for (int i = bytes; i-- > 0;) v = (v << 8) | uint8_t(s[at + i]);
+  return v;
+}
+
+// Reads [rel, rel + len) of the zip (callers check the range). The last
+// 64 KiB, read first to find the end record, is kept: it usually holds the
+// central directory too, and all of a small archive (a DCP item), so most
+// reads cost no syscall.
+class RangeReader {
+ public:
+  RangeReader(int fd, uint64_t base, uint64_t length, const std::string& what)
+      : fd_(fd), base_(base), length_(length), what_(what) {}
+
+  Status LoadTail(uint64_t len) {
+    tail_start_ = length_ - len;
+    tail_.assign(len, '\0');
+    return PreadFull(fd_, tail_.data(), len, base_ + tail_start_, what_);
+  }
+  const std::string& tail() const { return tail_; }
+  uint64_t tail_start() const { return tail_start_; }
+
+  Result<std::string> Read(uint64_t rel, uint64_t len) const {
+    if (rel >= tail_start_ && rel - tail_start_ <= tail_.size() && len <= tail_.size() - (rel - tail_start_))
+      return tail_.substr(rel - tail_start_, len);
+    std::string out(len, '\0');
+    RETURN_IF_ERROR(PreadFull(fd_, out.data(), len, base_ + rel, what_));
+    return out;
+  }
+
+ private:
+  int fd_;
+  uint64_t base_, length_;
+  const std::string& what_;
+  std::string tail_;
+  uint64_t tail_start_ = 0;
+};
+
+// a + b <= limit without overflow.
+bool FitsWithin(uint64_t a, uint64_t b, uint64_t limit) { return a <= limit && b <= limit - a; }
+
+}  // namespace
+
+const ZipEntry* ZipDirectory::Find(std::string_view name) const {
+  for (const auto& e : entries)
+    if (e.name == name) return &e;
+  return nullptr;
+}
+
+namespace {
+
+Result<ZipDirectory> ReadDirectory(RangeReader& in, uint64_t base, uint64_t length, const std::string& what,
+                                   const TorchZipLimits& limits) {
+  auto corrupt = [&](const std::string& m) { return Status::Corruption(what + ": zip: " + m); };
+  if (base + length < base) return Status::InvalidArgument(what + ": zip: range overflows");
+  if (length < kEocdSize)
+    return corrupt(std::to_string(length) + " bytes is too short for an end-of-central-directory record");
+
+  // The EOCD is the last 22 bytes unless a comment (<= 64 KiB) follows it;
+  // like Python's zipfile, take the last signature whose comment fits.
+  uint64_t tail_len = std::min<uint64_t>(length, kEocdSize + kMaxCommentSize);
+  uint64_t tail_start = length - tail_len;
+  RETURN_IF_ERROR(in.LoadTail(tail_len));
+  const std::string& tail = in.tail();
+  std::optional<uint64_t> found;
+  for (uint64_t i = tail_len - kEocdSize + 1; i-- > 0;) {
+    if (Le(tail, i, 4) == kEocdSig && i + kEocdSize + Le(tail, i + 20, 2) <= tail_len) {
+      found = i;
+      break;
+    }
+  }
+  if (!found) return corrupt("no end-of-central-directory record (not a zip, or truncated)");
+  uint64_t eocd = tail_start + *found;
+  std::string_view e(tail.data() + *found, kEocdSize);
+  uint64_t disk = Le(e, 4, 2), cd_disk = Le(e, 6, 2);
+  uint64_t count = Le(e, 10, 2), cd_size = Le(e, 12, 4), cd_offset = Le(e, 16, 4);
+  uint64_t cd_limit = eocd;  // the directory must end before the end records
+
+  // zip64: a locator right before the EOCD points at the zip64 EOCD record,
+  // whose 64-bit fields replace the saturated 16/32-bit ones.
+  if (eocd >= kZip64LocatorSize) {
+    ASSIGN_OR_RETURN(std::string loc, in.Read(eocd - kZip64LocatorSize, kZip64LocatorSize));
+    if (Le(loc, 0, 4) == kZip64LocatorSig) {
+      uint64_t rec = Le(loc, 8, 8);
+      uint64_t loc_start = eocd - kZip64LocatorSize;
+      if (!FitsWithin(rec, kZip64EocdSize, loc_start))
+        return corrupt("zip64 end record at " + std::to_string(rec) + " lies outside the archive");
+      ASSIGN_OR_RETURN(std::string z, in.Read(rec, kZip64EocdSize));
+      if (Le(z, 0, 4) != kZip64EocdSig) return corrupt("zip64 locator does not point at a zip64 end record");
+      disk = Le(z, 16, 4);
+      cd_disk = Le(z, 20, 4);
+      count = Le(z, 32, 8);
+      cd_size = Le(z, 40, 8);
+      cd_offset = Le(z, 48, 8);
+      cd_limit = rec;
+    }
+  }
+  if (disk != 0 || cd_disk != 0) return Status::NotSupported(what + ": zip: multi-disk archives are not supported");
+  if (!FitsWithin(cd_offset, cd_size, cd_limit))
+    return corrupt("central directory [" + std::to_string(cd_offset) + ", +" + std::to_string(cd_size) +
+                   ") lies outside the archive (directory must end by " + std::to_string(cd_limit) + ")");
+  if (cd_size > limits.max_central_directory_bytes)
+    return corrupt("central directory of " + std::to_string(cd_size) + " bytes exceeds the limit of " +
+                   std::to_string(limits.max_central_directory_bytes));
+  if (count > limits.max_entries)
+    return corrupt(std::to_string(count) + " entries exceed the limit of " + std::to_string(limits.max_entries));
+  if (count > cd_size / kCentralHeaderSize)
+    return corrupt(std::to_string(count) + " entries cannot fit in a " + std::to_string(cd_size) +
+                   "-byte central directory");
+  ASSIGN_OR_RETURN(std::string cd, in.Read(cd_offset, cd_size));
+
+  ZipDirectory dir;
+  dir.entries.reserve(count);
+  std::set<std::string_view> names;
+  uint64_t at = 0;
+  for (uint64_t n = 0; n < count; ++n) {
+    std::string where = "central directory entry " + std::to_string(n);
+    if (cd_size - at < kCentralHeaderSize || Le(cd, at, 4) != kCentralSig)
+      return corrupt(where + " at " + std::to_string(cd_offset + at) + " is truncated or has a bad signature");
+    uint64_t flags = Le(cd, at + 8, 2), method = Le(cd, at + 10, 2);
+    uint64_t crc = Le(cd, at + 16, 4), csize = Le(cd, at + 20, 4), usize = Le(cd, at + 24, 4);
+    uint64_t name_len = Le(cd, at + 28, 2), extra_len = Le(cd, at + 30, 2), comment_len = Le(cd, at + 32, 2);
+    uint64_t start_disk = Le(cd, at + 34, 2), local = Le(cd, at + 42, 4);
+    uint64_t var_len = name_len + extra_len + comment_len;
+    if (cd_size - at - kCentralHeaderSize < var_len) return corrupt(where + " runs past the central directory");
+    std::string name = cd.substr(at + kCentralHeaderSize, name_len);
+    std::string_view extra(cd.data() + at + kCentralHeaderSize + name_len, extra_len);
+    where = "entry '" + name + "'";
+
+    // zip64 extended information: present fields replace saturated ones, in
+    // the order uncompressed size, compressed size, local offset, disk.
+    for (size_t x = 0; x + 4 <= extra.size();) {
+      uint64_t id = Le(extra, x, 2), len = Le(extra, x + 2, 2);
+      if (x + 4 + len > extra.size()) return corrupt(where + ": extra field runs past its header");
+      if (id == 0x0001) {
+        std::string_view z = extra.substr(x + 4, len);
+        size_t p = 0;
+        auto take = [&](uint64_t& field, uint64_t saturated, int bytes) -> bool {
+          if (field != saturated) return true;
+          if (p + bytes > z.size()) return false;
+          field = Le(z, p, bytes);
+          p += bytes;
+          return true;
+        };
+        if (!take(usize, 0xFFFFFFFF, 8) || !take(csize, 0xFFFFFFFF, 8) || !take(local, 0xFFFFFFFF, 8) ||
+            !take(start_disk, 0xFFFF, 4))
+          return corrupt(where + ": zip64 extra field is too short");
+      }
+      x += 4 + len;
+    }
+    if (flags & 1) return Status::NotSupported(what + ": zip: " + where + " is encrypted");
+    if (method != 0)
+      return Status::NotSupported(what + ": zip: " + where + " is compressed (method " + std::to_string(method) +
+                                  "); torch.save archives store entries uncompressed");
+    if (csize != usize)
+      return corrupt(where + " is stored but its sizes differ (" + std::to_string(csize) + " vs " +
+                     std::to_string(usize) + ")");
+    if (start_disk != 0) return Status::NotSupported(what + ": zip: " + where + " is on another disk");
+    if (!names.insert(std::string_view(cd.data() + at + kCentralHeaderSize, name_len)).second)
+      return corrupt("duplicate " + where);
+
+    // The local header's name and extra lengths (the extra carries torch's
+    // alignment padding) locate the data; its sizes are zero and unused.
+    if (!FitsWithin(local, kLocalHeaderSize + name_len, cd_offset))
+      return corrupt(where + ": local header at " + std::to_string(local) + " lies outside the archive");
+    ASSIGN_OR_RETURN(std::string lh, in.Read(local, kLocalHeaderSize + name_len));
+    if (Le(lh, 0, 4) != kLocalSig) return corrupt(where + ": bad local header signature at " + std::to_string(local));
+    if (Le(lh, 26, 2) != name_len || lh.compare(kLocalHeaderSize, name_len, name) != 0)
+      return corrupt(where + ": local header names a different entry");
+    uint64_t data = local + kLocalHeaderSize + name_len + Le(lh, 28, 2);
+    if (!FitsWithin(data, usize, cd_offset))
+      return corrupt(where + ": data [" + std::to_string(data) + ", +" + std::to_string(usize) +
+                     ") lies outside the archive");
+    dir.entries.push_back({std::move(name), base + data, usize, static_cast<uint32_t>(crc)});
+    at += kCentralHeaderSize + var_len;
+  }
+  return dir;
+}
+
+}  // namespace
+
+Result<ZipDirectory> ReadZipDirectory(int fd, uint64_t base, uint64_t length, const std::string& what,
+                                      const TorchZipLimits& limits) {
+  RangeReader in(fd, base, length, what);
+  return ReadDirectory(in, base, length, what, limits);
+}
+
+// ---------------------------------------------------------------------------
+// dtypes
+
+namespace {
+
+struct NamedDType {
+  std::string_view name;
+  DType dtype;
+};
+
+constexpr NamedDType kTorchDTypes[] = {
+    {"float32", DType::kF32},       {"float", DType::kF32},        {"float64", DType::kF64},
+    {"double", DType::kF64},        {"float16", DType::kF16},      {"half", DType::kF16},
+    {"bfloat16", DType::kBF16},     {"int64", DType::kI64},        {"long", DType::kI64},
+    {"int32", DType::kI32},         {"int", DType::kI32},          {"int16", DType::kI16},
+    {"short", DType::kI16},         {"int8", DType::kI8},          {"uint8", DType::kU8},
+    {"bool", DType::kBOOL},         {"uint16", DType::kU16},       {"uint32", DType::kU32},
+    {"uint64", DType::kU64},        {"float8_e4m3fn", DType::kF8_E4M3},
+    {"float8_e5m2", DType::kF8_E5M2}, {"float8_e8m0fnu", DType::kF8_E8M0},
+    {"complex64", DType::kC64},     {"cfloat", DType::kC64},
+};
+
+// Typed storage classes, and the canonical torch name of their dtype.
+struct StorageDType {
+  std::string_view cls;
+  DType dtype;
+  std::string_view torch_name;
+};
+
+constexpr StorageDType kStorages[] = {
+    {"FloatStorage", DType::kF32, "float32"},     {"DoubleStorage", DType::kF64, "float64"},
+    {"HalfStorage", DType::kF16, "float16"},      {"BFloat16Storage", DType::kBF16, "bfloat16"},
+    {"LongStorage", DType::kI64, "int64"},        {"IntStorage", DType::kI32, "int32"},
+    {"ShortStorage", DType::kI16, "int16"},       {"CharStorage", DType::kI8, "int8"},
+    {"ByteStorage", DType::kU8, "uint8"},         {"BoolStorage", DType::kBOOL, "bool"},
+    {"ComplexFloatStorage", DType::kC64, "complex64"},
+};
+
+}  // namespace
+
+std::optional<DType> DTypeFromTorchName(std::string_view torch_name) {
+  for (const auto& d : kTorchDTypes)
+    if (d.name == torch_name) return d.dtype;
+  return std::nullopt;
+}
+
+std::optional<DType> DTypeFromTorchStorage(std::string_view class_name) {
+  for (const auto& s : kStorages)
+    if (s.cls == class_name) return s.dtype;
+  return std::nullopt;
+}
+
+std::optional<std::vector<uint64_t>> AsShape(const PickleValue& v) {
+  const PickleValue* t = &v;
+  if (const auto* a = v.CallArgs("torch", "Size")) {
+    if (a->size() != 1) return std::nullopt;
+    t = (*a)[0];
+  }
+  const auto* items = t->AsTuple();
+  if (!items) return std::nullopt;
+  std::vector<uint64_t> out;
+  out.reserve(items->size());
+  for (const PickleValue* x : *items) {
+    auto i = x->AsInt();
+    if (!i || *i < 0) return std::nullopt;
+    out.push_back(uint64_t(*i));
+  }
+  return out;
+}
+
+// ---------------------------------------------------------------------------
+// Tensor rebuild calls
+
+namespace {
+
+Status BadTensor(const std::string& m) { return Status::Corruption("torch tensor: " + m); }
+
+// The reach of (shape, strides) from storage_offset, in elements: one past
+// the furthest element; 0 for an empty tensor. nullopt on overflow.
+std::optional<uint64_t> ElementExtent(const std::vector<uint64_t>& shape, const std::vector<uint64_t>& strides,
+                                      uint64_t storage_offset) {
+  unsigned __int128 last = storage_offset;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == 0) return storage_offset;
+    last += (unsigned __int128)(shape[i] - 1) * strides[i];
+    if (last > UINT64_MAX - 1) return std::nullopt;
+  }
+  return uint64_t(last + 1);
+}
+
+Result<std::optional<TorchTensorRef>> MatchCall(const PickleValue* callable, const PickleValue* args_value,
+                                                int depth);
+
+Result<std::optional<TorchTensorRef>> MatchValue(const PickleValue& v, int depth) {
+  const PickleValue& u = v.Unwrapped();
+  if (u.kind() != PickleValue::Kind::kReduce) return std::optional<TorchTensorRef>();
+  return MatchCall(u.callable(), u.args(), depth);
+}
+
+Result<std::optional<TorchTensorRef>> MatchCall(const PickleValue* callable, const PickleValue* args_value,
+                                                int depth) {
+  const auto* args = args_value->AsTuple();
+  if (!callable->IsGlobal() || !args) return std::optional<TorchTensorRef>();
+  // Parameter wrappers hold the tensor as their first argument; the depth
+  // cap only guards against a hostile chain of wrappers.
+  if (callable->IsGlobal("torch._utils", "_rebuild_parameter") ||
+      callable->IsGlobal("torch._utils", "_rebuild_parameter_with_state")) {
+    if (args->empty() || depth > 8) return BadTensor("malformed _rebuild_parameter call");
+    ASSIGN_OR_RETURN(auto inner, MatchValue(*(*args)[0], depth + 1));
+    if (!inner) return BadTensor("_rebuild_parameter data is not a tensor");
+    return inner;
+  }
+  if (callable->IsGlobal("torch._tensor", "_rebuild_from_type_v2")) {
+    // (func, new_type, args, state): func(*args), then the subclass type.
+    if (args->size() < 3 || depth > 8) return BadTensor("malformed _rebuild_from_type_v2 call");
+    return MatchCall((*args)[0], (*args)[2], depth + 1);
+  }
+  bool v2 = callable->IsGlobal("torch._utils", "_rebuild_tensor_v2");
+  bool v3 = callable->IsGlobal("torch._utils", "_rebuild_tensor_v3");
+  bool v1 = callable->IsGlobal("torch._utils", "_rebuild_tensor");
+  if (!v1 && !v2 && !v3) return std::optional<TorchTensorRef>();
+  const char* fn = v3 ? "_rebuild_tensor_v3" : v2 ? "_rebuild_tensor_v2" : "_rebuild_tensor";
+  size_t min_args = v3 ? 7 : v2 ? 6 : 4;
+  if (args->size() < min_args)
+    return BadTensor(std::string(fn) + " has " + std::to_string(args->size()) + " arguments, expected " +
+                     std::to_string(min_args) + " or more");
+
+  // ('storage', storage_type, key, location, numel)
+  const PickleValue* pid = (*args)[0]->pid();
+  const auto* p = pid ? pid->AsTuple() : nullptr;
+  if (!p || p->size() != 5 || !(*p)[0]->AsStr() || *(*p)[0]->AsStr() != "storage")
+    return BadTensor(std::string(fn) + ": storage is not a ('storage', type, key, location, numel) persistent id: " +
+                     (*args)[0]->DebugString(200));
+  const PickleValue* cls = (*p)[1];
+  const std::string* key = (*p)[2]->AsStr();
+  const std::string* location = (*p)[3]->AsStr();
+  auto numel = (*p)[4]->AsInt();
+  if (!cls->IsGlobal() || !key || !location || !numel || *numel < 0)
+    return BadTensor("malformed storage persistent id " + pid->DebugString(200));
+
+  TorchTensorRef ref;
+  ref.storage_key = *key;
+  ref.location = *location;
+  bool untyped = (cls->global_module() == "torch" || cls->global_module() == "torch.storage") &&
+                 cls->global_name() == "UntypedStorage";
+  std::optional<DType> storage_dtype;
+  std::string_view storage_torch_name;
+  if (!untyped) {
+    if (cls->global_module() != "torch")
+      return BadTensor("storage type " + cls->DebugString(200) + " is not a torch storage");
+    for (const auto& s : kStorages)
+      if (s.cls == cls->global_name()) {
+        storage_dtype = s.dtype;
+        storage_torch_name = s.torch_name;
+      }
+    if (!storage_dtype)
+      return Status::NotSupported("torch tensor: storage type torch." + std::string(cls->global_name()) +
+                                  " is not supported");
+  }
+  if (v3) {
+    const PickleValue* d = (*args)[6];
+    if (!d->IsGlobal() || d->global_module() != "torch")
+      return BadTensor("_rebuild_tensor_v3 dtype is not a torch dtype: " + d->DebugString(200));
+    auto dt = DTypeFromTorchName(d->global_name());
+    if (!dt) return Status::NotSupported("torch tensor: dtype torch." + std::string(d->global_name()) + " is not supported");
+    ref.dtype = *dt;
+    ref.torch_dtype = d->global_name();
+  } else {
+    if (untyped) return BadTensor(std::string(fn) + " with an UntypedStorage has no dtype");
+    ref.dtype = *storage_dtype;
+    ref.torch_dtype = storage_torch_name;
+  }
+  // Typed storages count elements of their own type; untyped ones bytes.
+  uint64_t storage_item = untyped ? 1 : DTypeBits(*storage_dtype) / 8;
+  if (uint64_t(*numel) > UINT64_MAX / storage_item) return BadTensor("storage numel overflows");
+  ref.storage_nbytes = uint64_t(*numel) * storage_item;
+
+  auto offset = (*args)[1]->AsInt();
+  if (!offset || *offset < 0) return BadTensor("storage_offset is not a non-negative int");
+  ref.storage_offset = uint64_t(*offset);
+  auto shape = AsShape(*(*args)[2]);
+  auto strides = AsShape(*(*args)[3]);
+  if (!shape || !strides || shape->size() != strides->size())
+    return BadTensor("size " + (*args)[2]->DebugString(200) + " and stride " + (*args)[3]->DebugString(200) +
+                     " are not int tuples of one length");
+  ref.shape = std::move(*shape);
+  ref.strides = std::move(*strides);
+
+  // Every element the view reaches must lie in the storage.
+  uint64_t item = DTypeBits(ref.dtype) / 8;
+  auto extent = ElementExtent(ref.shape, ref.strides, ref.storage_offset);
+  if (!extent || *extent > UINT64_MAX / item || *extent * item > ref.storage_nbytes)
+    return BadTensor("storage_offset " + std::to_string(ref.storage_offset) + " with size " +
+                     (*args)[2]->DebugString(200) + " and stride " + (*args)[3]->DebugString(200) +
+                     " reaches past the storage '" + ref.storage_key + "' of " + std::to_string(ref.storage_nbytes) +
+                     " bytes");
+  return std::optional<TorchTensorRef>(std::move(ref));
+}
+
+std::string PathKey(const PickleValue& key) {
+  if (const std::string* s = key.AsStr()) return *s;
+  if (auto i = key.AsInt()) return std::to_string(*i);
+  return key.DebugString(200);
+}
+
+struct Walker {
+  const std::string& what;
+  const std::string& root;
+  // Entry by name: archives hold thousands of storages.
+  const std::unordered_map<std::string_view, const ZipEntry*>& entries;
+  std::vector<TorchTensorRecord>& out;
+  std::set<std::vector<std::string>> seen;
+  std::vector<std::string> path;
+
+  std::string PathString() const {
+    std::string s;
+    for (const auto& p : path) s += (s.empty() ? "" : "/") + p;
+    return s.empty() ? "(root)" : s;
+  }
+
+  Status Walk(const PickleValue& value) {
+    auto ref = MatchValue(value, 0);
+    if (!ref.ok()) return ref.status().WithContext(what + ": " + PathString());
+    if (*ref) return Add(std::move(**ref));
+    const PickleValue& v = value.Unwrapped();
+    if (const auto* entries = v.AsDict()) {
+      for (const auto& e : *entries) {
+        path.push_back(PathKey(*e.key));
+        RETURN_IF_ERROR(Walk(*e.value));
+        path.pop_back();
+      }
+    } else if (const auto* items = v.AsSequence()) {
+      for (size_t i = 0; i < items->size(); ++i) {
+        path.push_back(std::to_string(i));
+        RETURN_IF_ERROR(Walk(*(*items)[i]));
+        path.pop_back();
+      }
+    }
+    return Status::OK();
+  }
+
+  Status Add(TorchTensorRef ref) {
+    std::string name = root + "/data/" + ref.storage_key;
+    auto it = entries.find(name);
+    const ZipEntry* e = it == entries.end() ? nullptr : it->second;
+    if (!e) return Status::Corruption(what + ": " + PathString() + ": storage entry '" + name + "' is missing");
+    if (e->size < ref.storage_nbytes)
+      return Status::Corruption(what + ": " + PathString() + ": storage '" + name + "' declares " +
+                                std::to_string(ref.storage_nbytes) + " bytes but the entry holds " +
+                                std::to_string(e->size));
+    if (!seen.insert(path).second) return Status::Corruption(what + ": duplicate tensor path " + PathString());
+    uint64_t skip = ref.storage_offset * (DTypeBits(ref.dtype) / 8);  // <= storage_nbytes (checked)
+    TorchTensorRecord r;
+    r.path = path;
+    r.dtype = ref.dtype;
+    r.torch_dtype = std::move(ref.torch_dtype);
+    r.shape = std::move(ref.shape);
+    r.strides = std::move(ref.strides);
+    r.storage_offset = ref.storage_offset;
+    r.storage_key = std::move(ref.storage_key);
+    r.data_offset = e->data_offset + skip;
+    r.storage_bytes_available = ref.storage_nbytes - skip;
+    out.push_back(std::move(r));
+    return Status::OK();
+  }
+};
+
+}  // namespace
+
+Result<std::optional<TorchTensorRef>> MatchTorchTensor(const PickleValue& v) { return MatchValue(v, 0); }
+
+Result<TorchArchive> ReadTorchArchive(int fd, uint64_t base, uint64_t length, const std::string& what,
+                                      const TorchZipLimits& limits) {
+  TorchArchive ar;
+  RangeReader in(fd, base, length, what);
+  ASSIGN_OR_RETURN(ar.zip, ReadDirectory(in, base, length, what, limits));
+
+  // The root folder is whichever `<root>/data.pkl` the archive has (torch
+  // names it after the file; older versions say "archive").
+  const ZipEntry* pkl = nullptr;
+  for (const auto& e : ar.zip.entries) {
+    size_t slash = e.name.find('/');
+    if (slash == std::string::npos || slash == 0 || e.name.compare(slash, std::string::npos, "/data.pkl") != 0)
+      continue;
+    if (pkl) return Status::Corruption(what + ": torch.save: more than one */data.pkl entry");
+    pkl = &e;
+    ar.root = e.name.substr(0, slash);
+  }
+  if (!pkl) return Status::Corruption(what + ": torch.save: no <root>/data.pkl entry (not a torch.save archive)");
+
+  if (const ZipEntry* bo = ar.zip.Find(ar.root + "/byteorder")) {
+    if (bo->size > 16) return Status::Corruption(what + ": torch.save: byteorder record of " + std::to_string(bo->size) + " bytes");
+    ASSIGN_OR_RETURN(std::string order, in.Read(bo->data_offset - base, bo->size));
+    if (order == "big") return Status::NotSupported(what + ": torch.save: big-endian archives are not supported");
+    if (order != "little") return Status::Corruption(what + ": torch.save: byteorder is '" + order + "'");
+  }
+
+  if (pkl->size > limits.max_pickle_bytes)
+    return Status::Corruption(what + ": torch.save: data.pkl of " + std::to_string(pkl->size) +
+                              " bytes exceeds the limit of " + std::to_string(limits.max_pickle_bytes));
+  ASSIGN_OR_RETURN(std::string pickle_bytes, in.Read(pkl->data_offset - base, pkl->size));
+  auto doc = Unpickle(pickle_bytes, limits.pickle);
+  if (!doc.ok()) return doc.status().WithContext(what + ": " + pkl->name);
+  ar.pickle = std::move(doc).value();
+
+  std::unordered_map<std::string_view, const ZipEntry*> entries;
+  for (const auto& e : ar.zip.entries) entries.emplace(e.name, &e);
+  Walker w{what, ar.root, entries, ar.tensors, {}, {}};
+  RETURN_IF_ERROR(w.Walk(ar.pickle->root()));
+  return ar;
+}
+
+Result<TorchArchive> ReadTorchArchiveFile(const std::string& path, const TorchZipLimits& limits) {
+  ScopedFd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (fd.get() < 0) return Status::IOError(path + ": " + std::strerror(errno));
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return Status::IOError(path + ": " + std::strerror(errno));
+  return ReadTorchArchive(fd.get(), 0, uint64_t(st.st_size), path, limits);
+}
+
+}  // namespace ckptfs
