@@ -63,7 +63,7 @@ void SortForSafetensors(SliceList& slices) {
   std::stable_sort(slices.begin(), slices.end(), [](const TensorSlice& a, const TensorSlice& b) {
     int ra = DTypeAlignmentRank(a.tensor->dtype), rb = DTypeAlignmentRank(b.tensor->dtype);
     if (ra != rb) return ra > rb;
-    return a.tensor->fqn < b.tensor->fqn;
+    return a.entry_name() < b.entry_name();
   });
 }
 
@@ -74,7 +74,7 @@ std::vector<SafetensorsEntry> Entries(const SliceList& slices) {
   uint64_t at = 0;
   for (const TensorSlice& s : slices) {
     uint64_t n = s.nbytes();
-    entries.push_back({s.tensor->fqn, s.tensor->dtype, s.box.lengths, at, at + n});
+    entries.push_back({s.entry_name(), s.tensor->dtype, s.box.lengths, at, at + n});
     at += n;
   }
   return entries;

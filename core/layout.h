@@ -52,14 +52,16 @@ class Layout {
   uint64_t size_ = 0;
 };
 
-// A box of a tensor, stored in a file under the tensor's fqn.
+// A box of a tensor, stored in a file under `name` (the fqn when empty).
 struct TensorSlice {
   std::shared_ptr<const TensorMeta> tensor;
   Box box;
+  std::string name;
+  const std::string& entry_name() const { return name.empty() ? tensor->fqn : name; }
   uint64_t nbytes() const { return ByteSize(tensor->dtype, box.numel()).value_or(0); }
   static TensorSlice Whole(std::shared_ptr<const TensorMeta> t) {
     Box b = Box::Whole(t->shape);
-    return {std::move(t), std::move(b)};
+    return {std::move(t), std::move(b), ""};
   }
 };
 using SliceList = std::vector<TensorSlice>;

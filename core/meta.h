@@ -51,6 +51,10 @@ struct Chunk {
 
 struct TensorMeta {
   std::string fqn;
+  // Where the tensor sat in the saved object: the nested keys
+  // ({"model", "layers.0.weight"} for DCP's "model.layers.0.weight"). Empty
+  // when the format is flat (safetensors): then the fqn is the only key.
+  std::vector<std::string> path;
   DType dtype = DType::kF32;
   Shape shape;
   std::vector<Chunk> chunks;
@@ -80,6 +84,8 @@ struct Checkpoint {
   std::map<std::string, FileId> sidecars;
   // fqn -> 1-based output file index, from fqn_to_file_index_mapping.json.
   std::map<std::string, int> file_index;
+  // Non-tensor items (DCP BYTE_IO: each a torch.save blob), by key.
+  std::map<std::string, ByteMeta> byte_items;
   // Everything found wrong while indexing, for `ckptfs index` and `check`.
   std::vector<std::string> problems;
   // Non-empty when the tensor list itself cannot be trusted (a shard file

@@ -144,8 +144,9 @@ std::pair<uint64_t, uint64_t> ChunkRange(uint64_t n, uint64_t parts, uint64_t i)
   return {b, e};
 }
 
-Result<std::optional<Box>> RankBox(const TensorMeta& t, const MeshSpec& spec, uint64_t rank,
-                                   const ShardingRules& rules, uint64_t num_layers, uint64_t num_experts) {
+Result<std::optional<Box>> RankBox(const TensorMeta& t, const std::string& name, const MeshSpec& spec,
+                                   uint64_t rank, const ShardingRules& rules, uint64_t num_layers,
+                                   uint64_t num_experts) {
   const MeshCoord c = CoordOf(spec, rank);
   Box box = Box::Whole(t.shape);
 
@@ -155,11 +156,11 @@ Result<std::optional<Box>> RankBox(const TensorMeta& t, const MeshSpec& spec, ui
       return Status::InvalidArgument("pp" + std::to_string(spec.pp) + " needs at least " + std::to_string(spec.pp) +
                                      " layers; the checkpoint has " + std::to_string(num_layers));
     uint64_t stage;
-    if (auto layer = IndexAfter(t.fqn, "layers")) {
+    if (auto layer = IndexAfter(name, "layers")) {
       uint64_t step = (num_layers + spec.pp - 1) / spec.pp;
       stage = *layer / step;
     } else if (static const std::regex kFinal(R"((^|\.)(lm_head|norm|final_layernorm|ln_f)\.(weight|bias)$)");
-               std::regex_search(t.fqn, kFinal)) {
+               std::regex_search(name, kFinal)) {
       stage = spec.pp - 1;
     } else {
       stage = 0;  // embeddings and anything outside the layer stack
@@ -168,7 +169,7 @@ Result<std::optional<Box>> RankBox(const TensorMeta& t, const MeshSpec& spec, ui
   }
 
   // Expert group.
-  if (auto expert = IndexAfter(t.fqn, "experts")) {
+  if (auto expert = IndexAfter(name, "experts")) {
     if (spec.ep > 1) {
       if (num_experts < spec.ep)
         return Status::InvalidArgument("ep" + std::to_string(spec.ep) + " needs at least " + std::to_string(spec.ep) +
@@ -183,7 +184,7 @@ Result<std::optional<Box>> RankBox(const TensorMeta& t, const MeshSpec& spec, ui
   // Tensor-parallel split.
   const ShardingRule* rule = nullptr;
   for (const auto& r : rules.rules)
-    if (std::regex_search(t.fqn, r.re)) {
+    if (std::regex_search(name, r.re)) {
       rule = &r;
       break;
     }
@@ -191,11 +192,11 @@ Result<std::optional<Box>> RankBox(const TensorMeta& t, const MeshSpec& spec, ui
   int dim = rule->kind == SplitKind::kRow ? 1 : rule->kind == SplitKind::kDim ? rule->dim : 0;
   if (rule->kind == SplitKind::kRow && t.shape.size() < 2) return std::optional<Box>(box);  // row bias: replicated
   if (dim < 0 || size_t(dim) >= t.shape.size())
-    return Status::InvalidArgument("tensor '" + t.fqn + "' " + ShapeToString(t.shape) + ": rule '" + rule->pattern +
+    return Status::InvalidArgument("tensor '" + name + "' " + ShapeToString(t.shape) + ": rule '" + rule->pattern +
                                    "' (" + KindName(rule->kind) + ") splits dim " + std::to_string(dim) +
                                    ", which it does not have");
   if (t.shape[dim] < spec.tp)
-    return Status::InvalidArgument("tensor '" + t.fqn + "' " + ShapeToString(t.shape) + ": tp" +
+    return Status::InvalidArgument("tensor '" + name + "' " + ShapeToString(t.shape) + ": tp" +
                                    std::to_string(spec.tp) + " is larger than dim " + std::to_string(dim) +
                                    " (" + std::to_string(t.shape[dim]) + ")");
   auto [b, e] = ChunkRange(t.shape[dim], spec.tp, c.tp);

@@ -68,11 +68,13 @@ Result<ShardingRules> LoadRulesFile(const std::string& json_text, ShardingRules 
 // torch.chunk sizes: the [begin, end) of part `i` of `n` split into `parts`.
 std::pair<uint64_t, uint64_t> ChunkRange(uint64_t n, uint64_t parts, uint64_t i);
 
-// The box of `t` that rank `rank` of `spec` holds, or nullopt when the rank
-// holds none of it (another pipeline stage or expert group). InvalidArgument
-// when the split is impossible (tp larger than the split dimension, say).
-Result<std::optional<Box>> RankBox(const TensorMeta& t, const MeshSpec& spec, uint64_t rank,
-                                   const ShardingRules& rules, uint64_t num_layers, uint64_t num_experts);
+// The box of `t` (named `name` in the view; rules match the name) that rank
+// `rank` of `spec` holds, or nullopt when the rank holds none of it (another
+// pipeline stage or expert group). InvalidArgument when the split is
+// impossible (tp larger than the split dimension, say).
+Result<std::optional<Box>> RankBox(const TensorMeta& t, const std::string& name, const MeshSpec& spec,
+                                   uint64_t rank, const ShardingRules& rules, uint64_t num_layers,
+                                   uint64_t num_experts);
 
 // Highest `layers.<i>.` index + 1, and `experts.<e>.` index + 1, over fqns.
 uint64_t CountIndexed(const std::vector<std::string>& fqns, const std::string& key);

@@ -1,7 +1,9 @@
 #include "core/views.h"
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
@@ -23,7 +25,7 @@ std::vector<SliceList> SplitBySize(const SliceList& slices, uint64_t max_file_by
     if (!start_new && bytes > 0 && bytes + s.nbytes() > max_file_bytes) start_new = true;
     if (!start_new) {
       // Header growth is ~100 bytes a tensor; only recompute near the cap.
-      uint64_t approx = 128 * (groups.back().size() + 1) + s.tensor->fqn.size() * 2;
+      uint64_t approx = 128 * (groups.back().size() + 1) + s.entry_name().size() * 2;
       if (approx > kMaxSafetensorsHeader / 2) {
         SliceList probe = groups.back();
         probe.push_back(s);
@@ -46,11 +48,11 @@ Result<std::vector<SliceList>> SplitByMapping(const SliceList& slices, const std
   for (const auto& [fqn, idx] : mapping) max_index = std::max(max_index, idx);
   std::vector<SliceList> groups(max_index);
   for (const TensorSlice& s : slices) {
-    auto it = mapping.find(s.tensor->fqn);
+    auto it = mapping.find(s.entry_name());
     if (it == mapping.end())
-      return Status::InvalidArgument("fqn_to_file_index_mapping.json has no entry for tensor '" + s.tensor->fqn + "'");
+      return Status::InvalidArgument("fqn_to_file_index_mapping.json has no entry for tensor '" + s.entry_name() + "'");
     if (it->second < 1)
-      return Status::InvalidArgument("fqn_to_file_index_mapping.json maps '" + s.tensor->fqn + "' to file index " +
+      return Status::InvalidArgument("fqn_to_file_index_mapping.json maps '" + s.entry_name() + "' to file index " +
                                      std::to_string(it->second) + " (indices start at 1)");
     groups[it->second - 1].push_back(s);
   }
@@ -77,7 +79,7 @@ Result<std::vector<ViewFile>> HfFolder(const std::vector<SliceList>& groups, con
     ASSIGN_OR_RETURN(Layout layout, SafetensorsFileLayout(list, kHfMetadata));
     std::string name = groups.size() == 1 ? "model.safetensors" : ShardName(i, groups.size());
     for (const TensorSlice& s : list) {
-      names[s.tensor->fqn] = name;
+      names[s.entry_name()] = name;
       total += s.nbytes();
     }
     out.push_back({name, std::make_shared<const Layout>(std::move(layout)), ckpt.incomplete});
@@ -99,18 +101,78 @@ Result<std::vector<ViewFile>> HfFolder(const std::vector<SliceList>& groups, con
   return out;
 }
 
-std::vector<std::string> Fqns(const Checkpoint& ckpt) {
+std::vector<std::string> Names(const SliceList& slices) {
   std::vector<std::string> out;
-  for (const auto& t : ckpt.tensors) out.push_back(t->fqn);
+  for (const auto& s : slices) out.push_back(s.entry_name());
   return out;
+}
+
+const char* const kModelKeys[] = {"model", "module", "model_state_dict", "state_dict"};
+const char* const kTrainingStateKeys[] = {
+    "optim", "optimizer", "optimizers", "optim_state", "optimizer_state_dict", "optim_state_dict",
+    "lr_scheduler", "lr_schedulers", "scheduler", "schedulers", "dataloader", "data_loader", "dataloaders",
+    "sampler", "rng", "rng_state", "rng_states", "rng_tracker_states", "random_state", "scaler", "grad_scaler",
+    "trainer", "train_state", "args", "extra_state", "iteration", "step", "epoch", "checkpoint_version"};
+
+std::vector<std::string> KeyPath(const TensorMeta& t) {
+  return t.path.empty() ? std::vector<std::string>{t.fqn} : t.path;
+}
+
+// The first component of a flat name: "optim" in "optim.state.w.exp_avg".
+std::string TopKey(const TensorMeta& t) {
+  auto path = KeyPath(t);
+  if (path.size() > 1) return path[0];
+  return path[0].substr(0, path[0].find('.'));
 }
 
 }  // namespace
 
+Result<SliceList> ModelWeights(const Checkpoint& ckpt, const ConsolidatedOptions& options) {
+  SliceList out;
+  std::map<std::string, std::string> seen;  // name -> fqn
+  auto add = [&](const std::shared_ptr<const TensorMeta>& t, std::string name) -> Status {
+    if (auto [it, fresh] = seen.emplace(name, t->fqn); !fresh)
+      return Status::InvalidArgument("tensors '" + it->second + "' and '" + t->fqn + "' would both be named '" + name +
+                                     "' in consolidated/ (pass --names FILE to choose)");
+    TensorSlice s = TensorSlice::Whole(t);
+    if (name != t->fqn) s.name = std::move(name);
+    out.push_back(std::move(s));
+    return Status::OK();
+  };
+  if (!options.names.empty()) {
+    for (const auto& t : ckpt.tensors)
+      if (auto it = options.names.find(t->fqn); it != options.names.end()) RETURN_IF_ERROR(add(t, it->second));
+    return out;
+  }
+  std::set<std::string> tops;
+  for (const auto& t : ckpt.tensors)
+    if (KeyPath(*t).size() > 1) tops.insert(KeyPath(*t)[0]);
+  for (const char* key : kModelKeys) {
+    if (!tops.count(key)) continue;
+    for (const auto& t : ckpt.tensors) {
+      auto path = KeyPath(*t);
+      if (path.size() < 2 || path[0] != key) continue;
+      std::string name;
+      for (size_t i = 1; i < path.size(); ++i) name += (i > 1 ? "." : "") + path[i];
+      RETURN_IF_ERROR(add(t, name));
+    }
+    return out;
+  }
+  for (const auto& t : ckpt.tensors) {
+    std::string top = TopKey(*t);
+    bool training = std::find(std::begin(kTrainingStateKeys), std::end(kTrainingStateKeys), top) !=
+                    std::end(kTrainingStateKeys);
+    if (training) continue;
+    std::string name;
+    for (const std::string& part : KeyPath(*t)) name += (name.empty() ? "" : ".") + part;
+    RETURN_IF_ERROR(add(t, name));
+  }
+  return out;
+}
+
 Result<std::vector<ViewFile>> ConsolidatedView(const Checkpoint& ckpt, const std::vector<SourceFile>& files,
                                                const ConsolidatedOptions& options) {
-  SliceList slices;
-  for (const auto& t : ckpt.tensors) slices.push_back(TensorSlice::Whole(t));
+  ASSIGN_OR_RETURN(SliceList slices, ModelWeights(ckpt, options));
   std::vector<SliceList> groups;
   if (!ckpt.file_index.empty()) {
     ASSIGN_OR_RETURN(groups, SplitByMapping(slices, ckpt.file_index));
@@ -203,11 +265,12 @@ Result<std::vector<ViewFile>> TensorsView(const Checkpoint& ckpt) {
 }
 
 Status CheckMeshSpec(const Checkpoint& ckpt, const MeshSpec& spec, const ShardingRules& rules) {
-  const auto fqns = Fqns(ckpt);
-  const uint64_t layers = CountIndexed(fqns, "layers"), experts = CountIndexed(fqns, "experts");
+  ASSIGN_OR_RETURN(SliceList weights, ModelWeights(ckpt, {}));
+  const auto names = Names(weights);
+  const uint64_t layers = CountIndexed(names, "layers"), experts = CountIndexed(names, "experts");
   for (uint64_t rank = 0; rank < spec.world(); ++rank)
-    for (const auto& t : ckpt.tensors) {
-      auto box = RankBox(*t, spec, rank, rules, layers, experts);
+    for (const auto& w : weights) {
+      auto box = RankBox(*w.tensor, w.entry_name(), spec, rank, rules, layers, experts);
       if (!box.ok()) return box.status();
     }
   return Status::OK();
@@ -216,24 +279,25 @@ Status CheckMeshSpec(const Checkpoint& ckpt, const MeshSpec& spec, const Shardin
 Result<std::vector<ViewFile>> MeshRankView(const Checkpoint& ckpt, const std::vector<SourceFile>& files,
                                            const MeshSpec& spec, uint64_t rank, const ShardingRules& rules,
                                            const ConsolidatedOptions& options) {
-  const auto fqns = Fqns(ckpt);
-  const uint64_t layers = CountIndexed(fqns, "layers"), experts = CountIndexed(fqns, "experts");
+  ASSIGN_OR_RETURN(SliceList weights, ModelWeights(ckpt, options));
+  const auto names = Names(weights);
+  const uint64_t layers = CountIndexed(names, "layers"), experts = CountIndexed(names, "experts");
   SliceList slices;
   nlohmann::ordered_json tensors = nlohmann::ordered_json::object();
-  for (const auto& t : ckpt.tensors) {
-    ASSIGN_OR_RETURN(std::optional<Box> box, RankBox(*t, spec, rank, rules, layers, experts));
+  for (const auto& w : weights) {
+    ASSIGN_OR_RETURN(std::optional<Box> box, RankBox(*w.tensor, w.entry_name(), spec, rank, rules, layers, experts));
     if (!box) continue;
-    slices.push_back({t, *box});
+    slices.push_back({w.tensor, *box, w.name});
   }
   auto groups = SplitBySize(slices, options.max_file_bytes);
   std::map<std::string, std::string> file_of;
   ASSIGN_OR_RETURN(std::vector<ViewFile> out, HfFolder(groups, ckpt, files, &file_of));
   for (const TensorSlice& s : slices)
-    tensors[s.tensor->fqn] = {{"dtype", std::string(DTypeName(s.tensor->dtype))},
-                              {"global_shape", s.tensor->shape},
-                              {"offsets", s.box.offsets},
-                              {"lengths", s.box.lengths},
-                              {"file", file_of[s.tensor->fqn]}};
+    tensors[s.entry_name()] = {{"dtype", std::string(DTypeName(s.tensor->dtype))},
+                               {"global_shape", s.tensor->shape},
+                               {"offsets", s.box.offsets},
+                               {"lengths", s.box.lengths},
+                               {"file", file_of[s.entry_name()]}};
   const MeshCoord c = CoordOf(spec, rank);
   nlohmann::ordered_json layout = {{"mesh", spec.name},
                                    {"rank", rank},

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,7 +27,26 @@ struct ViewFile {
 struct ConsolidatedOptions {
   // Hugging Face's default max_shard_size ("5GB" = 5 * 10^9 bytes).
   uint64_t max_file_bytes = 5'000'000'000;
+  // {fqn: name} overriding ModelWeights' rule (`--names FILE`); a tensor not
+  // listed is left out.
+  std::map<std::string, std::string> names;
 };
+
+// Which tensors are model weights, and under which names (consolidated/ and
+// mesh/ hold only these). The rule, on each tensor's key path (TensorMeta::path,
+// or just its fqn for flat formats):
+//  - a checkpoint whose top-level keys include a model key (model, module,
+//    model_state_dict, state_dict) keeps the tensors under the first such key
+//    in that order, named by the rest of their path joined with '.'
+//    ({"model": hf.state_dict(), "optim": ...} -> hf.state_dict()'s names);
+//  - otherwise every tensor is kept under its own name, except those under a
+//    training-state key (optim, optimizer, lr_scheduler, scheduler,
+//    dataloader, rng_state, ...), which are never weights;
+//  - `options.names`, when given, replaces the rule.
+// Tied embeddings need nothing: a checkpoint without lm_head.weight yields a
+// folder without it, as transformers expects. Two tensors with one name are
+// an error.
+Result<SliceList> ModelWeights(const Checkpoint& ckpt, const ConsolidatedOptions& options);
 
 // The Hugging Face folder for `ckpt`: model.safetensors, or
 // model-0000i-of-0000N.safetensors + model.safetensors.index.json (split by

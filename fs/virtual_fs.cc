@@ -135,9 +135,10 @@ Result<ShardingRules> VirtualFs::RulesFor(const Checkpoint& ckpt) const {
     auto j = nlohmann::json::parse(text.str(), nullptr, false);
     if (j.is_object() && j.contains("model_type") && j["model_type"].is_string()) model_type = j["model_type"];
   }
-  std::vector<std::string> fqns;
-  for (const auto& t : ckpt.tensors) fqns.push_back(t->fqn);
-  ShardingRules rules = PresetRules(model_type, fqns);
+  std::vector<std::string> names;
+  if (auto weights = ModelWeights(ckpt, options_.consolidated); weights.ok())
+    for (const auto& w : *weights) names.push_back(w.entry_name());
+  ShardingRules rules = PresetRules(model_type, names);
   if (options_.rules_json.empty()) return rules;
   return LoadRulesFile(options_.rules_json, std::move(rules));
 }

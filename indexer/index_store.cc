@@ -69,6 +69,7 @@ json TensorToJson(const TensorMeta& t) {
   for (const Chunk& c : t.chunks) chunks.push_back(ChunkToJson(c));
   json j = {{"dtype", std::string(DTypeName(t.dtype))}, {"shape", t.shape}, {"chunks", chunks}};
   if (!t.problem.empty()) j["problem"] = t.problem;
+  if (!t.path.empty()) j["path"] = t.path;
   return j;
 }
 
@@ -80,6 +81,7 @@ Result<TensorMeta> TensorFromJson(const std::string& fqn, const json& j) {
   t.dtype = *dtype;
   t.shape = j.at("shape").get<Shape>();
   t.problem = j.value("problem", "");
+  if (j.contains("path")) t.path = j["path"].get<std::vector<std::string>>();
   for (const json& cj : j.at("chunks")) {
     Chunk c;
     c.shard.fqn = fqn;
@@ -156,10 +158,13 @@ Status WriteIndex(const Catalog& catalog, const std::string& index_path) {
     const Checkpoint& c = catalog.checkpoints[i];
     json sidecars = json::object();
     for (const auto& [name, id] : c.sidecars) sidecars[name] = id;
+    json byte_items = json::object();
+    for (const auto& [key, b] : c.byte_items) byte_items[key] = {b.file, b.offset, b.length};
     batch.Put(kCkptPrefix + Hex8(i), json({{"dir", c.dir},
                                           {"format", c.format},
                                           {"sidecars", sidecars},
                                           {"file_index", c.file_index},
+                                          {"byte_items", byte_items},
                                           {"problems", c.problems},
                                           {"incomplete", c.incomplete}})
                                          .dump());
@@ -222,6 +227,8 @@ Result<Catalog> LoadIndex(const std::string& index_path) {
       c.format = j.at("format");
       for (auto& [name, id] : j.at("sidecars").items()) c.sidecars[name] = id.get<FileId>();
       c.file_index = j.at("file_index").get<std::map<std::string, int>>();
+      for (auto& [key, b] : j.value("byte_items", json::object()).items())
+        c.byte_items[key] = ByteMeta{b.at(0).get<FileId>(), b.at(1).get<uint64_t>(), b.at(2).get<uint64_t>()};
       c.problems = j.at("problems").get<std::vector<std::string>>();
       c.incomplete = j.at("incomplete");
       catalog.checkpoints.push_back(std::move(c));

@@ -81,7 +81,7 @@ TEST(RankBox, RanksTileSplitTensorsAndReplicateTheRest) {
       std::vector<Box> boxes;
       bool impossible = false;
       for (uint64_t r = 0; r < spec.world(); ++r) {
-        auto b = RankBox(t, spec, r, rules, layers, 0);
+        auto b = RankBox(t, t.fqn, spec, r, rules, layers, 0);
         if (!b.ok()) {
           impossible = true;
           EXPECT_NE(b.status().message().find("larger than dim"), std::string::npos) << b.status().message();
@@ -113,10 +113,10 @@ TEST(RankBox, ExpertsGoToEpGroupsInBlocks) {
   auto spec = *ParseMeshSpec("ep2");
   auto rules = PresetRules("mixtral", {});
   TensorMeta e3 = Tensor("model.layers.0.mlp.experts.3.w1.weight", {4, 4});
-  EXPECT_FALSE(RankBox(e3, spec, 0, rules, 1, 4)->has_value());
-  EXPECT_TRUE(RankBox(e3, spec, 1, rules, 1, 4)->has_value());
+  EXPECT_FALSE(RankBox(e3, e3.fqn, spec, 0, rules, 1, 4)->has_value());
+  EXPECT_TRUE(RankBox(e3, e3.fqn, spec, 1, rules, 1, 4)->has_value());
   TensorMeta dense = Tensor("model.layers.0.self_attn.q_proj.weight", {4, 4});
-  EXPECT_FALSE(RankBox(dense, spec, 0, rules, 1, 0).ok());  // ep without experts is impossible
+  EXPECT_FALSE(RankBox(dense, dense.fqn, spec, 0, rules, 1, 0).ok());  // ep without experts is impossible
 }
 
 TEST(RankBox, RulesFileOverridesPreset) {
@@ -124,7 +124,7 @@ TEST(RankBox, RulesFileOverridesPreset) {
                              PresetRules("llama", {}));
   ASSERT_TRUE(rules.ok());
   TensorMeta q = Tensor("model.layers.0.self_attn.q_proj.weight", {4, 6});
-  auto box = RankBox(q, *ParseMeshSpec("tp2"), 1, *rules, 1, 0);
+  auto box = RankBox(q, q.fqn, *ParseMeshSpec("tp2"), 1, *rules, 1, 0);
   ASSERT_TRUE(box.ok());
   EXPECT_EQ(**box, (Box{{0, 3}, {4, 3}}));
   EXPECT_FALSE(LoadRulesFile(R"({"rules": [{"pattern": "(", "kind": "row"}]})", {}).ok());

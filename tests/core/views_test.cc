@@ -151,3 +151,62 @@ TEST(TensorsView, Bf16IsPresentedAsFloat32) {
 
 }  // namespace
 }  // namespace ckptfs
+
+namespace ckptfs {
+namespace {
+
+std::shared_ptr<const TensorMeta> WithPath(const std::string& fqn, std::vector<std::string> path) {
+  auto t = std::const_pointer_cast<TensorMeta>(Whole(fqn, DType::kF32, {2}));
+  t->path = std::move(path);
+  return t;
+}
+
+std::vector<std::string> WeightNames(const Checkpoint& ck, ConsolidatedOptions o = {}) {
+  std::vector<std::string> out;
+  auto w = ModelWeights(ck, o);
+  EXPECT_TRUE(w.ok()) << w.status().ToString();
+  if (w.ok())
+    for (const auto& s : *w) out.push_back(s.entry_name());
+  return out;
+}
+
+TEST(ModelWeights, HfNamedCheckpointKeepsItsNames) {
+  Checkpoint ck;
+  ck.tensors = {Whole("model.embed_tokens.weight", DType::kF32, {2}), Whole("lm_head.weight", DType::kF32, {2})};
+  EXPECT_EQ(WeightNames(ck), (std::vector<std::string>{"model.embed_tokens.weight", "lm_head.weight"}));
+}
+
+TEST(ModelWeights, WrapperPrefixIsRemovedAndTrainingStateDropped) {
+  Checkpoint ck;  // DCP of {"model": hf.state_dict(), "optim": ..., "lr_scheduler": ...}
+  ck.tensors = {WithPath("model.model.embed_tokens.weight", {"model", "model.embed_tokens.weight"}),
+                WithPath("model.lm_head.weight", {"model", "lm_head.weight"}),
+                WithPath("optim.state.model.lm_head.weight.exp_avg", {"optim", "state", "model.lm_head.weight", "exp_avg"}),
+                WithPath("lr_scheduler.x", {"lr_scheduler", "x"})};
+  EXPECT_EQ(WeightNames(ck), (std::vector<std::string>{"model.embed_tokens.weight", "lm_head.weight"}));
+}
+
+TEST(ModelWeights, FlatCheckpointDropsTrainingStateKeys) {
+  Checkpoint ck;
+  ck.tensors = {Whole("layers.0.w", DType::kF32, {2}), Whole("optim.state.layers.0.w.exp_avg", DType::kF32, {2}),
+                Whole("rng_state", DType::kF32, {2})};
+  EXPECT_EQ(WeightNames(ck), (std::vector<std::string>{"layers.0.w"}));
+}
+
+TEST(ModelWeights, NamesFileReplacesTheRule) {
+  Checkpoint ck;
+  ck.tensors = {WithPath("model.a", {"model", "a"}), WithPath("model.b", {"model", "b"})};
+  ConsolidatedOptions o;
+  o.names = {{"model.b", "renamed.b"}};
+  EXPECT_EQ(WeightNames(ck, o), (std::vector<std::string>{"renamed.b"}));
+}
+
+TEST(ModelWeights, TwoTensorsWithOneNameIsAnError) {
+  Checkpoint ck;
+  ck.tensors = {WithPath("model.a", {"model", "a"}), WithPath("model.a2", {"model", "a"})};
+  auto w = ModelWeights(ck, {});
+  ASSERT_FALSE(w.ok());
+  EXPECT_NE(w.status().message().find("would both be named 'a'"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace ckptfs
