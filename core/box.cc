@@ -62,6 +62,54 @@ std::vector<uint64_t> RowMajorStrides(const std::vector<uint64_t>& lengths) {
   return s;
 }
 
+namespace {
+
+// Boxes for [begin, end) of the sub-block at dimension `d` whose leading
+// indices are `prefix` (flat offsets relative to that sub-block).
+void Decompose(const Shape& shape, size_t d, std::vector<uint64_t>& prefix, uint64_t begin, uint64_t end,
+               uint64_t base, std::vector<std::pair<Box, uint64_t>>& out) {
+  if (begin >= end) return;
+  const size_t n = shape.size();
+  uint64_t inner = 1;
+  for (size_t k = d + 1; k < n; ++k) inner *= shape[k];
+  auto emit = [&](uint64_t lo, uint64_t hi) {  // full rows [lo, hi) at dim d
+    Box b;
+    for (uint64_t p : prefix) b.offsets.push_back(p), b.lengths.push_back(1);
+    b.offsets.push_back(lo);
+    b.lengths.push_back(hi - lo);
+    for (size_t k = d + 1; k < n; ++k) b.offsets.push_back(0), b.lengths.push_back(shape[k]);
+    out.push_back({b, base + lo * inner});
+  };
+  uint64_t i0 = begin / inner, i1 = (end - 1) / inner;
+  auto recurse = [&](uint64_t i, uint64_t lo, uint64_t hi) {
+    prefix.push_back(i);
+    Decompose(shape, d + 1, prefix, lo, hi, base + i * inner, out);
+    prefix.pop_back();
+  };
+  if (i0 == i1 && !(begin % inner == 0 && end - begin == inner)) return recurse(i0, begin - i0 * inner, end - i0 * inner);
+  uint64_t first_full = i0, last_full = i1 + 1;  // full rows [first_full, last_full)
+  if (begin % inner != 0) {
+    recurse(i0, begin % inner, inner);
+    first_full = i0 + 1;
+  }
+  if (end % inner != 0) last_full = i1;
+  if (first_full < last_full) emit(first_full, last_full);
+  if (end % inner != 0) recurse(i1, 0, end % inner);
+}
+
+}  // namespace
+
+std::vector<std::pair<Box, uint64_t>> FlatRangeToBoxes(const Shape& shape, uint64_t begin, uint64_t end) {
+  std::vector<std::pair<Box, uint64_t>> out;
+  if (shape.empty()) {
+    if (begin == 0 && end == 1) out.push_back({Box{}, 0});
+    return out;
+  }
+  std::vector<uint64_t> prefix;
+  Decompose(shape, 0, prefix, begin, end, 0, out);
+  return out;
+}
+
 std::string ToString(const Box& box) {
   std::string s = "[";
   for (size_t i = 0; i < box.rank(); ++i) {

@@ -40,6 +40,13 @@ std::optional<Box> Intersect(const Box& a, const Box& b);
 // Row-major element strides of `lengths`.
 std::vector<uint64_t> RowMajorStrides(const std::vector<uint64_t>& lengths);
 
+// Splits the C-order flat element range [begin, end) of `shape` into boxes,
+// each contiguous in that order, in order; returns each box with the flat
+// index of its first element. At most 2 * rank - 1 boxes. Used to turn
+// flattened shards (distributed optimizer, FSDP flat parameters) back into
+// regular chunks.
+std::vector<std::pair<Box, uint64_t>> FlatRangeToBoxes(const Shape& shape, uint64_t begin, uint64_t end);
+
 // "[0:7, 16:32]" (half-open ranges per dimension); "[]" for rank 0.
 std::string ToString(const Box& box);
 // "[7, 32]"
