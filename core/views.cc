@@ -249,6 +249,16 @@ std::string NpyHeader(const std::string& descr, const Shape& shape) {
   return out + dict;
 }
 
+std::vector<ViewFile> BytesView(const Checkpoint& ckpt) {
+  std::vector<ViewFile> out;
+  for (const auto& [key, b] : ckpt.byte_items) {
+    Layout layout;
+    layout.AddSource(b.file, b.offset, b.length);
+    out.push_back({EscapeFileName(key) + ".pt", std::make_shared<const Layout>(std::move(layout)), ""});
+  }
+  return out;
+}
+
 Result<std::vector<ViewFile>> TensorsView(const Checkpoint& ckpt) {
   std::vector<ViewFile> out;
   for (const auto& t : ckpt.tensors) {

@@ -70,6 +70,10 @@ Result<std::vector<ViewFile>> MeshRankView(const Checkpoint& ckpt, const std::ve
 // F6_*) are presented as float32, converted on read; C64 as complex64.
 Result<std::vector<ViewFile>> TensorsView(const Checkpoint& ckpt);
 
+// bytes/: each non-tensor item (DCP BYTE_IO) as `<escaped key>.pt`, its
+// bytes exactly as saved (a torch.save blob: torch.load reads it).
+std::vector<ViewFile> BytesView(const Checkpoint& ckpt);
+
 // A file name for any fqn, reversibly: '%' -> "%25", '/' -> "%2F", and a
 // name that is empty, "." or ".." gets its characters escaped too.
 std::string EscapeFileName(const std::string& fqn);

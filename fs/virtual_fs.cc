@@ -109,6 +109,10 @@ Status VirtualFs::BuildViews() {
     } else {
       Log(Join(ckpt.dir, "tensors") + ": not created: " + npy.status().message());
     }
+    if (auto items = BytesView(ckpt); !items.empty()) {
+      Node* bytes = AddVirtual(dir, "bytes", /*is_dir=*/true);
+      for (ViewFile& f : items) AddVirtual(bytes, f.name, /*is_dir=*/false)->layout = std::move(f.layout);
+    }
     auto rules = RulesFor(ckpt);
     if (!rules.ok()) {
       Log(Join(ckpt.dir, "mesh") + ": not created: " + rules.status().message());

@@ -227,7 +227,8 @@ Result<Catalog> LoadIndex(const std::string& index_path) {
       c.format = j.at("format");
       for (auto& [name, id] : j.at("sidecars").items()) c.sidecars[name] = id.get<FileId>();
       c.file_index = j.at("file_index").get<std::map<std::string, int>>();
-      for (auto& [key, b] : j.value("byte_items", json::object()).items())
+      const json items = j.value("byte_items", json::object());
+      for (auto& [key, b] : items.items())
         c.byte_items[key] = ByteMeta{b.at(0).get<FileId>(), b.at(1).get<uint64_t>(), b.at(2).get<uint64_t>()};
       c.problems = j.at("problems").get<std::vector<std::string>>();
       c.incomplete = j.at("incomplete");

@@ -36,13 +36,6 @@ std::string Join(const std::string& dir, const std::string& name) {
   return dir.empty() ? name : dir + "/" + name;
 }
 
-// Config and tokenizer files a Hugging Face folder carries next to weights.
-const char* const kSidecarNames[] = {
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
-    "added_tokens.json", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
-    "processor_config.json"};
-
 Result<SafetensorsHeader> ReadHeader(const std::string& abs, uint64_t size) {
   ScopedFd fd(::open(abs.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return Status::IOError(std::strerror(errno));
@@ -244,16 +237,8 @@ class SafetensorsReader : public FormatReader {
  private:
   template <typename ProblemFn>
   static void AddSidecars(const DirListing& dir, FileTable& files, Checkpoint& out, ProblemFn problem) {
-    // NeMo keeps them in .hf_metadata/; a plain folder keeps them beside the weights.
     const std::string meta_rel = Join(dir.rel, ".hf_metadata");
-    for (const char* name : kSidecarNames) {
-      for (const std::string& rel : {Join(meta_rel, name), Join(dir.rel, name)}) {
-        if (::access((files.root() + "/" + rel).c_str(), R_OK) != 0) continue;
-        auto id = files.Add(rel);
-        if (id.ok()) out.sidecars[name] = *id;
-        break;
-      }
-    }
+    AddSidecarFiles(dir, files, out);
     if (auto it = out.sidecars.find("config.json"); it != out.sidecars.end())
       CheckAgainstConfig(files.Abs(it->second), out, problem);
     const std::string mapping = files.root() + "/" + Join(meta_rel, "fqn_to_file_index_mapping.json");

@@ -1,0 +1,394 @@
+// Reader for PyTorch Distributed Checkpoint directories (FileSystemWriter):
+// `.metadata` (a pickle, read with the restricted unpickler: nothing in it
+// runs) plus `__R_N.distcp` files holding one item per chunk (docs/FORMATS.md).
+// Also Megatron-Core torch_dist (the same layout plus metadata.json and
+// common.pt), whose distributed-optimizer shards are flattened
+// (`nd_reformulated`) and decomposed here into regular boxes.
+//
+// Each tensor chunk's item is a torch.save archive embedded at the item's
+// offset; the chunk's ByteMeta points at the storage bytes inside it, with its
+// strides. BYTE_IO items (non-tensor values) become byte items served as
+// `bytes/<key>.pt`. A transformed item (zstd) is a clear per-chunk error.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <set>
+
+#include "core/coverage.h"
+#include "indexer/format_reader.h"
+#include "indexer/pickle.h"
+#include "indexer/posix_io.h"
+#include "indexer/readers.h"
+#include "indexer/torch_zip.h"
+
+namespace ckptfs {
+namespace {
+
+std::string Join(const std::string& dir, const std::string& name) {
+  return dir.empty() ? name : dir + "/" + name;
+}
+
+// A dataclass field: the BUILD state is the instance dict, or a
+// (dict, slots) pair for classes with __slots__.
+const PickleValue* Field(const PickleValue* v, std::string_view name) {
+  for (const PickleValue* cur = v; cur && cur->kind() == PickleValue::Kind::kBuild; cur = cur->built_object()) {
+    const PickleValue* st = cur->build_state();
+    if (!st) continue;
+    if (st->AsDict()) {
+      if (const PickleValue* f = st->DictGet(name)) return f;
+    } else if (auto parts = st->AsTuple()) {
+      for (const PickleValue* part : *parts)
+        if (part && part->AsDict())
+          if (const PickleValue* f = part->DictGet(name)) return f;
+    }
+  }
+  return nullptr;
+}
+
+// The class name of a NewObj/Reduce instance (after BUILD wrappers): the
+// module is not checked beyond the allowlist, so both TensorProperties
+// spellings (checkpoint.metadata, _shard.sharded_tensor.metadata) match.
+std::string_view ClassOf(const PickleValue* v) {
+  if (!v) return "";
+  const PickleValue& u = v->Unwrapped();
+  const PickleValue* cls = u.callable();
+  return cls && cls->IsGlobal() ? cls->global_name() : std::string_view();
+}
+
+std::optional<DType> PropertiesDType(const PickleValue* props) {
+  const PickleValue* dtype = Field(props, "dtype");
+  if (!dtype && props && props->kind() == PickleValue::Kind::kBuild) {
+    // TensorProperties pickles its state as a 5-tuple (dtype, layout, ...).
+    const PickleValue* st = props->build_state();
+    if (st && st->AsTuple() && !st->AsTuple()->empty()) dtype = st->At(0);
+  }
+  if (!dtype || !dtype->IsGlobal()) return std::nullopt;
+  return DTypeFromTorchName(dtype->global_name());
+}
+
+std::optional<uint64_t> UInt(const PickleValue* v) {
+  if (!v) return std::nullopt;
+  auto i = v->AsInt();
+  if (!i || *i < 0) return std::nullopt;
+  return uint64_t(*i);
+}
+
+// Strides that match the row-major layout of `shape` (ignoring dimensions of
+// length 1, whose stride never matters) are dropped: the planner then merges
+// rows into long runs.
+std::vector<uint64_t> NormalizeStrides(const std::vector<uint64_t>& shape, const std::vector<uint64_t>& strides) {
+  auto rm = RowMajorStrides(shape);
+  for (size_t d = 0; d < shape.size(); ++d)
+    if (shape[d] > 1 && strides[d] != rm[d]) return strides;
+  return {};
+}
+
+struct StorageInfo {
+  std::string relative_path;
+  uint64_t offset = 0, length = 0;
+  std::vector<std::string> transforms;
+};
+
+struct ChunkKey {
+  std::string fqn;
+  std::vector<uint64_t> offsets;
+  bool operator<(const ChunkKey& o) const { return std::tie(fqn, offsets) < std::tie(o.fqn, o.offsets); }
+};
+
+class DcpReader : public FormatReader {
+ public:
+  std::string name() const override { return "dcp"; }
+
+  bool Recognise(const DirListing& dir) const override {
+    bool has_distcp = std::any_of(dir.files.begin(), dir.files.end(),
+                                  [](const std::string& f) { return f.ends_with(".distcp"); });
+    return has_distcp && !MetadataFiles(dir).empty();
+  }
+
+  Status Read(const DirListing& dir, FileTable& files, Checkpoint& out) const override {
+    auto problem = [&](const std::string& msg, bool incomplete) {
+      out.problems.push_back(msg);
+      if (incomplete && out.incomplete.empty()) out.incomplete = msg;
+    };
+    out.format = dir.has_file("metadata.json") ? "megatron-torch-dist" : "dcp";
+
+    std::map<std::string, TensorMeta> tensors;
+    std::map<std::string, std::vector<Box>> declared;  // fqn -> chunk boxes from metadata
+    std::map<ChunkKey, StorageInfo> storage;
+    std::map<std::string, StorageInfo> byte_storage;
+    std::map<std::string, std::vector<uint64_t>> reformulated;  // Megatron: fqn -> original global shape
+    std::vector<std::unique_ptr<const PickleDocument>> docs;    // keep values alive while reading
+
+    for (const std::string& meta_name : MetadataFiles(dir)) {
+      const std::string rel = Join(dir.rel, meta_name);
+      auto id = files.Add(rel);
+      auto text = id.ok() ? ReadWholeFile(files.Abs(*id)) : Result<std::string>(id.status());
+      if (!text.ok()) {
+        problem(rel + ": " + text.status().message(), true);
+        continue;
+      }
+      auto doc = Unpickle(*text);
+      if (!doc.ok()) {
+        problem(rel + ": " + doc.status().message(), true);
+        continue;
+      }
+      if ((*doc)->has_unknown_globals()) {
+        std::string names;
+        for (const auto& g : (*doc)->unknown_globals()) names += (names.empty() ? "" : ", ") + g;
+        problem(rel + ": refusing the metadata: it references globals a checkpoint never needs (" + names +
+                    "); nothing was executed",
+                true);
+        continue;
+      }
+      const PickleValue* root = &(*doc)->root();
+      if (ClassOf(root) != "Metadata") {
+        problem(rel + ": not a DCP Metadata object", true);
+        continue;
+      }
+      Status st = ReadMetadata(rel, root, tensors, declared, storage, byte_storage, reformulated);
+      if (!st.ok()) problem(st.message(), true);
+      docs.push_back(std::move(*doc));
+    }
+
+    // Megatron: give flattened tensors their original shape; chunks are
+    // decomposed as they are added.
+    std::map<std::string, Shape> saved_shape;
+    for (const auto& [fqn, orig] : reformulated) {
+      auto it = tensors.find(fqn);
+      if (it == tensors.end()) continue;
+      TensorMeta& t = it->second;
+      // Saved [X/x, Y/y, ..., x*y*...]: each block count divides its dim and
+      // the last dim is the block's element count.
+      bool fits = t.shape.size() == orig.size() + 1;
+      uint64_t block_numel = 1;
+      for (size_t d = 0; fits && d < orig.size(); ++d) {
+        fits = t.shape[d] > 0 && orig[d] % t.shape[d] == 0;
+        if (fits) block_numel *= orig[d] / t.shape[d];
+      }
+      fits = fits && t.shape.back() == block_numel;
+      if (!fits) {
+        problem("tensor '" + fqn + "': saved shape " + ShapeToString(t.shape) + " is not a reformulation of " +
+                    ShapeToString(orig),
+                false);
+        continue;
+      }
+      saved_shape[fqn] = t.shape;
+      t.shape = orig;
+    }
+
+    // Tensor chunks: each item is a torch.save archive.
+    std::map<std::string, std::unique_ptr<ScopedFd>> open_files;
+    for (auto& [fqn, boxes] : declared) {
+      TensorMeta& t = tensors[fqn];
+      for (const Box& box : boxes) {
+        const std::string who = "tensor '" + fqn + "' chunk " + ToString(box);
+        auto it = storage.find({fqn, box.offsets});
+        if (it == storage.end()) {
+          problem(who + ": no item in the metadata's storage_data", false);
+          continue;
+        }
+        const StorageInfo& si = it->second;
+        const std::string rel = Join(dir.rel, si.relative_path);
+        auto id = files.Add(rel);
+        if (!id.ok()) {
+          problem(who + ": " + id.status().message(), true);
+          continue;
+        }
+        Chunk c;
+        c.shard = {fqn, box};
+        c.basic.dtype = t.dtype;
+        c.bytes = {*id, si.offset, si.length};
+        if (!si.transforms.empty()) {
+          c.unavailable = rel + ": the item is transformed (" + si.transforms[0] +
+                          "); this ckptfs reads untransformed items only";
+          problem(who + ": " + c.unavailable, false);
+          AddChunk(t, std::move(c), saved_shape, problem);
+          continue;
+        }
+        auto& fd = open_files[rel];
+        if (!fd) fd = std::make_unique<ScopedFd>(::open(files.Abs(*id).c_str(), O_RDONLY | O_CLOEXEC));
+        auto archive = ReadTorchArchive(fd->get(), si.offset, si.length, rel + " item at " + std::to_string(si.offset));
+        if (!archive.ok()) {
+          c.unavailable = archive.status().message();
+          problem(who + ": " + c.unavailable, false);
+          AddChunk(t, std::move(c), saved_shape, problem);
+          continue;
+        }
+        if (archive->tensors.size() != 1) {
+          c.unavailable = rel + ": the item holds " + std::to_string(archive->tensors.size()) + " tensors, not 1";
+        } else {
+          const TorchTensorRecord& r = archive->tensors[0];
+          if (r.dtype != t.dtype) {
+            c.unavailable = rel + ": the item is " + std::string(DTypeName(r.dtype)) + ", the metadata says " +
+                            std::string(DTypeName(t.dtype));
+          } else if (r.shape != box.lengths) {
+            c.unavailable = rel + ": the item's shape " + ShapeToString(r.shape) + " is not the chunk's " +
+                            ShapeToString(box.lengths);
+          } else {
+            c.bytes = {*id, r.data_offset, r.storage_bytes_available};
+            c.basic.strides = NormalizeStrides(r.shape, r.strides);
+          }
+        }
+        if (!c.unavailable.empty()) problem(who + ": " + c.unavailable, false);
+        AddChunk(t, std::move(c), saved_shape, problem);
+      }
+    }
+
+    for (auto& [key, si] : byte_storage) {
+      auto id = files.Add(Join(dir.rel, si.relative_path));
+      if (!id.ok()) {
+        problem("item '" + key + "': " + id.status().message(), false);
+        continue;
+      }
+      if (!si.transforms.empty()) {
+        problem("item '" + key + "' is transformed (" + si.transforms[0] + "); not served", false);
+        continue;
+      }
+      if (si.offset + si.length > files.at(*id).size) {
+        problem("item '" + key + "' runs past the end of " + si.relative_path + " (truncated?)", false);
+        continue;
+      }
+      out.byte_items[key] = {*id, si.offset, si.length};
+    }
+
+    for (auto& [fqn, t] : tensors) {
+      if (t.fqn.empty()) continue;
+      DropReplicas(t);
+      std::string joined;
+      for (const std::string& p : CheckCoverage(t)) joined += (joined.empty() ? "" : "; ") + p;
+      t.problem = joined;
+      if (!t.problem.empty()) out.problems.push_back(t.problem);
+      out.tensors.push_back(std::make_shared<const TensorMeta>(std::move(t)));
+    }
+    AddSidecarFiles(dir, files, out);
+    return Status::OK();
+  }
+
+ private:
+  // `.metadata`, else the per-rank `__R.metadata` files newer torch writes
+  // when it saves without collectives.
+  static std::vector<std::string> MetadataFiles(const DirListing& dir) {
+    if (dir.has_file(".metadata")) return {".metadata"};
+    std::vector<std::string> out;
+    for (const auto& f : dir.files)
+      if (f.starts_with("__") && f.ends_with(".metadata")) out.push_back(f);
+    return out;
+  }
+
+  static Status ReadMetadata(const std::string& rel, const PickleValue* root, std::map<std::string, TensorMeta>& tensors,
+                             std::map<std::string, std::vector<Box>>& declared,
+                             std::map<ChunkKey, StorageInfo>& storage,
+                             std::map<std::string, StorageInfo>& byte_storage,
+                             std::map<std::string, std::vector<uint64_t>>& reformulated) {
+    const PickleValue* sdm = Field(root, "state_dict_metadata");
+    if (!sdm || !sdm->AsDict()) return Status::Corruption(rel + ": Metadata has no state_dict_metadata dict");
+    const PickleValue* planner = Field(root, "planner_data");
+    for (const PickleDictEntry& e : *sdm->AsDict()) {
+      const std::string* fqn = e.key->AsStr();
+      if (!fqn) return Status::Corruption(rel + ": a state_dict_metadata key is not a string");
+      std::string_view cls = ClassOf(e.value);
+      if (cls == "BytesStorageMetadata") continue;
+      if (cls != "TensorStorageMetadata") return Status::Corruption(rel + ": '" + *fqn + "' has metadata of class " + std::string(cls));
+      auto dtype = PropertiesDType(Field(e.value, "properties"));
+      auto size = Field(e.value, "size") ? AsShape(*Field(e.value, "size")) : std::nullopt;
+      const PickleValue* chunks = Field(e.value, "chunks");
+      if (!dtype || !size || !chunks || !chunks->AsSequence())
+        return Status::Corruption(rel + ": tensor '" + *fqn + "' has malformed metadata (dtype, size or chunks)");
+      TensorMeta& t = tensors[*fqn];
+      t.fqn = *fqn;
+      t.dtype = *dtype;
+      t.shape = *size;
+      if (planner && planner->AsDict())
+        if (const PickleValue* p = planner->DictGet(*fqn); p && p->AsSequence()) {
+          t.path.clear();
+          for (const PickleValue* part : *p->AsSequence()) {
+            if (const std::string* s = part->AsStr()) t.path.push_back(*s);
+            else if (auto i = part->AsInt()) t.path.push_back(std::to_string(*i));
+          }
+        }
+      for (const PickleValue* ch : *chunks->AsSequence()) {
+        auto off = Field(ch, "offsets") ? AsShape(*Field(ch, "offsets")) : std::nullopt;
+        auto len = Field(ch, "sizes") ? AsShape(*Field(ch, "sizes")) : std::nullopt;
+        if (!off || !len || off->size() != size->size() || len->size() != size->size())
+          return Status::Corruption(rel + ": tensor '" + *fqn + "' has a malformed chunk");
+        declared[*fqn].push_back(Box{*off, *len});
+      }
+    }
+    const PickleValue* sd = Field(root, "storage_data");
+    if (!sd || !sd->AsDict()) return Status::Corruption(rel + ": Metadata has no storage_data dict");
+    for (const PickleDictEntry& e : *sd->AsDict()) {
+      const PickleValue* fqn = Field(e.key, "fqn");
+      const PickleValue* path = Field(e.value, "relative_path");
+      auto off = UInt(Field(e.value, "offset"));
+      auto len = UInt(Field(e.value, "length"));
+      if (!fqn || !fqn->AsStr() || !path || !path->AsStr() || !off || !len)
+        return Status::Corruption(rel + ": malformed storage_data entry " + e.key->DebugString(200));
+      if (path->AsStr()->find('/') != std::string::npos || *path->AsStr() == "..")
+        return Status::Corruption(rel + ": storage_data names a file outside the checkpoint: " + *path->AsStr());
+      StorageInfo si{*path->AsStr(), *off, *len, {}};
+      if (const PickleValue* tr = Field(e.value, "transform_descriptors"); tr && tr->AsSequence())
+        for (const PickleValue* d : *tr->AsSequence())
+          if (d->AsStr()) si.transforms.push_back(*d->AsStr());
+      const PickleValue* offset = Field(e.key, "offset");
+      if (!offset || offset->IsNone()) {
+        byte_storage[*fqn->AsStr()] = si;
+      } else if (auto o = AsShape(*offset)) {
+        storage[{*fqn->AsStr(), *o}] = si;
+      } else {
+        return Status::Corruption(rel + ": storage_data entry for '" + *fqn->AsStr() + "' has a malformed offset");
+      }
+    }
+    // Megatron's flattened distributed-optimizer tensors.
+    if (const PickleValue* mcore = Field(root, "mcore_data"); mcore && mcore->AsDict())
+      for (const PickleDictEntry& e : *mcore->AsDict())
+        if (e.key->AsStr() && e.value->AsDict())
+          if (const PickleValue* orig = e.value->DictGet("nd_reformulated_orig_global_shape"))
+            if (auto shape = AsShape(*orig)) reformulated[*e.key->AsStr()] = *shape;
+    return Status::OK();
+  }
+
+  // Adds a chunk; a Megatron-flattened one is decomposed into the boxes of
+  // the original tensor it covers (docs/FORMATS.md, Megatron-Core).
+  // `reformulated` maps a Megatron-flattened fqn to its saved (reformulated)
+  // shape; t.shape is already the original one.
+  template <typename ProblemFn>
+  static void AddChunk(TensorMeta& t, Chunk c, const std::map<std::string, Shape>& reformulated, ProblemFn problem) {
+    auto it = reformulated.find(t.fqn);
+    if (it == reformulated.end()) {
+      t.chunks.push_back(std::move(c));
+      return;
+    }
+    const Shape& saved = it->second;
+    const size_t n = t.shape.size();
+    // Saved as [X/x, Y/y, ..., x*y*...]: block shape b[d] = orig[d] / saved[d].
+    Shape block(n);
+    for (size_t d = 0; d < n; ++d) block[d] = saved[d] ? t.shape[d] / saved[d] : 0;
+    const Box& box = c.shard.box;
+    for (size_t d = 0; d < n; ++d)
+      if (box.lengths[d] != 1) {
+        problem("tensor '" + t.fqn + "' chunk " + ToString(box) + ": a flattened chunk must span one block", false);
+        return;
+      }
+    const uint64_t itemsize = DTypeBits(t.dtype) / 8;
+    const uint64_t begin = box.offsets[n], end = begin + box.lengths[n];
+    for (const auto& [piece, flat] : FlatRangeToBoxes(block, begin, end)) {
+      Chunk p = c;
+      p.shard.box = piece;
+      for (size_t d = 0; d < n; ++d) p.shard.box.offsets[d] += box.offsets[d] * block[d];
+      p.bytes.offset = c.bytes.offset + (flat - begin) * itemsize;
+      p.bytes.length = piece.numel() * itemsize;
+      p.basic.strides.clear();
+      t.chunks.push_back(std::move(p));
+    }
+  }
+};
+
+}  // namespace
+
+std::unique_ptr<FormatReader> MakeDcpReader() { return std::make_unique<DcpReader>(); }
+
+}  // namespace ckptfs
