@@ -67,11 +67,21 @@ struct TensorMeta {
 };
 
 // A file under the source root, with the identity it had when indexed.
+//
+// Or a derived source: the decoded bytes of a transformed item (a DCP item
+// written through zstd), bytes [base_offset, base_offset + base_length) of
+// file `base` decoded with `transform`. Its `size` is the decoded size; its
+// identity is the base file's.
 struct SourceFile {
-  std::string path;  // relative to the source root
+  std::string path;  // relative to the source root ("file@offset" when derived)
   uint64_t size = 0;
   int64_t mtime_ns = 0;
   uint64_t inode = 0;
+  std::string transform;  // "" for a plain file; "zstd"
+  uint32_t base = 0;
+  uint64_t base_offset = 0;
+  uint64_t base_length = 0;
+  bool derived() const { return !transform.empty(); }
 };
 
 // One recognised checkpoint: a directory under the source root.

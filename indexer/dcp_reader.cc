@@ -24,6 +24,9 @@
 #include "indexer/posix_io.h"
 #include "indexer/readers.h"
 #include "indexer/torch_zip.h"
+#include "indexer/transform.h"
+
+#include <sys/mman.h>
 
 namespace ckptfs {
 namespace {
@@ -202,16 +205,26 @@ class DcpReader : public FormatReader {
         c.shard = {fqn, box};
         c.basic.dtype = t.dtype;
         c.bytes = {*id, si.offset, si.length};
-        if (!si.transforms.empty()) {
-          c.unavailable = rel + ": the item is transformed (" + si.transforms[0] +
-                          "); this ckptfs reads untransformed items only";
-          problem(who + ": " + c.unavailable, false);
-          AddChunk(t, std::move(c), saved_shape, problem);
-          continue;
-        }
         auto& fd = open_files[rel];
         if (!fd) fd = std::make_unique<ScopedFd>(::open(files.Abs(*id).c_str(), O_RDONLY | O_CLOEXEC));
-        auto archive = ReadTorchArchive(fd->get(), si.offset, si.length, rel + " item at " + std::to_string(si.offset));
+        const std::string item = rel + " item at " + std::to_string(si.offset);
+        // A transformed item is decoded once here to index it, and again (into
+        // a bounded cache) when read; its chunk points into the decoded bytes.
+        FileId data_file = *id;
+        Result<TorchArchive> archive = Status::NotFound("");
+        if (si.transforms.empty()) {
+          archive = ReadTorchArchive(fd->get(), si.offset, si.length, item);
+        } else {
+          auto decoded = Decode(si, fd->get(), item);
+          if (!decoded.ok()) {
+            c.unavailable = decoded.status().message();
+            problem(who + ": " + c.unavailable, false);
+            AddChunk(t, std::move(c), saved_shape, problem);
+            continue;
+          }
+          data_file = files.AddDerived(*id, si.offset, si.length, TransformName(si.transforms[0]), decoded->size());
+          archive = ReadDecoded(*decoded, item);
+        }
         if (!archive.ok()) {
           c.unavailable = archive.status().message();
           problem(who + ": " + c.unavailable, false);
@@ -229,7 +242,7 @@ class DcpReader : public FormatReader {
             c.unavailable = rel + ": the item's shape " + ShapeToString(r.shape) + " is not the chunk's " +
                             ShapeToString(box.lengths);
           } else {
-            c.bytes = {*id, r.data_offset, r.storage_bytes_available};
+            c.bytes = {data_file, r.data_offset, r.storage_bytes_available};
             c.basic.strides = NormalizeStrides(r.shape, r.strides);
           }
         }
@@ -244,12 +257,19 @@ class DcpReader : public FormatReader {
         problem("item '" + key + "': " + id.status().message(), false);
         continue;
       }
-      if (!si.transforms.empty()) {
-        problem("item '" + key + "' is transformed (" + si.transforms[0] + "); not served", false);
-        continue;
-      }
       if (si.offset + si.length > files.at(*id).size) {
         problem("item '" + key + "' runs past the end of " + si.relative_path + " (truncated?)", false);
+        continue;
+      }
+      if (!si.transforms.empty()) {
+        ScopedFd fd(::open(files.Abs(*id).c_str(), O_RDONLY | O_CLOEXEC));
+        auto decoded = Decode(si, fd.get(), "item '" + key + "'");
+        if (!decoded.ok()) {
+          problem(decoded.status().message(), false);
+          continue;
+        }
+        FileId d = files.AddDerived(*id, si.offset, si.length, TransformName(si.transforms[0]), decoded->size());
+        out.byte_items[key] = {d, 0, decoded->size()};
         continue;
       }
       out.byte_items[key] = {*id, si.offset, si.length};
@@ -269,6 +289,32 @@ class DcpReader : public FormatReader {
   }
 
  private:
+  // Decoded items are held in memory while indexing; this bounds one.
+  static constexpr uint64_t kMaxDecodedItem = 8ull << 30;
+
+  static Result<std::string> Decode(const StorageInfo& si, int fd, const std::string& what) {
+    if (si.transforms.size() != 1 || TransformName(si.transforms[0]).empty()) {
+      std::string all;
+      for (const auto& t : si.transforms) all += (all.empty() ? "" : ", ") + t;
+      return Status::NotSupported(what + ": transform " + all + " is not supported (ckptfs decodes stream.zstd/1)");
+    }
+    return DecodeItem(TransformName(si.transforms[0]), fd, si.offset, si.length, kMaxDecodedItem, what);
+  }
+
+  // Parses a decoded item through an in-memory file (the archive reader
+  // works on descriptors).
+  static Result<TorchArchive> ReadDecoded(const std::string& bytes, const std::string& what) {
+    ScopedFd mem(::memfd_create("ckptfs-item", MFD_CLOEXEC));
+    if (mem.get() < 0) return Status::IOError(what + ": memfd_create: " + std::strerror(errno));
+    for (size_t done = 0; done < bytes.size();) {
+      ssize_t n = ::write(mem.get(), bytes.data() + done, bytes.size() - done);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) return Status::IOError(what + ": memfd write: " + std::strerror(errno));
+      done += n;
+    }
+    return ReadTorchArchive(mem.get(), 0, bytes.size(), what + " (decoded)");
+  }
+
   // `.metadata`, else the per-rank `__R.metadata` files newer torch writes
   // when it saves without collectives.
   static std::vector<std::string> MetadataFiles(const DirListing& dir) {

@@ -37,4 +37,18 @@ Result<FileId> FileTable::Add(const std::string& rel) {
   return id;
 }
 
+FileId FileTable::AddDerived(FileId base, uint64_t offset, uint64_t length, const std::string& transform,
+                             uint64_t decoded_size) {
+  SourceFile f = files_.at(base);
+  f.path += "@" + std::to_string(offset);
+  f.size = decoded_size;
+  f.transform = transform;
+  f.base = base;
+  f.base_offset = offset;
+  f.base_length = length;
+  FileId id = files_.size();
+  files_.push_back(std::move(f));
+  return id;
+}
+
 }  // namespace ckptfs

@@ -17,6 +17,9 @@ class FileTable {
 
   // Stats root/rel and registers it (once). Fails when it is not a regular file.
   Result<FileId> Add(const std::string& rel);
+  // Registers the decoded bytes of [offset, offset + length) of `base`.
+  FileId AddDerived(FileId base, uint64_t offset, uint64_t length, const std::string& transform,
+                    uint64_t decoded_size);
 
   const std::string& root() const { return root_; }
   std::string Abs(FileId id) const { return root_ + "/" + files_.at(id).path; }

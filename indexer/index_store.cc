@@ -151,8 +151,10 @@ Status WriteIndex(const Catalog& catalog, const std::string& index_path) {
   batch.Put(kMetaRoot, catalog.root);
   for (size_t i = 0; i < catalog.files.size(); ++i) {
     const SourceFile& f = catalog.files[i];
-    batch.Put(kFilePrefix + Hex8(i),
-              json({{"path", f.path}, {"size", f.size}, {"mtime_ns", f.mtime_ns}, {"inode", f.inode}}).dump());
+    json fj = {{"path", f.path}, {"size", f.size}, {"mtime_ns", f.mtime_ns}, {"inode", f.inode}};
+    if (f.derived()) fj["derived"] = {{"transform", f.transform}, {"base", f.base}, {"offset", f.base_offset},
+                                      {"length", f.base_length}};
+    batch.Put(kFilePrefix + Hex8(i), fj.dump());
   }
   for (size_t i = 0; i < catalog.checkpoints.size(); ++i) {
     const Checkpoint& c = catalog.checkpoints[i];
@@ -218,7 +220,19 @@ Result<Catalog> LoadIndex(const std::string& index_path) {
     std::unique_ptr<rocksdb::Iterator> it(db->NewIterator(ro));
     for (it->Seek(kFilePrefix); it->Valid() && it->key().starts_with(kFilePrefix); it->Next()) {
       json j = json::parse(it->value().ToString());
-      catalog.files.push_back({j.at("path"), j.at("size"), j.at("mtime_ns"), j.at("inode")});
+      SourceFile f;
+      f.path = j.at("path");
+      f.size = j.at("size");
+      f.mtime_ns = j.at("mtime_ns");
+      f.inode = j.at("inode");
+      if (j.contains("derived")) {
+        const json& d = j["derived"];
+        f.transform = d.at("transform");
+        f.base = d.at("base");
+        f.base_offset = d.at("offset");
+        f.base_length = d.at("length");
+      }
+      catalog.files.push_back(std::move(f));
     }
     for (it->Seek(kCkptPrefix); it->Valid() && it->key().starts_with(kCkptPrefix); it->Next()) {
       json j = json::parse(it->value().ToString());
@@ -257,6 +271,7 @@ Status CheckSources(const Catalog& catalog) {
   std::string changed;
   int count = 0;
   for (const SourceFile& f : catalog.files) {
+    if (f.derived()) continue;  // its base file is checked
     auto now = StatSource(catalog.root + "/" + f.path);
     std::string what = now.ok() ? DescribeChange(f, *now) : now.status().message();
     if (what.empty()) continue;

@@ -11,14 +11,49 @@
 #include "core/convert.h"
 #include "indexer/file_table.h"
 #include "indexer/posix_io.h"
+#include "indexer/transform.h"
 
 namespace ckptfs {
 
-SourceReader::SourceReader(const Catalog* catalog, GroupPolicy policy)
+SourceReader::SourceReader(const Catalog* catalog, GroupPolicy policy, uint64_t decoded_cache_bytes)
     : catalog_(catalog),
       policy_(policy),
       fds_(catalog->files.size(), -1),
-      bytes_read_(std::make_unique<std::atomic<uint64_t>>(0)) {}
+      bytes_read_(std::make_unique<std::atomic<uint64_t>>(0)),
+      decoded_budget_(decoded_cache_bytes) {}
+
+Result<std::shared_ptr<const std::string>> SourceReader::Decoded(FileId id) {
+  {
+    std::lock_guard<std::mutex> lock(cache_mu_);
+    if (auto it = cache_.find(id); it != cache_.end()) {
+      lru_.splice(lru_.begin(), lru_, it->second.second);
+      return it->second.first;
+    }
+  }
+  const SourceFile& f = catalog_->files[id];
+  ASSIGN_OR_RETURN(int fd, Fd(f.base));
+  RETURN_IF_ERROR(CheckUnchanged(f.base, fd));
+  ASSIGN_OR_RETURN(std::string bytes, DecodeItem(f.transform, fd, f.base_offset, f.base_length, f.size, f.path));
+  if (bytes.size() != f.size)
+    return Status::Stale(f.path + ": decodes to " + std::to_string(bytes.size()) + " bytes, indexed as " +
+                         std::to_string(f.size) + "; run `ckptfs index` again");
+  bytes_read_->fetch_add(f.base_length, std::memory_order_relaxed);
+  auto value = std::make_shared<const std::string>(std::move(bytes));
+  std::lock_guard<std::mutex> lock(cache_mu_);
+  if (!cache_.count(id)) {
+    lru_.push_front(id);
+    cache_[id] = {value, lru_.begin()};
+    cached_bytes_ += value->size();
+    // Evict least recently used items, keeping at least the one just added.
+    while (cached_bytes_ > decoded_budget_ && lru_.size() > 1) {
+      FileId victim = lru_.back();
+      lru_.pop_back();
+      cached_bytes_ -= cache_[victim].first->size();
+      cache_.erase(victim);
+    }
+  }
+  return value;
+}
 
 SourceReader::~SourceReader() {
   for (int fd : fds_)
@@ -77,6 +112,15 @@ Status SourceReader::Execute(const ReadPlan& plan, char* dst) {
   std::vector<char> scratch;
   FileId checked = static_cast<FileId>(-1);
   for (const SourceRead& r : reads) {
+    if (catalog_->files[r.file].derived()) {
+      ASSIGN_OR_RETURN(auto bytes, Decoded(r.file));
+      if (r.offset + r.length > bytes->size())
+        return Status::Corruption(catalog_->files[r.file].path + ": read past the decoded item");
+      for (const auto& g : r.gathers)
+        std::memcpy((g.to_scratch ? converted.data() : dst) + g.dst_offset, bytes->data() + r.offset + g.read_offset,
+                    g.length);
+      continue;
+    }
     ASSIGN_OR_RETURN(int fd, Fd(r.file));
     if (r.file != checked) {  // reads are grouped by file: one fstat per file
       RETURN_IF_ERROR(CheckUnchanged(r.file, fd));

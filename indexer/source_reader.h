@@ -8,6 +8,8 @@
 #pragma once
 
 #include <atomic>
+#include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -19,10 +21,12 @@
 
 namespace ckptfs {
 
+// Derived sources (decoded transformed items) are decoded on first read and
+// kept in an LRU cache bounded by `decoded_cache_bytes`.
 class SourceReader {
  public:
   // `catalog` must outlive the reader.
-  explicit SourceReader(const Catalog* catalog, GroupPolicy policy = {});
+  explicit SourceReader(const Catalog* catalog, GroupPolicy policy = {}, uint64_t decoded_cache_bytes = 1ull << 30);
   ~SourceReader();
   SourceReader(const SourceReader&) = delete;
   SourceReader& operator=(const SourceReader&) = delete;
@@ -36,12 +40,20 @@ class SourceReader {
  private:
   Result<int> Fd(FileId id);
   Status CheckUnchanged(FileId id, int fd);
+  // The decoded bytes of derived source `id`, from the cache or decoded now.
+  Result<std::shared_ptr<const std::string>> Decoded(FileId id);
 
   const Catalog* catalog_;
   GroupPolicy policy_;
   std::mutex mu_;            // guards fds_; never held during I/O
   std::vector<int> fds_;     // -1 until opened
   std::unique_ptr<std::atomic<uint64_t>> bytes_read_;
+
+  uint64_t decoded_budget_;
+  std::mutex cache_mu_;  // guards the cache; decoding happens outside it
+  std::list<FileId> lru_;  // most recent first
+  std::map<FileId, std::pair<std::shared_ptr<const std::string>, std::list<FileId>::iterator>> cache_;
+  uint64_t cached_bytes_ = 0;
 };
 
 }  // namespace ckptfs

@@ -225,6 +225,10 @@ int RunCheck(const Common& c) {
   std::vector<bool> changed(catalog->files.size(), false);
   for (size_t i = 0; i < catalog->files.size(); ++i) {
     const SourceFile& f = catalog->files[i];
+    if (f.derived()) {  // a decoded item: as fresh as its file (listed before it)
+      changed[i] = changed[f.base];
+      continue;
+    }
     auto now = StatSource(catalog->root + "/" + f.path);
     std::string what = now.ok() ? DescribeChange(f, *now) : now.status().message();
     if (what.empty()) continue;

@@ -1,0 +1,52 @@
+#include "indexer/transform.h"
+
+#include <zstd.h>
+
+#include <memory>
+#include <vector>
+
+#include "indexer/posix_io.h"
+
+namespace ckptfs {
+
+std::string TransformName(const std::string& descriptor) {
+  // torch writes "stream.zstd/1"; the version is the ZStandard extension's.
+  if (descriptor == "stream.zstd/1" || descriptor == "stream.zstd") return "zstd";
+  return "";
+}
+
+Result<std::string> DecodeItem(const std::string& transform, int fd, uint64_t offset, uint64_t length,
+                               uint64_t max_bytes, const std::string& what) {
+  if (transform != "zstd") return Status::NotSupported(what + ": unknown transform '" + transform + "'");
+  std::string in(length, '\0');
+  RETURN_IF_ERROR(PreadFull(fd, in.data(), length, offset, what));
+  std::unique_ptr<ZSTD_DStream, size_t (*)(ZSTD_DStream*)> ds(ZSTD_createDStream(), ZSTD_freeDStream);
+  if (!ds) return Status::IOError(what + ": out of memory for the zstd decoder");
+  ZSTD_initDStream(ds.get());
+  std::string out;
+  std::vector<char> buf(ZSTD_DStreamOutSize());
+  ZSTD_inBuffer input{in.data(), in.size(), 0};
+  size_t last = 1;
+  while (input.pos < input.size) {
+    ZSTD_outBuffer output{buf.data(), buf.size(), 0};
+    last = ZSTD_decompressStream(ds.get(), &output, &input);
+    if (ZSTD_isError(last)) return Status::Corruption(what + ": zstd: " + ZSTD_getErrorName(last));
+    if (out.size() + output.pos > max_bytes)
+      return Status::Corruption(what + ": decodes to more than " + std::to_string(max_bytes) + " bytes");
+    out.append(buf.data(), output.pos);
+  }
+  // Drain: a frame may still hold decoded bytes after the input is consumed.
+  while (last != 0) {
+    ZSTD_outBuffer output{buf.data(), buf.size(), 0};
+    last = ZSTD_decompressStream(ds.get(), &output, &input);
+    if (ZSTD_isError(last)) return Status::Corruption(what + ": zstd: " + ZSTD_getErrorName(last));
+    if (out.size() + output.pos > max_bytes)
+      return Status::Corruption(what + ": decodes to more than " + std::to_string(max_bytes) + " bytes");
+    out.append(buf.data(), output.pos);
+    if (output.pos == 0) break;
+  }
+  if (last != 0) return Status::Corruption(what + ": truncated zstd stream");
+  return out;
+}
+
+}  // namespace ckptfs
