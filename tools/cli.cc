@@ -25,6 +25,7 @@
 #include "indexer/scan.h"
 #include "tools/progress.h"
 
+#include "indexer/posix_io.h"
 #include "tools/cli.h"
 
 namespace ckptfs {
@@ -162,6 +163,19 @@ std::unique_ptr<VirtualFs> OpenFs(const Common& c, int* exit_code, std::function
     std::stringstream text;
     text << f.rdbuf();
     fo.rules_json = text.str();
+  }
+  if (!c.names.empty()) {
+    auto text = ReadWholeFile(c.names);
+    auto j = text.ok() ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
+    bool ok = j.is_object();
+    for (auto it = j.begin(); ok && it != j.end(); ++it) ok = it->is_string();
+    if (!ok) {
+      Error(c.names + ": expected a JSON object {fqn: name} (" +
+            (text.ok() ? "not an object of strings" : text.status().message()) + ")");
+      *exit_code = kExitUsage;
+      return nullptr;
+    }
+    for (auto& [fqn, name] : j.items()) fo.consolidated.names[fqn] = name.get<std::string>();
   }
   fo.uid = ::getuid();
   fo.gid = ::getgid();

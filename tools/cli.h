@@ -34,6 +34,7 @@ struct Common {
   std::string max_file_size = "5GB";
   std::string mapping;
   std::string rules;  // --rules FILE
+  std::string names;  // --names FILE
   bool reindex = false;
 };
 

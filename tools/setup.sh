@@ -40,7 +40,7 @@ if [ -z "${CKPTFS_SKIP_PYTHON:-}" ]; then
       $PY -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
     fi
   fi
-  if ! $PY -c 'import safetensors, numpy, transformers, pytest' 2>/dev/null; then
+  if ! $PY -c 'import safetensors, numpy, transformers, pytest, ml_dtypes, zstandard' 2>/dev/null; then
     log "installing Python packages from tools/requirements.txt"
     $PY -m pip install -q -r tools/requirements.txt
   fi
