@@ -81,10 +81,14 @@ struct SourceRead {
 
 struct GroupPolicy {
   // Copies from one file are merged into one read while the gap between them
-  // is at most `max_gap` bytes and the read stays below `max_span`: reading
-  // 64 KiB of unwanted bytes costs less than one more syscall round trip on
-  // page-cached or NVMe-backed files, and 8 MiB bounds the scratch buffer.
-  uint64_t max_gap = 64 << 10;
+  // is at most `max_gap` bytes and the read stays below `max_span`. A gap
+  // within one page costs no extra I/O (the kernel reads whole pages), so
+  // 4 KiB merges the row pieces of column-sharded tensors into one read
+  // without pulling in bytes another rank's view needs; measured with
+  // tools/bench_views.py (64 KiB read 2.45x the bytes of a tp4 rank view
+  // whose rows are 512 bytes; 4 KiB, see docs/BENCHMARKS.md). 8 MiB bounds
+  // the scratch buffer.
+  uint64_t max_gap = 4 << 10;
   uint64_t max_span = 8 << 20;
 };
 
