@@ -1,8 +1,10 @@
 // Factories for the format readers (one .cc each) and helpers they share.
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/meta.h"
 #include "indexer/format_reader.h"
@@ -17,6 +19,29 @@ std::unique_ptr<FormatReader> MakeTorchSaveReader();
 // (config.json, tokenizer.json, ...) as out.sidecars, from `<dir>/.hf_metadata/`
 // (NeMo) or else `<dir>/`.
 void AddSidecarFiles(const DirListing& dir, FileTable& files, Checkpoint& out);
+
+// "dir/name", or "name" when dir is the source root ("").
+std::string JoinPath(const std::string& dir, const std::string& name);
+
+// Records a problem on `out`; `incomplete` also marks the tensor list
+// untrustworthy (views fail) when nothing has yet.
+void AddProblem(Checkpoint& out, const std::string& message, bool incomplete);
+
+// Strides matching the row-major layout of `shape` (ignoring dims of length
+// 1, whose stride never matters) come back empty, so the planner can merge
+// rows into long runs; others are kept.
+std::vector<uint64_t> NormalizeStrides(const std::vector<uint64_t>& shape, const std::vector<uint64_t>& strides);
+
+// The distinct file names a Hugging Face index (`model.safetensors.index.json`,
+// `pytorch_model.bin.index.json`) maps tensors to; fills *weight_map when
+// given. A missing or malformed weight_map is recorded on `out` as making the
+// checkpoint incomplete.
+std::vector<std::string> IndexedFiles(const DirListing& dir, const std::string& index_name, Checkpoint& out,
+                                      std::map<std::string, std::string>* weight_map = nullptr);
+
+// Drops replicated chunks, runs the coverage check (recording each tensor's
+// problem on it and on `out`), and moves the tensors into out.tensors.
+void FinishTensors(std::map<std::string, TensorMeta>& tensors, Checkpoint& out);
 
 // Reads {fqn: 1-based file index} (NeMo's fqn_to_file_index_mapping.json, or
 // a mapping given on the command line) into out.file_index.

@@ -32,10 +32,6 @@ bool EndsWith(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-std::string Join(const std::string& dir, const std::string& name) {
-  return dir.empty() ? name : dir + "/" + name;
-}
-
 Result<SafetensorsHeader> ReadHeader(const std::string& abs, uint64_t size) {
   ScopedFd fd(::open(abs.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return Status::IOError(std::strerror(errno));
@@ -104,29 +100,14 @@ class SafetensorsReader : public FormatReader {
   }
 
   Status Read(const DirListing& dir, FileTable& files, Checkpoint& out) const override {
-    auto problem = [&](const std::string& msg, bool incomplete) {
-      out.problems.push_back(msg);
-      if (incomplete && out.incomplete.empty()) out.incomplete = msg;
-    };
+    auto problem = [&](const std::string& msg, bool incomplete) { AddProblem(out, msg, incomplete); };
 
     // Which files: the index's, when there is one; else every .safetensors.
     std::vector<std::string> names;
     std::map<std::string, std::string> weight_map;
     const bool have_index = dir.has_file("model.safetensors.index.json");
     if (have_index) {
-      auto text = ReadWholeFile(dir.abs + "/model.safetensors.index.json");
-      json j = text.ok() ? json::parse(*text, nullptr, false) : json();
-      if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
-        problem(Join(dir.rel, "model.safetensors.index.json") + ": no weight_map object", true);
-      } else {
-        std::set<std::string> unique;
-        for (auto& [fqn, f] : j["weight_map"].items()) {
-          if (!f.is_string()) continue;
-          weight_map[fqn] = f.get<std::string>();
-          unique.insert(f.get<std::string>());
-        }
-        names.assign(unique.begin(), unique.end());
-      }
+      names = IndexedFiles(dir, "model.safetensors.index.json", out, &weight_map);
     } else {
       for (const auto& f : dir.files)
         if (EndsWith(f, ".safetensors")) names.push_back(f);
@@ -137,7 +118,7 @@ class SafetensorsReader : public FormatReader {
     static const std::regex kShardName(R"(^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$)");
     std::set<uint64_t> ranks;
     for (const std::string& name : names) {
-      const std::string rel = Join(dir.rel, name);
+      const std::string rel = JoinPath(dir.rel, name);
       if (!dir.has_file(name)) {
         problem(rel + ": listed in model.safetensors.index.json but missing", true);
         continue;
@@ -198,11 +179,11 @@ class SafetensorsReader : public FormatReader {
     }
     for (const auto& [fqn, file] : weight_map)
       if (!tensors.count(fqn))
-        problem(Join(dir.rel, file) + ": tensor '" + fqn + "' listed in the index is not in the file", true);
+        problem(JoinPath(dir.rel, file) + ": tensor '" + fqn + "' listed in the index is not in the file", true);
     if (!ranks.empty() && (*ranks.begin() != 1 || *ranks.rbegin() != ranks.size())) {
       std::string found;
       for (uint64_t r : ranks) found += (found.empty() ? "" : ",") + std::to_string(r);
-      problem(Join(dir.rel, "shard-*") + ": shard files of some ranks are missing (ranks found: " +
+      problem(JoinPath(dir.rel, "shard-*") + ": shard files of some ranks are missing (ranks found: " +
                   found + "); tensors or parts only they held would be missing",
               // torch writes no file for a rank with nothing to save, but it
               // gives replicated tensors to the rank with the least data, so
@@ -221,14 +202,11 @@ class SafetensorsReader : public FormatReader {
         for (const Chunk& c : t.chunks)
           for (size_t d = 0; d < rank; ++d)
             t.shape[d] = std::max(t.shape[d], c.shard.box.offsets[d] + c.shard.box.lengths[d]);
-        DropReplicas(t);
-        std::string joined;
-        for (const std::string& p : CheckCoverage(t)) joined += (joined.empty() ? "" : "; ") + p;
-        t.problem = joined;
       }
-      if (!t.problem.empty()) out.problems.push_back(t.problem);
-      out.tensors.push_back(std::make_shared<const TensorMeta>(std::move(t)));
     }
+    // Tensors whose chunks disagree on rank keep that problem; the rest get
+    // the coverage check.
+    FinishTensors(tensors, out);
     out.format = sharded ? "sharded-safetensors" : "hf-safetensors";
     AddSidecars(dir, files, out, problem);
     return Status::OK();
@@ -237,11 +215,11 @@ class SafetensorsReader : public FormatReader {
  private:
   template <typename ProblemFn>
   static void AddSidecars(const DirListing& dir, FileTable& files, Checkpoint& out, ProblemFn problem) {
-    const std::string meta_rel = Join(dir.rel, ".hf_metadata");
+    const std::string meta_rel = JoinPath(dir.rel, ".hf_metadata");
     AddSidecarFiles(dir, files, out);
     if (auto it = out.sidecars.find("config.json"); it != out.sidecars.end())
       CheckAgainstConfig(files.Abs(it->second), out, problem);
-    const std::string mapping = files.root() + "/" + Join(meta_rel, "fqn_to_file_index_mapping.json");
+    const std::string mapping = files.root() + "/" + JoinPath(meta_rel, "fqn_to_file_index_mapping.json");
     if (::access(mapping.c_str(), R_OK) == 0) {
       Status st = LoadFileIndexMapping(mapping, out);
       if (!st.ok()) problem(st.message(), false);
@@ -251,7 +229,7 @@ class SafetensorsReader : public FormatReader {
         bool present = std::any_of(out.tensors.begin(), out.tensors.end(),
                                    [&](const auto& t) { return t->fqn == fqn; });
         if (!present)
-          problem(Join(meta_rel, "fqn_to_file_index_mapping.json") + " names tensor '" + fqn +
+          problem(JoinPath(meta_rel, "fqn_to_file_index_mapping.json") + " names tensor '" + fqn +
                       "', which no shard file holds (missing shard?)",
                   true);
       }

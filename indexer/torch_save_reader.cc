@@ -23,19 +23,8 @@
 namespace ckptfs {
 namespace {
 
-std::string Join(const std::string& dir, const std::string& name) {
-  return dir.empty() ? name : dir + "/" + name;
-}
-
 bool IsHfShard(const std::string& f) { return f.starts_with("pytorch_model") && f.ends_with(".bin"); }
 bool IsGeneric(const std::string& f) { return f.ends_with(".pt") || f.ends_with(".pth"); }
-
-std::vector<uint64_t> NormalizeStrides(const std::vector<uint64_t>& shape, const std::vector<uint64_t>& strides) {
-  auto rm = RowMajorStrides(shape);
-  for (size_t d = 0; d < shape.size(); ++d)
-    if (shape[d] > 1 && strides[d] != rm[d]) return strides;
-  return {};
-}
 
 class TorchSaveReader : public FormatReader {
  public:
@@ -47,23 +36,11 @@ class TorchSaveReader : public FormatReader {
   }
 
   Status Read(const DirListing& dir, FileTable& files, Checkpoint& out) const override {
-    auto problem = [&](const std::string& msg, bool incomplete) {
-      out.problems.push_back(msg);
-      if (incomplete && out.incomplete.empty()) out.incomplete = msg;
-    };
+    auto problem = [&](const std::string& msg, bool incomplete) { AddProblem(out, msg, incomplete); };
     out.format = "torch-save";
     std::vector<std::string> names;
     if (dir.has_file("pytorch_model.bin.index.json")) {
-      auto text = ReadWholeFile(dir.abs + "/pytorch_model.bin.index.json");
-      auto j = text.ok() ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
-      if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
-        problem(Join(dir.rel, "pytorch_model.bin.index.json") + ": no weight_map object", true);
-      } else {
-        std::set<std::string> unique;
-        for (auto& [fqn, f] : j["weight_map"].items())
-          if (f.is_string()) unique.insert(f.get<std::string>());
-        names.assign(unique.begin(), unique.end());
-      }
+      names = IndexedFiles(dir, "pytorch_model.bin.index.json", out);
     } else {
       for (const auto& f : dir.files)
         if (IsHfShard(f) || IsGeneric(f)) names.push_back(f);
@@ -72,7 +49,7 @@ class TorchSaveReader : public FormatReader {
 
     std::map<std::string, TensorMeta> tensors;
     for (const std::string& name : names) {
-      const std::string rel = Join(dir.rel, name);
+      const std::string rel = JoinPath(dir.rel, name);
       if (!dir.has_file(name)) {
         problem(rel + ": listed in pytorch_model.bin.index.json but missing", true);
         continue;
@@ -117,13 +94,7 @@ class TorchSaveReader : public FormatReader {
         t.chunks.push_back(std::move(c));
       }
     }
-    for (auto& [fqn, t] : tensors) {
-      std::string joined;
-      for (const std::string& p : CheckCoverage(t)) joined += (joined.empty() ? "" : "; ") + p;
-      t.problem = joined;
-      if (!t.problem.empty()) out.problems.push_back(t.problem);
-      out.tensors.push_back(std::make_shared<const TensorMeta>(std::move(t)));
-    }
+    FinishTensors(tensors, out);
     AddSidecarFiles(dir, files, out);
     return Status::OK();
   }

@@ -26,24 +26,18 @@ Result<std::string> DecodeItem(const std::string& transform, int fd, uint64_t of
   std::string out;
   std::vector<char> buf(ZSTD_DStreamOutSize());
   ZSTD_inBuffer input{in.data(), in.size(), 0};
-  size_t last = 1;
-  while (input.pos < input.size) {
+  size_t last = 0;
+  bool full = false;
+  // Until the input is consumed, and then while a call fills the whole
+  // output buffer (the decoder may still hold bytes).
+  while (input.pos < input.size || full) {
     ZSTD_outBuffer output{buf.data(), buf.size(), 0};
     last = ZSTD_decompressStream(ds.get(), &output, &input);
     if (ZSTD_isError(last)) return Status::Corruption(what + ": zstd: " + ZSTD_getErrorName(last));
     if (out.size() + output.pos > max_bytes)
       return Status::Corruption(what + ": decodes to more than " + std::to_string(max_bytes) + " bytes");
     out.append(buf.data(), output.pos);
-  }
-  // Drain: a frame may still hold decoded bytes after the input is consumed.
-  while (last != 0) {
-    ZSTD_outBuffer output{buf.data(), buf.size(), 0};
-    last = ZSTD_decompressStream(ds.get(), &output, &input);
-    if (ZSTD_isError(last)) return Status::Corruption(what + ": zstd: " + ZSTD_getErrorName(last));
-    if (out.size() + output.pos > max_bytes)
-      return Status::Corruption(what + ": decodes to more than " + std::to_string(max_bytes) + " bytes");
-    out.append(buf.data(), output.pos);
-    if (output.pos == 0) break;
+    full = output.pos == output.size;
   }
   if (last != 0) return Status::Corruption(what + ": truncated zstd stream");
   return out;
