@@ -31,10 +31,6 @@
 namespace ckptfs {
 namespace {
 
-std::string Join(const std::string& dir, const std::string& name) {
-  return dir.empty() ? name : dir + "/" + name;
-}
-
 // A dataclass field: the BUILD state is the instance dict, or a
 // (dict, slots) pair for classes with __slots__.
 const PickleValue* Field(const PickleValue* v, std::string_view name) {
@@ -80,16 +76,6 @@ std::optional<uint64_t> UInt(const PickleValue* v) {
   return uint64_t(*i);
 }
 
-// Strides that match the row-major layout of `shape` (ignoring dimensions of
-// length 1, whose stride never matters) are dropped: the planner then merges
-// rows into long runs.
-std::vector<uint64_t> NormalizeStrides(const std::vector<uint64_t>& shape, const std::vector<uint64_t>& strides) {
-  auto rm = RowMajorStrides(shape);
-  for (size_t d = 0; d < shape.size(); ++d)
-    if (shape[d] > 1 && strides[d] != rm[d]) return strides;
-  return {};
-}
-
 struct StorageInfo {
   std::string relative_path;
   uint64_t offset = 0, length = 0;
@@ -113,10 +99,7 @@ class DcpReader : public FormatReader {
   }
 
   Status Read(const DirListing& dir, FileTable& files, Checkpoint& out) const override {
-    auto problem = [&](const std::string& msg, bool incomplete) {
-      out.problems.push_back(msg);
-      if (incomplete && out.incomplete.empty()) out.incomplete = msg;
-    };
+    auto problem = [&](const std::string& msg, bool incomplete) { AddProblem(out, msg, incomplete); };
     out.format = dir.has_file("metadata.json") ? "megatron-torch-dist" : "dcp";
 
     std::map<std::string, TensorMeta> tensors;
@@ -127,7 +110,7 @@ class DcpReader : public FormatReader {
     std::vector<std::unique_ptr<const PickleDocument>> docs;    // keep values alive while reading
 
     for (const std::string& meta_name : MetadataFiles(dir)) {
-      const std::string rel = Join(dir.rel, meta_name);
+      const std::string rel = JoinPath(dir.rel, meta_name);
       auto id = files.Add(rel);
       auto text = id.ok() ? ReadWholeFile(files.Abs(*id)) : Result<std::string>(id.status());
       if (!text.ok()) {
@@ -139,17 +122,25 @@ class DcpReader : public FormatReader {
         problem(rel + ": " + doc.status().message(), true);
         continue;
       }
-      if ((*doc)->has_unknown_globals()) {
-        std::string names;
-        for (const auto& g : (*doc)->unknown_globals()) names += (names.empty() ? "" : ", ") + g;
-        problem(rel + ": refusing the metadata: it references globals a checkpoint never needs (" + names +
+      // Globals off the allowlist stay inert either way; classes of the
+      // checkpointing libraries themselves (torch's planner records,
+      // Megatron's MCoreMetadata and MCoreSavePlan) are expected there, but
+      // anything else (os.system, builtins.eval ...) has no business in a
+      // checkpoint's metadata: refuse the file and say what it names.
+      std::string foreign;
+      for (const auto& g : (*doc)->unknown_globals())
+        if (!g.starts_with("torch.") && !g.starts_with("megatron.core."))
+          foreign += (foreign.empty() ? "" : ", ") + g;
+      if (!foreign.empty()) {
+        problem(rel + ": refusing the metadata: it references globals a checkpoint never needs (" + foreign +
                     "); nothing was executed",
                 true);
         continue;
       }
       const PickleValue* root = &(*doc)->root();
-      if (ClassOf(root) != "Metadata") {
-        problem(rel + ": not a DCP Metadata object", true);
+      // torch's Metadata, or a subclass such as Megatron's MCoreMetadata.
+      if (!ClassOf(root).ends_with("Metadata") || !Field(root, "state_dict_metadata")) {
+        problem(rel + ": not a DCP Metadata object (" + std::string(ClassOf(root)) + ")", true);
         continue;
       }
       Status st = ReadMetadata(rel, root, tensors, declared, storage, byte_storage, reformulated);
@@ -195,7 +186,7 @@ class DcpReader : public FormatReader {
           continue;
         }
         const StorageInfo& si = it->second;
-        const std::string rel = Join(dir.rel, si.relative_path);
+        const std::string rel = JoinPath(dir.rel, si.relative_path);
         auto id = files.Add(rel);
         if (!id.ok()) {
           problem(who + ": " + id.status().message(), true);
@@ -252,7 +243,7 @@ class DcpReader : public FormatReader {
     }
 
     for (auto& [key, si] : byte_storage) {
-      auto id = files.Add(Join(dir.rel, si.relative_path));
+      auto id = files.Add(JoinPath(dir.rel, si.relative_path));
       if (!id.ok()) {
         problem("item '" + key + "': " + id.status().message(), false);
         continue;
@@ -275,15 +266,7 @@ class DcpReader : public FormatReader {
       out.byte_items[key] = {*id, si.offset, si.length};
     }
 
-    for (auto& [fqn, t] : tensors) {
-      if (t.fqn.empty()) continue;
-      DropReplicas(t);
-      std::string joined;
-      for (const std::string& p : CheckCoverage(t)) joined += (joined.empty() ? "" : "; ") + p;
-      t.problem = joined;
-      if (!t.problem.empty()) out.problems.push_back(t.problem);
-      out.tensors.push_back(std::make_shared<const TensorMeta>(std::move(t)));
-    }
+    FinishTensors(tensors, out);
     AddSidecarFiles(dir, files, out);
     return Status::OK();
   }

@@ -40,9 +40,17 @@ if [ -z "${CKPTFS_SKIP_PYTHON:-}" ]; then
       $PY -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
     fi
   fi
-  if ! $PY -c 'import safetensors, numpy, transformers, pytest, ml_dtypes, zstandard' 2>/dev/null; then
+  if ! $PY -c 'import safetensors, numpy, transformers, pytest, ml_dtypes, zstandard, psutil' 2>/dev/null; then
     log "installing Python packages from tools/requirements.txt"
     $PY -m pip install -q -r tools/requirements.txt
+  fi
+  # Megatron-Core writes the real torch_dist checkpoints of the Megatron
+  # tests. 0.15.3 is the last release that saves flattened optimizer shards;
+  # its metadata pins numpy<2, which it does not need on CPU, so it is
+  # installed without its dependencies (torch and packaging are already here).
+  if ! $PY -c 'import megatron.core' 2>/dev/null; then
+    log "installing megatron-core 0.15.3 (--no-deps)"
+    $PY -m pip install -q --no-deps megatron-core==0.15.3
   fi
 fi
 
