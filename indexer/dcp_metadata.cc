@@ -1,0 +1,142 @@
+#include "indexer/dcp_metadata.h"
+
+#include "indexer/torch_zip.h"
+
+namespace ckptfs {
+
+// A dataclass field: the BUILD state is the instance dict, or a
+// (dict, slots) pair for classes with __slots__.
+const PickleValue* Field(const PickleValue* v, std::string_view name) {
+  for (const PickleValue* cur = v; cur && cur->kind() == PickleValue::Kind::kBuild; cur = cur->built_object()) {
+    const PickleValue* st = cur->build_state();
+    if (!st) continue;
+    if (st->AsDict()) {
+      if (const PickleValue* f = st->DictGet(name)) return f;
+    } else if (auto parts = st->AsTuple()) {
+      for (const PickleValue* part : *parts)
+        if (part && part->AsDict())
+          if (const PickleValue* f = part->DictGet(name)) return f;
+    }
+  }
+  return nullptr;
+}
+
+// The class name of a NewObj/Reduce instance (after BUILD wrappers): the
+// module is not checked beyond the allowlist, so both TensorProperties
+// spellings (checkpoint.metadata, _shard.sharded_tensor.metadata) match.
+std::string_view ClassOf(const PickleValue* v) {
+  if (!v) return "";
+  const PickleValue& u = v->Unwrapped();
+  const PickleValue* cls = u.callable();
+  return cls && cls->IsGlobal() ? cls->global_name() : std::string_view();
+}
+
+std::string_view ModuleOf(const PickleValue* v) {
+  if (!v) return "";
+  const PickleValue& u = v->Unwrapped();
+  const PickleValue* cls = u.callable();
+  return cls && cls->IsGlobal() ? cls->global_module() : std::string_view();
+}
+
+std::optional<DType> PropertiesDType(const PickleValue* props) {
+  const PickleValue* dtype = Field(props, "dtype");
+  if (!dtype && props && props->kind() == PickleValue::Kind::kBuild) {
+    // TensorProperties pickles its state as a 5-tuple (dtype, layout, ...).
+    const PickleValue* st = props->build_state();
+    if (st && st->AsTuple() && !st->AsTuple()->empty()) dtype = st->At(0);
+  }
+  if (!dtype || !dtype->IsGlobal()) return std::nullopt;
+  return DTypeFromTorchName(dtype->global_name());
+}
+
+std::optional<uint64_t> UInt(const PickleValue* v) {
+  if (!v) return std::nullopt;
+  auto i = v->AsInt();
+  if (!i || *i < 0) return std::nullopt;
+  return uint64_t(*i);
+}
+
+
+Status ReadDcpMetadata(const std::string& rel, const PickleValue* root, std::map<std::string, TensorMeta>& tensors,
+                       std::map<std::string, std::vector<Box>>& declared, std::map<ChunkKey, StorageInfo>& storage,
+                       std::map<std::string, StorageInfo>& byte_storage,
+                       std::map<std::string, std::vector<uint64_t>>& reformulated,
+                       std::map<ChunkKey, std::string>* tensor_meta) {
+  const PickleValue* sdm = Field(root, "state_dict_metadata");
+  if (!sdm || !sdm->AsDict()) return Status::Corruption(rel + ": Metadata has no state_dict_metadata dict");
+  const PickleValue* planner = Field(root, "planner_data");
+  for (const PickleDictEntry& e : *sdm->AsDict()) {
+    const std::string* fqn = e.key->AsStr();
+    if (!fqn) return Status::Corruption(rel + ": a state_dict_metadata key is not a string");
+    std::string_view cls = ClassOf(e.value);
+    if (cls == "BytesStorageMetadata") continue;
+    if (cls != "TensorStorageMetadata") return Status::Corruption(rel + ": '" + *fqn + "' has metadata of class " + std::string(cls));
+    auto dtype = PropertiesDType(Field(e.value, "properties"));
+    auto size = Field(e.value, "size") ? AsShape(*Field(e.value, "size")) : std::nullopt;
+    const PickleValue* chunks = Field(e.value, "chunks");
+    if (!dtype || !size || !chunks || !chunks->AsSequence())
+      return Status::Corruption(rel + ": tensor '" + *fqn + "' has malformed metadata (dtype, size or chunks)");
+    TensorMeta& t = tensors[*fqn];
+    t.fqn = *fqn;
+    t.dtype = *dtype;
+    t.shape = *size;
+    if (planner && planner->AsDict())
+      if (const PickleValue* p = planner->DictGet(*fqn); p && p->AsSequence()) {
+        t.path.clear();
+        for (const PickleValue* part : *p->AsSequence()) {
+          if (const std::string* s = part->AsStr()) t.path.push_back(*s);
+          else if (auto i = part->AsInt()) t.path.push_back(std::to_string(*i));
+        }
+      }
+    for (const PickleValue* ch : *chunks->AsSequence()) {
+      auto off = Field(ch, "offsets") ? AsShape(*Field(ch, "offsets")) : std::nullopt;
+      auto len = Field(ch, "sizes") ? AsShape(*Field(ch, "sizes")) : std::nullopt;
+      if (!off || !len || off->size() != size->size() || len->size() != size->size())
+        return Status::Corruption(rel + ": tensor '" + *fqn + "' has a malformed chunk");
+      declared[*fqn].push_back(Box{*off, *len});
+    }
+  }
+  const PickleValue* sd = Field(root, "storage_data");
+  if (!sd || !sd->AsDict()) return Status::Corruption(rel + ": Metadata has no storage_data dict");
+  for (const PickleDictEntry& e : *sd->AsDict()) {
+    const PickleValue* fqn = Field(e.key, "fqn");
+    const PickleValue* path = Field(e.value, "relative_path");
+    auto off = UInt(Field(e.value, "offset"));
+    auto len = UInt(Field(e.value, "length"));
+    if (!fqn || !fqn->AsStr() || !path || !path->AsStr() || !off || !len)
+      return Status::Corruption(rel + ": malformed storage_data entry " + e.key->DebugString(200));
+    if (path->AsStr()->find('/') != std::string::npos || *path->AsStr() == "..")
+      return Status::Corruption(rel + ": storage_data names a file outside the checkpoint: " + *path->AsStr());
+    StorageInfo si{*path->AsStr(), *off, *len, {}};
+    if (const PickleValue* tr = Field(e.value, "transform_descriptors"); tr && tr->AsSequence())
+      for (const PickleValue* d : *tr->AsSequence())
+        if (d->AsStr()) si.transforms.push_back(*d->AsStr());
+    const PickleValue* offset = Field(e.key, "offset");
+    if (!offset || offset->IsNone()) {
+      byte_storage[*fqn->AsStr()] = si;
+    } else if (auto o = AsShape(*offset)) {
+      storage[{*fqn->AsStr(), *o}] = si;
+    } else {
+      return Status::Corruption(rel + ": storage_data entry for '" + *fqn->AsStr() + "' has a malformed offset");
+    }
+  }
+  // ByteCheckpoint: {MetadataIndex: pickled tensor description | None}.
+  if (tensor_meta)
+    if (const PickleValue* atm = Field(root, "all_tensor_metadata"); atm && atm->AsDict())
+      for (const PickleDictEntry& e : *atm->AsDict()) {
+        const PickleValue* fqn = Field(e.key, "fqn");
+        const PickleValue* offset = Field(e.key, "offset");
+        if (!fqn || !fqn->AsStr() || !offset || offset->IsNone() || !e.value->AsBytes()) continue;
+        if (auto o = AsShape(*offset)) (*tensor_meta)[{*fqn->AsStr(), *o}] = *e.value->AsBytes();
+      }
+  // Megatron's flattened distributed-optimizer tensors.
+  if (const PickleValue* mcore = Field(root, "mcore_data"); mcore && mcore->AsDict())
+    for (const PickleDictEntry& e : *mcore->AsDict())
+      if (e.key->AsStr() && e.value->AsDict())
+        if (const PickleValue* orig = e.value->DictGet("nd_reformulated_orig_global_shape"))
+          if (auto shape = AsShape(*orig)) reformulated[*e.key->AsStr()] = *shape;
+  return Status::OK();
+}
+
+
+}  // namespace ckptfs
