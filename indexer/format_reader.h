@@ -29,6 +29,9 @@ class FormatReader {
   virtual ~FormatReader() = default;
   virtual std::string name() const = 0;
   virtual bool Recognise(const DirListing& dir) const = 0;
+  // Subdirectories that belong to this checkpoint (ByteCheckpoint's model/
+  // and optimizer/): the scanner does not offer them to readers again.
+  virtual std::vector<std::string> ClaimedSubdirs(const DirListing& dir) const { return {}; }
   // Fills `out` (dir and format are set by the caller). A non-ok Status means
   // the directory could not be read at all (permission denied, say).
   virtual Status Read(const DirListing& dir, FileTable& files, Checkpoint& out) const = 0;

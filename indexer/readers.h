@@ -14,6 +14,7 @@ namespace ckptfs {
 std::unique_ptr<FormatReader> MakeSafetensorsReader();
 std::unique_ptr<FormatReader> MakeDcpReader();
 std::unique_ptr<FormatReader> MakeTorchSaveReader();
+std::unique_ptr<FormatReader> MakeByteCheckpointReader();
 
 // Registers the config and tokenizer files a Hugging Face folder carries
 // (config.json, tokenizer.json, ...) as out.sidecars, from `<dir>/.hf_metadata/`

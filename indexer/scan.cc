@@ -26,6 +26,7 @@ std::vector<std::unique_ptr<FormatReader>> AllReaders() {
   // Order matters: a folder with both safetensors and .bin files (common on
   // the Hub) is read as safetensors; a DCP folder's common.pt is not a
   // torch.save checkpoint of its own.
+  r.push_back(MakeByteCheckpointReader());
   r.push_back(MakeSafetensorsReader());
   r.push_back(MakeDcpReader());
   r.push_back(MakeTorchSaveReader());
@@ -81,11 +82,13 @@ Result<Catalog> ScanSource(const std::string& root_arg, const ScanOptions& optio
     }
     struct stat ds;
     if (::stat(listing->abs.c_str(), &ds) != 0 || !seen.insert({ds.st_dev, ds.st_ino}).second) continue;
+    std::vector<std::string> claimed;
     for (const auto& r : readers) {
       if (!r->Recognise(*listing)) continue;
       Checkpoint ckpt;
       ckpt.dir = rel;
       RETURN_IF_ERROR(r->Read(*listing, files, ckpt));
+      claimed = r->ClaimedSubdirs(*listing);
       if (!options.file_index_mapping.empty()) {
         Status s = LoadFileIndexMapping(options.file_index_mapping, ckpt);
         if (!s.ok()) return s;
@@ -94,7 +97,8 @@ Result<Catalog> ScanSource(const std::string& root_arg, const ScanOptions& optio
       break;
     }
     for (auto it = listing->dirs.rbegin(); it != listing->dirs.rend(); ++it)
-      pending.push_back(rel.empty() ? *it : rel + "/" + *it);
+      if (std::find(claimed.begin(), claimed.end(), *it) == claimed.end())
+        pending.push_back(rel.empty() ? *it : rel + "/" + *it);
     ++done;
     if (options.progress) options.progress(done, catalog.checkpoints.size());
   }
