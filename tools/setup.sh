@@ -48,6 +48,14 @@ if [ -z "${CKPTFS_SKIP_PYTHON:-}" ]; then
   # tests. 0.15.3 is the last release that saves flattened optimizer shards;
   # its metadata pins numpy<2, which it does not need on CPU, so it is
   # installed without its dependencies (torch and packaging are already here).
+  # ByteCheckpoint 0.0.2 writes the real checkpoints of its tests. Its
+  # metadata pins torch<=2.5 (it runs on 2.13) and pulls grpc, so it lives in
+  # its own site dir that only its test ranks put on PYTHONPATH.
+  BCP_SITE=${BYTECHECKPOINT_SITE:-$PWD/build/bcp-site}
+  if [ ! -f "$BCP_SITE/bytecheckpoint/__init__.py" ]; then
+    log "installing bytecheckpoint 0.0.2 into $BCP_SITE"
+    $PY -m pip install -q --no-deps --target "$BCP_SITE" bytecheckpoint==0.0.2 grpcio==1.69.0 protobuf==3.20.3
+  fi
   if ! $PY -c 'import megatron.core' 2>/dev/null; then
     log "installing megatron-core 0.15.3 (--no-deps)"
     $PY -m pip install -q --no-deps megatron-core==0.15.3

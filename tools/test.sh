@@ -17,4 +17,5 @@ ctest --test-dir build --output-on-failure -j2
 
 printf '\n== end-to-end tests (pytest)\n'
 export CKPTFS_BIN="$PWD/build/ckptfs"
+export BYTECHECKPOINT_SITE=${BYTECHECKPOINT_SITE:-$PWD/build/bcp-site}
 python3 -m pytest tests/e2e -q -p no:cacheprovider -ra
