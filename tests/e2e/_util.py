@@ -15,11 +15,12 @@ import json
 import os
 import struct
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass, field
 
-DEFAULT_BIN = "/work/main/build/ckptfs"
+from harness import (DEFAULT_BIN, ckptfs_bin, describe, is_mounted,  # noqa: F401
+                     run_ckptfs, unmount)
+
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
 # Exit codes of the CLI (tools/ckptfs.cc).
@@ -33,30 +34,8 @@ EXIT_MOUNT_FAILED = 7
 EXIT_INDEX_ERROR = 8
 
 
-def ckptfs_bin() -> str:
-    return os.environ.get("CKPTFS_BIN", DEFAULT_BIN)
-
-
-def run_ckptfs(*args: str, index_dir: str | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Runs `ckptfs ARGS...` and returns the CompletedProcess (bytes stdout,
-    text stderr). index_dir sets CKPTFS_INDEX_DIR. Output goes through temp
-    files, not pipes: a daemonized mount must not keep our pipe open."""
-    env = dict(os.environ)
-    if index_dir is not None:
-        env["CKPTFS_INDEX_DIR"] = index_dir
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        p = subprocess.run([ckptfs_bin(), *args], stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                           env=env, timeout=timeout)
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(p.args, p.returncode, out.read(),
-                                           err.read().decode(errors="replace"))
-
-
-def describe(p: subprocess.CompletedProcess) -> str:
-    out = p.stdout if isinstance(p.stdout, (bytes, str)) else b""
-    return (f"command: {' '.join(map(str, p.args))}\nexit: {p.returncode}\n"
-            f"stderr:\n{p.stderr}\nstdout: {len(out)} bytes")
+# ckptfs_bin, run_ckptfs (bytes stdout, text stderr, index_dir sets
+# CKPTFS_INDEX_DIR), describe, is_mounted and unmount come from harness.py.
 
 
 # ---------------------------------------------------------------------------
@@ -183,26 +162,6 @@ def pread_errno(path: str, offset: int, length: int) -> int | None:
 # ---------------------------------------------------------------------------
 # mounting
 # ---------------------------------------------------------------------------
-
-
-def is_mounted(mnt: str) -> bool:
-    mnt = os.path.realpath(mnt)
-    with open("/proc/self/mounts") as f:
-        return any(line.split()[1] == mnt for line in f)
-
-
-def unmount(mnt: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while is_mounted(mnt):
-        subprocess.run(["fusermount3", "-u", mnt], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
-        if not is_mounted(mnt):
-            break
-        if time.monotonic() > deadline:
-            subprocess.run(["fusermount3", "-uz", mnt], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
-            break
-        time.sleep(0.1)
 
 
 @dataclass

@@ -62,8 +62,9 @@ import pickletools
 import shutil
 import subprocess
 import sys
-import tempfile
 from typing import Any
+
+from harness import spawn_ranks
 
 DEFAULT_SITE = os.environ.get("BYTECHECKPOINT_SITE", "/tmp/bcp-site")
 SITE_PKGS = ["bytecheckpoint==0.0.2", "grpcio==1.69.0", "protobuf==3.20.3"]
@@ -448,40 +449,11 @@ def _worker(rank: int, world: int, init_file: str, job: dict) -> None:
 
 
 def _spawn(world: int, job: dict, site: str, timeout: float = 240.0) -> None:
-    tmpd = tempfile.mkdtemp(prefix="bcp_gen_pg_")
-    init_file = os.path.join(tmpd, "filestore")
-    job_file = os.path.join(tmpd, "job.json")
-    with open(job_file, "w") as f:
-        json.dump(job, f)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               BYTECHECKPOINT_SITE=site, BYTECHECKPOINT_ENABLE_PINNED_MEM_D2H="0")
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs, logs = [], []
-    try:
-        for r in range(world):
-            log = open(os.path.join(tmpd, f"rank{r}.log"), "w+b")
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "_worker", str(r), str(world),
-                 init_file, job_file], env=env, stdout=log, stderr=subprocess.STDOUT))
-        for p in procs:
-            p.wait(timeout=timeout)
-        bad = [r for r, p in enumerate(procs) if p.returncode]
-        if bad:
-            msg = []
-            for r in bad:
-                logs[r].seek(0)
-                msg.append(f"--- rank {r} rc={procs[r].returncode} ---\n"
-                           + logs[r].read().decode(errors="replace")[-4000:])
-            raise RuntimeError(f"bytecheckpoint ranks failed ({job['variant']}):\n" + "\n".join(msg))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        for log in logs:
-            log.close()
-        shutil.rmtree(tmpd, ignore_errors=True)
+    """Runs `world` ranks of `python3 bytecheckpoint_gen.py _worker ...`
+    (harness.spawn_ranks)."""
+    spawn_ranks(__file__, world, job, name=f"bytecheckpoint ({job['variant']})",
+                timeout=timeout, tmp_prefix="bcp_gen_pg_",
+                env={"BYTECHECKPOINT_SITE": site, "BYTECHECKPOINT_ENABLE_PINNED_MEM_D2H": "0"})
 
 
 def _same(a, b) -> bool:

@@ -51,8 +51,9 @@ import os
 import shutil
 import struct
 import sys
-import tempfile
 from typing import Any
+
+from harness import spawn_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
@@ -161,39 +162,12 @@ def _spawn_save(out_dir: str, world_size: int, expected_path: str,
                 fqn_to_index_mapping: dict[str, int] | None,
                 timeout: float = 300.0) -> None:
     """Run `world_size` ranks as fresh `python3 ckpt_gen.py _worker ...`
-    processes (spawn semantics, but independent of the caller's __main__,
-    so it works from pytest, `python3 -`, notebooks, xdist...)."""
-    import subprocess
+    processes (harness.spawn_ranks)."""
     job = {"out_dir": out_dir, "expected_path": expected_path,
            "placements": placements,
            "fqn_to_index_mapping": fqn_to_index_mapping}
-    tmpd = tempfile.mkdtemp(prefix="ckpt_gen_pg_")
-    init_file = os.path.join(tmpd, "filestore")  # must not exist yet
-    job_file = os.path.join(tmpd, "job.json")
-    with open(job_file, "w") as f:
-        json.dump(job, f)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = []
-    try:
-        for rank in range(world_size):
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "_worker",
-                 str(rank), str(world_size), init_file, job_file],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        outs = [p.communicate(timeout=timeout)[0].decode(errors="replace")
-                for p in procs]
-        bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode]
-        if bad:
-            raise RuntimeError(f"ckpt_gen ranks failed {bad}:\n" + "\n".join(
-                f"--- rank {r} ---\n{outs[r][-4000:]}" for r, _ in bad))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        shutil.rmtree(tmpd, ignore_errors=True)
+    spawn_ranks(__file__, world_size, job, name="ckpt_gen", timeout=timeout,
+                env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 
 
 def _write_hf_metadata(out_dir: str, config: dict | None,

@@ -24,7 +24,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,9 +35,10 @@ if str(E2E_DIR) not in sys.path:
     sys.path.insert(0, str(E2E_DIR))
 
 import ckpt_gen  # noqa: E402
+import harness  # noqa: E402
+from harness import DEFAULT_BIN, is_mounted, unmount  # noqa: E402,F401
 import torch  # noqa: E402
 
-DEFAULT_BIN = "/work/main/build/ckptfs"
 
 # ---------------------------------------------------------------------------
 # what the generated checkpoints hold
@@ -142,15 +142,11 @@ def index_dir(tmp_path_factory) -> str:
 
 
 def run_ckptfs(bin_path: str, *args, timeout: float = 120, cwd=None) -> subprocess.CompletedProcess:
-    """Runs `ckptfs ARGS...`, stdout/stderr through files (never pipes a
-    daemon could keep open). Returns CompletedProcess with bytes."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        p = subprocess.run([bin_path, *map(str, args)], stdout=out, stderr=err,
-                           stdin=subprocess.DEVNULL, timeout=timeout, cwd=cwd,
-                           env=dict(os.environ))
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(p.args, p.returncode, out.read(), err.read())
+    """Runs `ckptfs ARGS...` (harness.run_ckptfs: output through files,
+    never pipes a daemon could keep open). Returns CompletedProcess with
+    bytes stdout and stderr."""
+    return harness.run_ckptfs(*args, bin_path=bin_path, timeout=timeout, cwd=cwd,
+                              text_stderr=False)
 
 
 @pytest.fixture(scope="session")
@@ -165,47 +161,7 @@ def ckptfs(ckptfs_bin):
 # ---------------------------------------------------------------------------
 
 
-def _unescape_mount_path(s: str) -> str:
-    # /proc/self/mounts escapes space, tab, newline and backslash as \ooo.
-    out, i = [], 0
-    while i < len(s):
-        if s[i] == "\\" and i + 4 <= len(s) and s[i + 1:i + 4].isdigit():
-            out.append(chr(int(s[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(s[i])
-            i += 1
-    return "".join(out)
-
-
-def is_mounted(path: str) -> bool:
-    """True when `path` is a mount point (works for a dead FUSE daemon too,
-    where stat() fails with ENOTCONN and os.path.ismount says False)."""
-    path = os.path.realpath(path)
-    with open("/proc/self/mounts") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) > 1 and _unescape_mount_path(parts[1]) == path:
-                return True
-    return False
-
-
-def unmount(path: str) -> None:
-    """fusermount3 -u, retried while busy, then lazy (-z) as a last resort."""
-    if not is_mounted(path):
-        return
-    for _ in range(10):
-        subprocess.run(["fusermount3", "-u", path], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
-        if not is_mounted(path):
-            return
-        time.sleep(0.2)
-    subprocess.run(["fusermount3", "-u", "-z", path], stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
-    for _ in range(50):
-        if not is_mounted(path):
-            return
-        time.sleep(0.1)
+# is_mounted / unmount: harness.py (test modules import is_mounted from here).
 
 
 class MountError(RuntimeError):
@@ -216,7 +172,8 @@ class MountError(RuntimeError):
 
 
 @dataclass
-class Mount:
+class Mount(harness.MountPoint):
+    """What mount_ckptfs yields; p(*rel) and log() from harness.MountPoint."""
     path: str            # the mount point
     root: str            # the source root
     log_path: str        # --log-file
@@ -224,21 +181,12 @@ class Mount:
     stderr: str = ""
     extra: dict = field(default_factory=dict)
 
-    def p(self, *rel: str) -> str:
-        return os.path.join(self.path, *rel)
-
-    def log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()
-        except FileNotFoundError:
-            return ""
-
 
 @contextlib.contextmanager
 def mount_ckptfs(bin_path: str, root: str, *args: str, base_dir: str | None = None):
     """Mounts `root` on a fresh tmp dir (`ckptfs mount ROOT MNT --log-file F
-    ARGS`), yields a Mount, and always unmounts afterwards."""
+    ARGS`), yields a Mount, and always unmounts afterwards (harness.unmount:
+    fusermount3 -u retried, then -u -z)."""
     base = base_dir or tempfile.gettempdir()
     mnt = tempfile.mkdtemp(prefix="ckptfs-mnt-", dir=base)
     log_path = mnt + ".log"

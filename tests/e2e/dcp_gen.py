@@ -70,6 +70,8 @@ import tempfile
 import threading
 from typing import Any
 
+from harness import spawn_ranks
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -411,33 +413,9 @@ def _worker(rank: int, world_size: int, init_file: str, job: dict) -> None:
 
 def _spawn_save(world_size: int, tasks: list[dict], timeout: float = 300.0) -> None:
     """Runs `world_size` ranks as fresh `python3 dcp_gen.py _worker ...`
-    processes; each saves every task in order."""
-    tmpd = tempfile.mkdtemp(prefix="dcp_gen_pg_")
-    init_file = os.path.join(tmpd, "filestore")  # must not exist yet
-    job_file = os.path.join(tmpd, "job.json")
-    with open(job_file, "w") as f:
-        json.dump({"tasks": tasks}, f)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = []
-    try:
-        for rank in range(world_size):
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "_worker",
-                 str(rank), str(world_size), init_file, job_file],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        outs = [p.communicate(timeout=timeout)[0].decode(errors="replace") for p in procs]
-        bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode]
-        if bad:
-            raise RuntimeError(f"dcp_gen ranks failed {bad}:\n" + "\n".join(
-                f"--- rank {r} ---\n{outs[r][-4000:]}" for r, _ in bad))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        shutil.rmtree(tmpd, ignore_errors=True)
+    processes (harness.spawn_ranks); each saves every task in order."""
+    spawn_ranks(__file__, world_size, {"tasks": tasks}, name="dcp_gen", timeout=timeout,
+                env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 
 
 # ---------------------------------------------------------------------------

@@ -61,11 +61,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from typing import Any
+
+from harness import spawn_ranks
 
 import torch
 
@@ -400,56 +400,16 @@ def generate(out_dir: str, world_size: int = WORLD_SIZE, timeout: float = 240.0)
     paths = sidecar_paths(out_dir)
     torch.save(make_expected(), paths["expected_path"])
     job = dict(paths, out_dir=out_dir)
-    tmpd = tempfile.mkdtemp(prefix="megatron_gen_pg_")
-    init_file = os.path.join(tmpd, "filestore")
-    job_file = os.path.join(tmpd, "job.json")
-    with open(job_file, "w") as f:
-        json.dump(job, f)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    env = {"CUDA_VISIBLE_DEVICES": "", "PYTHONWARNINGS": "ignore"}
     if os.environ.get("MEGATRON_PYTHONPATH"):
         env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (os.environ["MEGATRON_PYTHONPATH"], env.get("PYTHONPATH")) if p)
-    procs, logs = [], []
+            p for p in (os.environ["MEGATRON_PYTHONPATH"], os.environ.get("PYTHONPATH")) if p)
     t0 = time.monotonic()
-    try:
-        for rank in range(world_size):
-            log = tempfile.TemporaryFile(dir=tmpd)
-            logs.append(log)
-            # start_new_session: the rank and the helper processes megatron
-            # spawns (a multiprocessing Manager) form one process group we
-            # can kill as a whole if the rank hangs.
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "_worker",
-                 str(rank), str(world_size), init_file, job_file],
-                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True))
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            try:
-                p.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                break
-        outs = []
-        for log in logs:
-            log.seek(0)
-            outs.append(log.read().decode(errors="replace"))
-        bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
-        if bad:
-            raise RuntimeError(f"megatron_gen ranks failed or timed out {bad}:\n" + "\n".join(
-                f"--- rank {r} ---\n{outs[r][-6000:]}" for r, _ in bad))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, 9)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-        for log in logs:
-            log.close()
-        shutil.rmtree(tmpd, ignore_errors=True)
+    # new_session: the rank and the helper processes megatron spawns (a
+    # multiprocessing Manager) form one process group, killed as a whole if
+    # the rank hangs.
+    spawn_ranks(__file__, world_size, job, name="megatron_gen", env=env, timeout=timeout,
+                tail=6000, new_session=True)
     with open(paths["info_path"]) as f:
         info = json.load(f)
     files = sorted(os.path.relpath(os.path.join(r, fn), out_dir)

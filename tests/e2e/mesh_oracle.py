@@ -29,10 +29,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import subprocess
 import sys
-import tempfile
+
+from harness import spawn_ranks
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -91,33 +90,10 @@ def _worker(rank: int, world_size: int, init_file: str, job: dict) -> None:
 
 def run_load(jobs: list[dict], world_size: int, out_dir: str,
              timeout: float = 300.0) -> None:
-    tmpd = tempfile.mkdtemp(prefix="mesh_oracle_pg_")
-    init_file = os.path.join(tmpd, "filestore")  # must not exist yet
-    job_file = os.path.join(tmpd, "job.json")
-    with open(job_file, "w") as f:
-        json.dump({"loads": jobs, "out_dir": out_dir}, f)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    procs = []
-    try:
-        for rank in range(world_size):
-            procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "_worker",
-                 str(rank), str(world_size), init_file, job_file],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-        outs = [p.communicate(timeout=timeout)[0].decode(errors="replace")
-                for p in procs]
-        bad = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode]
-        if bad:
-            raise RuntimeError(f"mesh_oracle ranks failed {bad}:\n" + "\n".join(
-                f"--- rank {r} ---\n{outs[r][-4000:]}" for r, _ in bad))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        shutil.rmtree(tmpd, ignore_errors=True)
+    """Runs the loads on `world_size` ranks (harness.spawn_ranks)."""
+    spawn_ranks(__file__, world_size, {"loads": jobs, "out_dir": out_dir},
+                name="mesh_oracle", timeout=timeout,
+                env={"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
 
 
 if __name__ == "__main__":

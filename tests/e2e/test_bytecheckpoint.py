@@ -57,9 +57,9 @@ E2E_DIR = Path(__file__).resolve().parent
 if str(E2E_DIR) not in sys.path:
     sys.path.insert(0, str(E2E_DIR))
 import bytecheckpoint_gen as bcpgen  # noqa: E402
+from harness import describe, run_ckptfs  # noqa: E402
 
 GEN = str(E2E_DIR / "bytecheckpoint_gen.py")
-DEFAULT_BIN = "/work/main/build/ckptfs"
 EXIT_OK = 0
 WORLD = 2
 
@@ -139,23 +139,9 @@ class Runner:
         self.index_dir = index_dir
 
     def __call__(self, *args, timeout: float = 120) -> subprocess.CompletedProcess:
-        """`ckptfs ARGS` with CKPTFS_INDEX_DIR set; stdout bytes, stderr text."""
-        b = os.environ.get("CKPTFS_BIN", DEFAULT_BIN)
-        assert os.path.isfile(b) and os.access(b, os.X_OK), (
-            f"ckptfs binary not found at {b}: build it or set CKPTFS_BIN")
-        env = dict(os.environ, CKPTFS_INDEX_DIR=self.index_dir)
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            p = subprocess.run([b, *map(str, args)], stdout=out, stderr=err,
-                               stdin=subprocess.DEVNULL, env=env, timeout=timeout)
-            out.seek(0)
-            err.seek(0)
-            return subprocess.CompletedProcess(p.args, p.returncode, out.read(),
-                                               err.read().decode(errors="replace"))
-
-
-def describe(p: subprocess.CompletedProcess) -> str:
-    return (f"`{' '.join(map(str, p.args))}` exited {p.returncode}\n"
-            f"stderr: {p.stderr.strip()[-3000:]}\nstdout: {p.stdout[:300]!r}")
+        """`ckptfs ARGS` with CKPTFS_INDEX_DIR set; stdout bytes, stderr text
+        (harness.run_ckptfs)."""
+        return run_ckptfs(*args, index_dir=self.index_dir, timeout=timeout)
 
 
 def ls_json(ck: Runner, *args) -> list:

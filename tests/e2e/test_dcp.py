@@ -55,8 +55,9 @@ E2E_DIR = Path(__file__).resolve().parent
 if str(E2E_DIR) not in sys.path:
     sys.path.insert(0, str(E2E_DIR))
 import dcp_gen  # noqa: E402
+import harness  # noqa: E402
+from harness import is_mounted, run_ckptfs, unmount  # noqa: E402
 
-DEFAULT_BIN = "/work/main/build/ckptfs"
 EXIT_OK, EXIT_PROBLEMS = 0, 5
 
 DCP = dcp_gen.DCP_NAMES
@@ -82,35 +83,19 @@ NP_DTYPE = {
 # ---------------------------------------------------------------------------
 
 
-def ckptfs_bin() -> str:
-    return os.environ.get("CKPTFS_BIN", DEFAULT_BIN)
-
-
 class Runner:
+    """`ckptfs ARGS` with this suite's private CKPTFS_INDEX_DIR
+    (harness.run_ckptfs: stdout bytes, stderr text, through temp files)."""
+
     def __init__(self, index_dir: str):
         self.index_dir = index_dir
 
-    def env(self) -> dict:
-        return dict(os.environ, CKPTFS_INDEX_DIR=self.index_dir)
-
     def __call__(self, *args, timeout: float = 120) -> subprocess.CompletedProcess:
-        """`ckptfs ARGS`; stdout bytes, stderr text, through temp files (a
-        daemonized mount must not hold our pipes)."""
-        b = ckptfs_bin()
-        assert os.path.isfile(b) and os.access(b, os.X_OK), (
-            f"ckptfs binary not found at {b}: build it or set CKPTFS_BIN")
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            p = subprocess.run([b, *map(str, args)], stdout=out, stderr=err,
-                               stdin=subprocess.DEVNULL, env=self.env(), timeout=timeout)
-            out.seek(0)
-            err.seek(0)
-            return subprocess.CompletedProcess(p.args, p.returncode, out.read(),
-                                               err.read().decode(errors="replace"))
+        return run_ckptfs(*args, index_dir=self.index_dir, timeout=timeout)
 
 
 def describe(p: subprocess.CompletedProcess) -> str:
-    return (f"`{' '.join(map(str, p.args))}` exited {p.returncode}\n"
-            f"stderr: {p.stderr.strip()[-3000:]}\nstdout: {p.stdout[:500]!r}")
+    return harness.describe(p, stdout_chars=500)
 
 
 def crashed(rc: int) -> bool:
@@ -124,34 +109,8 @@ def crashed(rc: int) -> bool:
 # ---------------------------------------------------------------------------
 
 
-def _unescape_mount_path(s: str) -> str:
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), s)
-
-
-def is_mounted(path: str) -> bool:
-    path = os.path.realpath(path)
-    with open("/proc/self/mounts") as f:
-        return any(len(ln.split()) > 1 and _unescape_mount_path(ln.split()[1]) == path
-                   for ln in f)
-
-
-def unmount(path: str) -> None:
-    gc.collect()  # drop numpy memmaps / safetensors mmaps of the mount first
-    for _ in range(20):
-        if not is_mounted(path):
-            return
-        subprocess.run(["fusermount3", "-u", path], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
-        if not is_mounted(path):
-            return
-        gc.collect()
-        time.sleep(0.2)
-    subprocess.run(["fusermount3", "-u", "-z", path], stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
-    for _ in range(50):
-        if not is_mounted(path):
-            return
-        time.sleep(0.1)
+# is_mounted / unmount (gc.collect, fusermount3 -u retried, then -u -z):
+# harness.py.
 
 
 class Mounts:

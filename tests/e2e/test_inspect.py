@@ -28,8 +28,6 @@ import shutil
 import struct
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import ml_dtypes
@@ -44,8 +42,8 @@ E2E_DIR = Path(__file__).resolve().parent
 if str(E2E_DIR) not in sys.path:
     sys.path.insert(0, str(E2E_DIR))
 import ckpt_gen  # noqa: E402
+import harness  # noqa: E402
 
-DEFAULT_BIN = "/work/main/build/ckptfs"
 FIXTURES = Path("/work/shared/fixtures/third_party")
 
 EXIT_OK, EXIT_USAGE, EXIT_NO_SOURCE, EXIT_STALE = 0, 2, 3, 4
@@ -72,10 +70,7 @@ ITEMSIZE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "I16": 16, "U16": 16, "I32": 32, "
 
 
 def ckptfs_bin() -> str:
-    path = os.environ.get("CKPTFS_BIN", DEFAULT_BIN)
-    assert os.path.isfile(path) and os.access(path, os.X_OK), (
-        f"ckptfs binary not found at {path}: build it or set CKPTFS_BIN")
-    return path
+    return harness.require_bin()
 
 
 class Ckptfs:
@@ -90,57 +85,20 @@ class Ckptfs:
         return dict(os.environ, CKPTFS_INDEX_DIR=self.index_dir)
 
     def __call__(self, *args, timeout: float = 120) -> subprocess.CompletedProcess:
-        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-            p = subprocess.run([self.bin, *map(str, args)], stdout=out, stderr=err,
-                               stdin=subprocess.DEVNULL, timeout=timeout, env=self.env())
-            out.seek(0)
-            err.seek(0)
-            return subprocess.CompletedProcess(
-                p.args, p.returncode, out.read().decode(errors="replace"),
-                err.read().decode(errors="replace"))
+        return harness.run_ckptfs(*args, bin_path=self.bin, index_dir=self.index_dir,
+                                  timeout=timeout, text_stdout=True)
 
 
 def describe(p: subprocess.CompletedProcess) -> str:
-    out = p.stdout if len(p.stdout) < 4000 else p.stdout[:4000] + "...(cut)"
-    return (f"\ncommand: {' '.join(map(str, p.args))}\nexit: {p.returncode}\n"
-            f"stdout:\n{out}\nstderr:\n{p.stderr}")
-
-
-def is_mounted(mnt: str) -> bool:
-    mnt = os.path.realpath(mnt)
-    with open("/proc/self/mounts") as f:
-        return any(line.split()[1] == mnt for line in f)
-
-
-def unmount(mnt: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while is_mounted(mnt):
-        subprocess.run(["fusermount3", "-u", mnt], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
-        if not is_mounted(mnt):
-            break
-        if time.monotonic() > deadline:
-            subprocess.run(["fusermount3", "-uz", mnt], stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
-            break
-        time.sleep(0.1)
+    return "\n" + harness.describe(p, stdout_chars=4000)
 
 
 @contextlib.contextmanager
 def mounted(ck: Ckptfs, root: str, mnt: str, log_file: str):
-    """`ckptfs mount ROOT MNT --log-file F` (it daemonizes); always unmounts."""
-    os.makedirs(mnt, exist_ok=True)
-    try:
-        p = ck("mount", root, mnt, "--log-file", log_file)
-        assert p.returncode == 0, "mount failed" + describe(p)
-        deadline = time.monotonic() + 20
-        while not is_mounted(mnt):
-            assert time.monotonic() < deadline, f"{mnt} not mounted 20 s after ckptfs mount exited 0"
-            time.sleep(0.05)
-        yield mnt
-    finally:
-        gc.collect()  # drop numpy memmaps of the mount before unmounting
-        unmount(mnt)
+    """`ckptfs mount ROOT MNT --log-file F` (it daemonizes); always unmounts
+    (harness.Mounted: gc.collect first, drops numpy memmaps of the mount)."""
+    with harness.Mounted(root, mnt=mnt, log_file=log_file, index_dir=ck.index_dir) as m:
+        yield m.path
 
 
 # ---------------------------------------------------------------------------

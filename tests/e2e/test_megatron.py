@@ -51,7 +51,6 @@ import os
 import pickle
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -62,8 +61,8 @@ E2E_DIR = Path(__file__).resolve().parent
 if str(E2E_DIR) not in sys.path:
     sys.path.insert(0, str(E2E_DIR))
 import megatron_gen  # noqa: E402
+from harness import describe, run_ckptfs  # noqa: E402
 
-DEFAULT_BIN = "/work/main/build/ckptfs"
 EXIT_OK = 0
 ROOTS = ["real", "plain"]
 ST_DTYPE = {torch.bfloat16: "BF16", torch.float32: "F32"}
@@ -85,20 +84,8 @@ def escape_name(name: str) -> str:
 
 
 def ckptfs(index_dir: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    b = os.environ.get("CKPTFS_BIN", DEFAULT_BIN)
-    assert os.path.isfile(b) and os.access(b, os.X_OK), f"no ckptfs binary at {b} (set CKPTFS_BIN)"
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        p = subprocess.run([b, *args], stdout=out, stderr=err, stdin=subprocess.DEVNULL,
-                           env=dict(os.environ, CKPTFS_INDEX_DIR=index_dir), timeout=timeout)
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(p.args, p.returncode, out.read(),
-                                           err.read().decode(errors="replace"))
-
-
-def describe(p: subprocess.CompletedProcess) -> str:
-    return (f"`{' '.join(map(str, p.args))}` exited {p.returncode}\n"
-            f"stderr: {p.stderr.strip()[-3000:]}\nstdout: {p.stdout[:300]!r}")
+    """`ckptfs ARGS` with CKPTFS_INDEX_DIR=index_dir (harness.run_ckptfs)."""
+    return run_ckptfs(*args, index_dir=index_dir, timeout=timeout)
 
 
 class _Stub:

@@ -35,8 +35,6 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -51,6 +49,7 @@ if E2E_DIR not in sys.path:
 
 import ckpt_gen  # noqa: E402
 import mesh_oracle  # noqa: E402
+import harness  # noqa: E402
 
 EXIT_NO_SOURCE = 3  # tools/ckptfs.cc
 
@@ -131,79 +130,21 @@ def ckpts(base_dir) -> dict:
 # ---------------------------------------------------------------------------
 
 
-def ckptfs_bin() -> str:
-    path = os.environ.get("CKPTFS_BIN", "/work/main/build/ckptfs")
-    assert os.path.isfile(path) and os.access(path, os.X_OK), (
-        f"ckptfs binary not found at {path}: build it or set CKPTFS_BIN")
-    return path
-
-
 def run_cli(env: dict, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """`ckptfs ARGS`, output through files (a daemon never holds our pipes)."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        p = subprocess.run([ckptfs_bin(), *map(str, args)], stdout=out, stderr=err,
-                           stdin=subprocess.DEVNULL, env=env, timeout=timeout)
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(p.args, p.returncode, out.read(),
-                                           err.read().decode(errors="replace"))
+    """`ckptfs ARGS` under `env` (harness.run_ckptfs: output through files, a
+    daemon never holds our pipes; stdout bytes, stderr text)."""
+    return harness.run_ckptfs(*args, env=env, timeout=timeout)
 
 
-def _mounted(path: str) -> bool:
-    path = os.path.realpath(path)
-    with open("/proc/self/mounts") as f:
-        return any(len(l.split()) > 1 and l.split()[1] == path for l in f)
-
-
-def _unmount(path: str) -> None:
-    gc.collect()  # drop any mmapped tensors still referenced
-    for _ in range(20):
-        if not _mounted(path):
-            return
-        subprocess.run(["fusermount3", "-u", path], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
-        if not _mounted(path):
-            return
-        gc.collect()
-        time.sleep(0.2)
-    subprocess.run(["fusermount3", "-u", "-z", path], stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
-
-
-class Mnt:
-    def __init__(self, path: str, root: str, log_path: str):
-        self.path, self.root, self.log_path = path, root, log_path
-
-    def p(self, *rel: str) -> str:
-        return os.path.join(self.path, *rel)
-
-    def log(self) -> str:
-        try:
-            with open(self.log_path, errors="replace") as f:
-                return f.read()
-        except FileNotFoundError:
-            return ""
-
-
-@contextlib.contextmanager
-def mounted(env: dict, root: str, base: str, *args: str):
-    mnt = tempfile.mkdtemp(prefix="mnt-", dir=base)
-    log = mnt + ".log"
-    try:
-        r = run_cli(env, "mount", root, mnt, "--log-file", log, *args)
-        assert r.returncode == 0, f"mount failed ({r.returncode}): {r.stderr}"
-        assert _mounted(mnt), f"mount exited 0 but nothing is mounted: {r.stderr}"
-        yield Mnt(mnt, root, log)
-    finally:
-        _unmount(mnt)
-        if not _mounted(mnt):
-            with contextlib.suppress(OSError):
-                os.rmdir(mnt)
+def mounted(env: dict, root: str, base: str, *args: str) -> harness.Mounted:
+    """Mounts `root` on a fresh dir in `base` (harness.Mounted); the mount
+    must be there as soon as `ckptfs mount` exits 0 (wait=0)."""
+    return harness.Mounted(root, *args, base_dir=base, env=env, wait=0)
 
 
 @pytest.fixture(scope="module")
 def mounts(ckpts, index_env, base_dir):
-    """{"llama": Mnt, "edge": Mnt}, mounted for the whole module."""
+    """{"llama": Mounted, "edge": Mounted}, mounted for the whole module."""
     with contextlib.ExitStack() as stack:
         out = {k: stack.enter_context(mounted(index_env, info["out_dir"], base_dir))
                for k, info in ckpts.items()}

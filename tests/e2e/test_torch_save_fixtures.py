@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
 import torch
+
+from harness import run_ckptfs, unmount
 
 
 BIN = os.environ.get("CKPTFS_BIN", os.path.join(os.path.dirname(__file__), "..", "..", "build", "ckptfs"))
@@ -41,13 +42,13 @@ def test_fixture_tensors_equal_torch_load(rel, tmp_path):
         raise AssertionError(f"{rel}: torch.load found no tensors")
     stem = os.path.splitext(os.path.basename(rel))[0]
     want = {(k if k else stem): v for k, v in want.items()}
-    env = dict(os.environ, CKPTFS_INDEX_DIR=str(tmp_path / "index"))
-    p = subprocess.run([BIN, "index", str(root)], capture_output=True, text=True, env=env)
+    index_dir = str(tmp_path / "index")
+    p = run_ckptfs("index", root, bin_path=BIN, index_dir=index_dir)
     assert p.returncode == 0, p.stderr
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    p = subprocess.run([BIN, "mount", str(root), str(mnt), "--log-file", str(tmp_path / "log")],
-                       capture_output=True, text=True, env=env)
+    p = run_ckptfs("mount", root, mnt, "--log-file", tmp_path / "log", bin_path=BIN,
+                   index_dir=index_dir)
     assert p.returncode == 0, p.stderr
     try:
         served = sorted(f[:-4] for f in os.listdir(mnt / "tensors"))
@@ -59,10 +60,4 @@ def test_fixture_tensors_equal_torch_load(rel, tmp_path):
             assert np.array_equal(a, exp, equal_nan=True), name
             del a
     finally:
-        import gc
-        gc.collect()
-        for _ in range(20):
-            if subprocess.run(["fusermount3", "-u", str(mnt)], capture_output=True).returncode == 0:
-                break
-        else:
-            subprocess.run(["fusermount3", "-u", "-z", str(mnt)], capture_output=True)
+        unmount(mnt)  # gc.collect, fusermount3 -u retried, then -u -z
