@@ -5,8 +5,9 @@
 // Parsing applies the reference (Rust crate) rules: N <= 100,000,000; the
 // JSON is an object starting with '{'; every entry has a known dtype, a shape
 // and data_offsets whose length equals numel * bits / 8 (overflow-checked);
-// sorted by offset, entries start at 0 and abut; no duplicate names;
-// `__metadata__` is a string->string map. The file-size rule
+// sorted by offset, entries start at 0 and abut; no duplicate names (nor a
+// field given twice in one entry); `__metadata__` is a string->string map.
+// One pass, linear in the header (nlohmann's SAX interface). The file-size rule
 // (8 + N + last_end == file size) is separate, so an indexer can tell a
 // truncated file from a malformed one.
 #pragma once
@@ -35,7 +36,7 @@ struct SafetensorsEntry {
 
 struct SafetensorsHeader {
   uint64_t header_len = 0;                 // N
-  std::vector<SafetensorsEntry> entries;   // sorted by begin
+  std::vector<SafetensorsEntry> entries;   // sorted by begin, then end, then name
   std::map<std::string, std::string> metadata;
 
   uint64_t data_start() const { return 8 + header_len; }
@@ -54,7 +55,8 @@ Status CheckSafetensorsFileSize(const SafetensorsHeader& h, uint64_t file_size);
 // Encodes prefix + JSON for `entries` (in the given order, which must be the
 // data order) and `metadata`, padded with spaces so the data starts at a
 // multiple of `data_alignment` bytes (a multiple of 8, as the format asks).
-// Fails when the header would exceed kMaxSafetensorsHeader.
+// Fails (InvalidArgument) when the header would exceed kMaxSafetensorsHeader,
+// or a name repeats, is `__metadata__` or is not UTF-8.
 Result<std::string> EncodeSafetensorsHeader(const std::vector<SafetensorsEntry>& entries,
                                             const std::map<std::string, std::string>& metadata,
                                             uint64_t data_alignment = 8);

@@ -12,6 +12,7 @@ const char* CodeName(Status::Code code) {
     case Status::Code::kNotSupported: return "NotSupported";
     case Status::Code::kStale: return "Stale";
     case Status::Code::kIncomplete: return "Incomplete";
+    case Status::Code::kBusy: return "Busy";
   }
   return "Unknown";
 }

@@ -3,7 +3,7 @@
 // A Status is a value. ok() is cheap; errors come from named factories with a
 // precise message ("shard-00002-...: header length 1e18 exceeds file size").
 // No exception crosses a library boundary. Each code maps to one errno in
-// fs/errno_map.h, and to one exit code in tools/ (see docs/SEMANTICS.md).
+// fs/fs_error.h (FsError::From), and to one exit code in tools/ (see docs/SEMANTICS.md).
 #pragma once
 
 #include <cassert>
@@ -24,6 +24,7 @@ class Status {
     kNotSupported,     // valid input we do not handle
     kStale,            // a source file changed after indexing
     kIncomplete,       // the checkpoint lacks data (hole, missing shard)
+    kBusy,             // another process holds it (the index's writer lock)
   };
 
   Status() = default;
@@ -35,6 +36,7 @@ class Status {
   static Status NotSupported(std::string m) { return Status(Code::kNotSupported, std::move(m)); }
   static Status Stale(std::string m) { return Status(Code::kStale, std::move(m)); }
   static Status Incomplete(std::string m) { return Status(Code::kIncomplete, std::move(m)); }
+  static Status Busy(std::string m) { return Status(Code::kBusy, std::move(m)); }
 
   bool ok() const { return code_ == Code::kOk; }
   Code code() const { return code_; }

@@ -1,5 +1,8 @@
 #include "indexer/dcp_metadata.h"
 
+#include <unordered_map>
+#include <unordered_set>
+
 #include "indexer/torch_zip.h"
 
 namespace ckptfs {
@@ -56,46 +59,85 @@ std::optional<uint64_t> UInt(const PickleValue* v) {
   return uint64_t(*i);
 }
 
+namespace {
 
-Status ReadDcpMetadata(const std::string& rel, const PickleValue* root, std::map<std::string, TensorMeta>& tensors,
-                       std::map<std::string, std::vector<Box>>& declared, std::map<ChunkKey, StorageInfo>& storage,
-                       std::map<std::string, StorageInfo>& byte_storage,
-                       std::map<std::string, std::vector<uint64_t>>& reformulated,
-                       std::map<ChunkKey, std::string>* tensor_meta) {
+// planner_data {fqn: key path}, looked up once per tensor: a map, since
+// PickleValue::DictGet searches linearly and DCP metadata of 100k tensors
+// would make that quadratic. Later keys win, as in DictGet and Python.
+std::unordered_map<std::string_view, const PickleValue*> PlannerPaths(const PickleValue* root) {
+  std::unordered_map<std::string_view, const PickleValue*> out;
+  const PickleValue* planner = Field(root, "planner_data");
+  if (!planner || !planner->AsDict()) return out;
+  for (const PickleDictEntry& e : *planner->AsDict())
+    if (const std::string* k = e.key->AsStr()) out[*k] = e.value;
+  return out;
+}
+
+// One TensorStorageMetadata of state_dict_metadata: the tensor and its
+// declared chunk boxes. A tensor another metadata file (per-rank
+// `__R.metadata`) already declared must agree on dtype and shape: the boxes
+// of both are checked against one shape.
+Status ReadTensorEntry(const std::string& rel, const std::string& fqn, const PickleValue* v, const PickleValue* path,
+                       std::map<std::string, TensorMeta>& tensors, std::map<std::string, std::vector<Box>>& declared) {
+  auto dtype = PropertiesDType(Field(v, "properties"));
+  auto size = Field(v, "size") ? AsShape(*Field(v, "size")) : std::nullopt;
+  const PickleValue* chunks = Field(v, "chunks");
+  if (!dtype || !size || !chunks || !chunks->AsSequence())
+    return Status::Corruption(rel + ": tensor '" + fqn + "' has malformed metadata (dtype, size or chunks)");
+  if (auto known = tensors.find(fqn); known != tensors.end() && (known->second.dtype != *dtype || known->second.shape != *size))
+    return Status::Corruption(rel + ": tensor '" + fqn + "' is " + std::string(DTypeName(*dtype)) + ShapeToString(*size) +
+                              " here but " + std::string(DTypeName(known->second.dtype)) +
+                              ShapeToString(known->second.shape) + " in another metadata file");
+  TensorMeta& t = tensors[fqn];
+  t.fqn = fqn;
+  t.dtype = *dtype;
+  t.shape = *size;
+  if (path && path->AsSequence()) {
+    t.path.clear();
+    for (const PickleValue* part : *path->AsSequence()) {
+      if (const std::string* s = part->AsStr()) t.path.push_back(*s);
+      else if (auto i = part->AsInt()) t.path.push_back(std::to_string(*i));
+    }
+  }
+  for (const PickleValue* ch : *chunks->AsSequence()) {
+    auto off = Field(ch, "offsets") ? AsShape(*Field(ch, "offsets")) : std::nullopt;
+    auto len = Field(ch, "sizes") ? AsShape(*Field(ch, "sizes")) : std::nullopt;
+    if (!off || !len || off->size() != size->size() || len->size() != size->size())
+      return Status::Corruption(rel + ": tensor '" + fqn + "' has a malformed chunk");
+    declared[fqn].push_back(Box{*off, *len});
+  }
+  return Status::OK();
+}
+
+Status ReadStateDictMetadata(const std::string& rel, const PickleValue* root,
+                             std::map<std::string, TensorMeta>& tensors,
+                             std::map<std::string, std::vector<Box>>& declared) {
   const PickleValue* sdm = Field(root, "state_dict_metadata");
   if (!sdm || !sdm->AsDict()) return Status::Corruption(rel + ": Metadata has no state_dict_metadata dict");
-  const PickleValue* planner = Field(root, "planner_data");
+  const auto paths = PlannerPaths(root);
+  // A pickled dict can repeat a key (Python would keep the last value); a
+  // repeated tensor would mix the chunk boxes of two declarations.
+  std::unordered_set<std::string_view> seen;
   for (const PickleDictEntry& e : *sdm->AsDict()) {
     const std::string* fqn = e.key->AsStr();
     if (!fqn) return Status::Corruption(rel + ": a state_dict_metadata key is not a string");
+    if (!seen.insert(*fqn).second)
+      return Status::Corruption(rel + ": '" + *fqn + "' appears twice in state_dict_metadata");
     std::string_view cls = ClassOf(e.value);
     if (cls == "BytesStorageMetadata") continue;
-    if (cls != "TensorStorageMetadata") return Status::Corruption(rel + ": '" + *fqn + "' has metadata of class " + std::string(cls));
-    auto dtype = PropertiesDType(Field(e.value, "properties"));
-    auto size = Field(e.value, "size") ? AsShape(*Field(e.value, "size")) : std::nullopt;
-    const PickleValue* chunks = Field(e.value, "chunks");
-    if (!dtype || !size || !chunks || !chunks->AsSequence())
-      return Status::Corruption(rel + ": tensor '" + *fqn + "' has malformed metadata (dtype, size or chunks)");
-    TensorMeta& t = tensors[*fqn];
-    t.fqn = *fqn;
-    t.dtype = *dtype;
-    t.shape = *size;
-    if (planner && planner->AsDict())
-      if (const PickleValue* p = planner->DictGet(*fqn); p && p->AsSequence()) {
-        t.path.clear();
-        for (const PickleValue* part : *p->AsSequence()) {
-          if (const std::string* s = part->AsStr()) t.path.push_back(*s);
-          else if (auto i = part->AsInt()) t.path.push_back(std::to_string(*i));
-        }
-      }
-    for (const PickleValue* ch : *chunks->AsSequence()) {
-      auto off = Field(ch, "offsets") ? AsShape(*Field(ch, "offsets")) : std::nullopt;
-      auto len = Field(ch, "sizes") ? AsShape(*Field(ch, "sizes")) : std::nullopt;
-      if (!off || !len || off->size() != size->size() || len->size() != size->size())
-        return Status::Corruption(rel + ": tensor '" + *fqn + "' has a malformed chunk");
-      declared[*fqn].push_back(Box{*off, *len});
-    }
+    if (cls != "TensorStorageMetadata")
+      return Status::Corruption(rel + ": '" + *fqn + "' has metadata of class " + std::string(cls));
+    auto path = paths.find(*fqn);
+    RETURN_IF_ERROR(ReadTensorEntry(rel, *fqn, e.value, path == paths.end() ? nullptr : path->second, tensors,
+                                    declared));
   }
+  return Status::OK();
+}
+
+// storage_data {MetadataIndex: _StorageInfo}: tensor items keyed by (fqn,
+// chunk offsets), BYTE_IO items (offset None) by fqn.
+Status ReadStorageData(const std::string& rel, const PickleValue* root, std::map<ChunkKey, StorageInfo>& storage,
+                       std::map<std::string, StorageInfo>& byte_storage) {
   const PickleValue* sd = Field(root, "storage_data");
   if (!sd || !sd->AsDict()) return Status::Corruption(rel + ": Metadata has no storage_data dict");
   for (const PickleDictEntry& e : *sd->AsDict()) {
@@ -120,6 +162,18 @@ Status ReadDcpMetadata(const std::string& rel, const PickleValue* root, std::map
       return Status::Corruption(rel + ": storage_data entry for '" + *fqn->AsStr() + "' has a malformed offset");
     }
   }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status ReadDcpMetadata(const std::string& rel, const PickleValue* root, std::map<std::string, TensorMeta>& tensors,
+                       std::map<std::string, std::vector<Box>>& declared, std::map<ChunkKey, StorageInfo>& storage,
+                       std::map<std::string, StorageInfo>& byte_storage,
+                       std::map<std::string, std::vector<uint64_t>>& reformulated,
+                       std::map<ChunkKey, std::string>* tensor_meta) {
+  RETURN_IF_ERROR(ReadStateDictMetadata(rel, root, tensors, declared));
+  RETURN_IF_ERROR(ReadStorageData(rel, root, storage, byte_storage));
   // ByteCheckpoint: {MetadataIndex: pickled tensor description | None}.
   if (tensor_meta)
     if (const PickleValue* atm = Field(root, "all_tensor_metadata"); atm && atm->AsDict())
@@ -137,6 +191,5 @@ Status ReadDcpMetadata(const std::string& rel, const PickleValue* root, std::map
           if (auto shape = AsShape(*orig)) reformulated[*e.key->AsStr()] = *shape;
   return Status::OK();
 }
-
 
 }  // namespace ckptfs

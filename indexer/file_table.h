@@ -2,6 +2,8 @@
 // mtime, inode) each had when indexed. FileId is the position in the table.
 #pragma once
 
+#include <sys/stat.h>
+
 #include <map>
 #include <string>
 #include <vector>
@@ -32,8 +34,15 @@ class FileTable {
   std::map<std::string, FileId> by_path_;
 };
 
+// The identity (size, mtime, ctime, inode) of a stat result, path left empty.
+SourceFile IdentityOf(const struct stat& st);
+
 // Stats `abs` into a SourceFile identity (path left empty).
 Result<SourceFile> StatSource(const std::string& abs);
+
+// True when root/rel, all symlinks resolved, is strictly inside `root`
+// (which must itself be a resolved absolute path).
+bool InsideRoot(const std::string& root, const std::string& rel);
 
 // "" when `now` matches what was indexed, else what changed.
 std::string DescribeChange(const SourceFile& indexed, const SourceFile& now);

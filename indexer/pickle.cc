@@ -523,32 +523,62 @@ void RenderQuoted(std::string& out, std::string_view s, bool bytes) {
 
 }  // namespace
 
+void PickleValue::RenderItems(std::string& out, const Items& items, const char* open, const char* close,
+                              bool one_tuple, size_t max_chars, int depth) {
+  out += open;
+  for (size_t i = 0; i < items.size() && out.size() < max_chars; ++i) {
+    if (i) out += ", ";
+    items[i]->Render(out, max_chars, depth + 1);
+  }
+  if (one_tuple && items.size() == 1) out += ",";
+  out += close;
+}
+
+void PickleValue::RenderEntries(std::string& out, const Entries& entries, size_t max_chars, int depth) {
+  out += "{";
+  for (size_t i = 0; i < entries.size() && out.size() < max_chars; ++i) {
+    if (i) out += ", ";
+    entries[i].key->Render(out, max_chars, depth + 1);
+    out += ": ";
+    entries[i].value->Render(out, max_chars, depth + 1);
+  }
+  out += "}";
+}
+
+// callable(args)(**kwargs).extend([...]).update({...}), or cls.__new__(...).
+void PickleValue::RenderCall(std::string& out, size_t max_chars, int depth) const {
+  callable()->Render(out, max_chars, depth + 1);
+  if (kind_ == Kind::kNewObj) out += ".__new__";
+  if (const auto* t = args()->AsTuple()) {
+    RenderItems(out, *t, "(", ")", false, max_chars, depth);
+  } else {
+    out += "(*";
+    args()->Render(out, max_chars, depth + 1);
+    out += ")";
+  }
+  if (const PickleValue* kw = kwargs()) {
+    out += "(**";
+    kw->Render(out, max_chars, depth + 1);
+    out += ")";
+  }
+  if (!object_list_items().empty()) {
+    out += ".extend(";
+    RenderItems(out, object_list_items(), "[", "]", false, max_chars, depth);
+    out += ")";
+  }
+  if (!object_dict_items().empty()) {
+    out += ".update(";
+    RenderEntries(out, object_dict_items(), max_chars, depth);
+    out += ")";
+  }
+}
+
 void PickleValue::Render(std::string& out, size_t max_chars, int depth) const {
   if (out.size() >= max_chars) return;
   if (depth > 64) {
     out += "...";
     return;
   }
-  auto list = [&](const std::vector<const PickleValue*>& items, const char* open, const char* close,
-                  bool one_tuple) {
-    out += open;
-    for (size_t i = 0; i < items.size() && out.size() < max_chars; ++i) {
-      if (i) out += ", ";
-      items[i]->Render(out, max_chars, depth + 1);
-    }
-    if (one_tuple && items.size() == 1) out += ",";
-    out += close;
-  };
-  auto dict = [&](const std::vector<PickleDictEntry>& entries) {
-    out += "{";
-    for (size_t i = 0; i < entries.size() && out.size() < max_chars; ++i) {
-      if (i) out += ", ";
-      entries[i].key->Render(out, max_chars, depth + 1);
-      out += ": ";
-      entries[i].value->Render(out, max_chars, depth + 1);
-    }
-    out += "}";
-  };
   switch (kind_) {
     case Kind::kNone: out += "None"; break;
     case Kind::kBool: out += int_ ? "True" : "False"; break;
@@ -564,25 +594,21 @@ void PickleValue::Render(std::string& out, size_t max_chars, int depth) const {
     }
     case Kind::kStr: RenderQuoted(out, std::get<std::string>(body_), false); break;
     case Kind::kBytes: RenderQuoted(out, std::get<std::string>(body_), true); break;
-    case Kind::kTuple: list(std::get<Items>(body_), "(", ")", true); break;
-    case Kind::kList: list(std::get<Items>(body_), "[", "]", false); break;
+    case Kind::kTuple: RenderItems(out, std::get<Items>(body_), "(", ")", true, max_chars, depth); break;
+    case Kind::kList: RenderItems(out, std::get<Items>(body_), "[", "]", false, max_chars, depth); break;
     case Kind::kSet:
     case Kind::kFrozenSet: {
       const auto& items = std::get<Items>(body_);
-      const char* name = kind_ == Kind::kSet ? "set" : "frozenset";
-      if (items.empty()) {
-        out += name;
-        out += "()";
-      } else if (kind_ == Kind::kSet) {
-        list(items, "{", "}", false);
-      } else {
-        list(items, "frozenset({", "})", false);
-      }
+      const bool set = kind_ == Kind::kSet;
+      if (items.empty())
+        out += set ? "set()" : "frozenset()";
+      else
+        RenderItems(out, items, set ? "{" : "frozenset({", set ? "}" : "})", false, max_chars, depth);
       break;
     }
     case Kind::kDict:
       if (flag_) out += "OrderedDict(";
-      dict(std::get<Entries>(body_));
+      RenderEntries(out, std::get<Entries>(body_), max_chars, depth);
       if (flag_) out += ")";
       break;
     case Kind::kGlobal:
@@ -591,33 +617,9 @@ void PickleValue::Render(std::string& out, size_t max_chars, int depth) const {
       out += global_name();
       break;
     case Kind::kReduce:
-    case Kind::kNewObj: {
-      callable()->Render(out, max_chars, depth + 1);
-      if (kind_ == Kind::kNewObj) out += ".__new__";
-      if (const auto* t = args()->AsTuple()) {
-        list(*t, "(", ")", false);
-      } else {
-        out += "(*";
-        args()->Render(out, max_chars, depth + 1);
-        out += ")";
-      }
-      if (const PickleValue* kw = kwargs()) {
-        out += "(**";
-        kw->Render(out, max_chars, depth + 1);
-        out += ")";
-      }
-      if (!object_list_items().empty()) {
-        out += ".extend(";
-        list(object_list_items(), "[", "]", false);
-        out += ")";
-      }
-      if (!object_dict_items().empty()) {
-        out += ".update(";
-        dict(object_dict_items());
-        out += ")";
-      }
+    case Kind::kNewObj:
+      RenderCall(out, max_chars, depth);
       break;
-    }
     case Kind::kBuild:
       built_object()->Render(out, max_chars, depth + 1);
       out += ".__setstate__(";
@@ -667,90 +669,24 @@ class Unpickler {
   // --- input ---
   uint64_t remaining() const { return in_.size() - pos_; }
   // Takes `n` argument bytes; `what` names them for the error ("length 7").
-  Result<std::string_view> Take(uint64_t n, const std::string& what) {
-    if (n > remaining())
-      return Fail(what + " exceeds remaining " + std::to_string(remaining()) + " bytes");
-    std::string_view s = in_.substr(pos_, n);
-    pos_ += n;
-    return s;
-  }
-  Result<uint64_t> ReadUint(int bytes) {
-    ASSIGN_OR_RETURN(std::string_view s, Take(bytes, "argument of " + std::to_string(bytes) + " bytes"));
-    uint64_t v = 0;
-    for (int i = bytes; i-- > 0;) v = (v << 8) | uint8_t(s[i]);
-    return v;
-  }
+  Result<std::string_view> Take(uint64_t n, const std::string& what);
+  Result<uint64_t> ReadUint(int bytes);
   // A '\n'-terminated argument of a text opcode, without the newline.
-  Result<std::string_view> ReadLine() {
-    uint64_t window = std::min<uint64_t>(remaining(), lim_.max_string_bytes + 1);
-    const void* nl = std::memchr(in_.data() + pos_, '\n', window);
-    if (!nl) {
-      if (window < remaining())
-        return Fail("line longer than the limit of " + std::to_string(lim_.max_string_bytes) + " bytes");
-      return Fail("line is not terminated before the end of input");
-    }
-    size_t len = static_cast<const char*>(nl) - (in_.data() + pos_);
-    std::string_view s = in_.substr(pos_, len);
-    pos_ += len + 1;
-    return s;
-  }
+  Result<std::string_view> ReadLine();
   // Length-prefixed payload: the declared length is checked against the
   // input and the string cap before anything is allocated.
-  Result<std::string_view> ReadCounted(uint64_t len) {
-    if (len > remaining())
-      return Fail("length " + std::to_string(len) + " exceeds remaining " + std::to_string(remaining()) +
-                  " bytes");
-    if (len > lim_.max_string_bytes)
-      return Fail("length " + std::to_string(len) + " exceeds the limit of " +
-                  std::to_string(lim_.max_string_bytes) + " bytes");
-    return Take(len, "length");
-  }
+  Result<std::string_view> ReadCounted(uint64_t len);
 
   // --- values ---
-  Result<PickleValue*> New(Kind kind) {
-    if (values_.size() >= lim_.max_values)
-      return Fail("would create more than " + std::to_string(lim_.max_values) + " values");
-    PickleValue& v = values_.emplace_back();
-    v.kind_ = kind;
-    v.index_ = static_cast<uint32_t>(values_.size() - 1);
-    return &v;
-  }
-  Result<PickleValue*> NewText(Kind kind, std::string text) {
-    ASSIGN_OR_RETURN(PickleValue * v, New(kind));
-    v->body_ = std::move(text);
-    return v;
-  }
-  Result<PickleValue*> NewStr(std::string_view utf8) {
-    if (!IsValidUtf8(utf8)) return Fail("string is not valid UTF-8");
-    return NewText(Kind::kStr, std::string(utf8));
-  }
-  Result<PickleValue*> NewInt(int64_t i) {
-    ASSIGN_OR_RETURN(PickleValue * v, New(Kind::kInt));
-    v->int_ = i;
-    return v;
-  }
-  Result<PickleValue*> NewItems(Kind kind, std::vector<const PickleValue*> items) {
-    if (items.size() > lim_.max_container_length)
-      return Fail("container of " + std::to_string(items.size()) + " items exceeds the limit of " +
-                  std::to_string(lim_.max_container_length));
-    ASSIGN_OR_RETURN(PickleValue * v, New(kind));
-    v->body_ = std::move(items);
-    return v;
-  }
-  Result<PickleValue*> NewDict() {
-    ASSIGN_OR_RETURN(PickleValue * v, New(Kind::kDict));
-    v->body_ = PickleValue::Entries();
-    return v;
-  }
+  Result<PickleValue*> New(Kind kind);
+  Result<PickleValue*> NewText(Kind kind, std::string text);
+  Result<PickleValue*> NewStr(std::string_view utf8);
+  Result<PickleValue*> NewInt(int64_t i);
+  Result<PickleValue*> NewItems(Kind kind, std::vector<const PickleValue*> items);
+  Result<PickleValue*> NewDict();
   // None, True and False are immutable (every mutating opcode refuses them),
   // so one value each is shared.
-  Result<PickleValue*> Singleton(PickleValue*& slot, Kind kind, int64_t i) {
-    if (!slot) {
-      ASSIGN_OR_RETURN(slot, New(kind));
-      slot->int_ = i;
-    }
-    return slot;
-  }
+  Result<PickleValue*> Singleton(PickleValue*& slot, Kind kind, int64_t i);
   Result<PickleValue*> MakeGlobal(std::string_view module, std::string_view name);
   Result<PickleValue*> MakeReduce(PickleValue* callable, PickleValue* args);
   Result<PickleValue*> ParseIntText(std::string_view text, bool allow_bool);
@@ -758,52 +694,16 @@ class Unpickler {
 
   // --- stack ---
   size_t fence() const { return marks_.empty() ? 0 : marks_.back(); }
-  Status Push(PickleValue* v) {
-    if (stack_.size() >= lim_.max_container_length)
-      return Fail("stack exceeds " + std::to_string(lim_.max_container_length) + " values");
-    stack_.push_back(v);
-    return Status::OK();
-  }
-  Result<PickleValue*> Pop() {
-    if (stack_.size() <= fence()) return Fail("needs a value on the stack (stack underflow)");
-    PickleValue* v = stack_.back();
-    stack_.pop_back();
-    return v;
-  }
-  Result<PickleValue*> Top() {
-    if (stack_.size() <= fence()) return Fail("needs a value on the stack (stack underflow)");
-    return stack_.back();
-  }
-  Result<std::vector<const PickleValue*>> PopMark() {
-    if (marks_.empty()) return Fail("has no MARK to pop to");
-    size_t m = marks_.back();
-    marks_.pop_back();
-    std::vector<const PickleValue*> items(stack_.begin() + m, stack_.end());
-    stack_.resize(m);
-    return items;
-  }
-  Result<std::vector<PickleDictEntry>> Pairs(const std::vector<const PickleValue*>& items) {
-    if (items.size() % 2) return Fail("has an odd number of items (" + std::to_string(items.size()) + ")");
-    std::vector<PickleDictEntry> out;
-    out.reserve(items.size() / 2);
-    for (size_t i = 0; i < items.size(); i += 2) out.push_back({items[i], items[i + 1]});
-    return out;
-  }
+  Status Push(PickleValue* v);
+  Result<PickleValue*> Pop();
+  Result<PickleValue*> Top();
+  Result<std::vector<const PickleValue*>> PopMark();
+  Result<std::vector<PickleDictEntry>> Pairs(const std::vector<const PickleValue*>& items);
 
   // --- mutation targets ---
-  static PickleValue* MutableUnwrapped(PickleValue* v) {
-    while (v->kind_ == Kind::kBuild) v = const_cast<PickleValue*>(std::get<PickleValue::Items>(v->body_)[0]);
-    return v;
-  }
-  PickleValue::ObjectItems& ObjectItemsOf(PickleValue* v) {
-    if (!v->object_items_) v->object_items_ = std::make_unique<PickleValue::ObjectItems>();
-    return *v->object_items_;
-  }
-  Status CheckLength(size_t n) const {
-    if (n > lim_.max_container_length)
-      return Fail("container grows past the limit of " + std::to_string(lim_.max_container_length) + " items");
-    return Status::OK();
-  }
+  static PickleValue* MutableUnwrapped(PickleValue* v);
+  PickleValue::ObjectItems& ObjectItemsOf(PickleValue* v);
+  Status CheckLength(size_t n) const;
   Status AddListItems(PickleValue* target, const std::vector<const PickleValue*>& items, Kind want);
   Status AddDictItems(PickleValue* target, const std::vector<PickleDictEntry>& entries);
   Status Build();
@@ -812,7 +712,24 @@ class Unpickler {
   Status MemoPut(uint64_t index);
   Result<PickleValue*> MemoGet(uint64_t index);
 
+  // --- opcodes (Step dispatches to a group) ---
   Status Step(bool& done);
+  Status UnknownOp() const;
+  Status PushNew(Result<PickleValue*> v);
+  Result<uint64_t> ReadSignedCount4();
+  Result<uint64_t> ReadMemoIndexLine();
+  Status FramingOp(bool& done);
+  Status StackOp();
+  Result<PickleValue*> NumberOp();
+  Result<PickleValue*> FloatOp();
+  Result<PickleValue*> TextOp();
+  Result<std::string> UnquotePy2String(std::string_view line) const;
+  Result<std::string> RawUnicodeEscapeToUtf8(std::string_view line) const;
+  Result<PickleValue*> ContainerOp();
+  Status FillOp();
+  Status MemoOp();
+  Result<PickleValue*> ObjectOp();
+
   Status CheckTree(const PickleValue* root);
 
   std::string_view in_;
@@ -836,6 +753,146 @@ class Unpickler {
   PickleValue* true_ = nullptr;
   PickleValue* false_ = nullptr;
 };
+
+Result<std::string_view> Unpickler::Take(uint64_t n, const std::string& what) {
+  if (n > remaining())
+    return Fail(what + " exceeds remaining " + std::to_string(remaining()) + " bytes");
+  std::string_view s = in_.substr(pos_, n);
+  pos_ += n;
+  return s;
+}
+
+Result<uint64_t> Unpickler::ReadUint(int bytes) {
+  ASSIGN_OR_RETURN(std::string_view s, Take(bytes, "argument of " + std::to_string(bytes) + " bytes"));
+  uint64_t v = 0;
+  for (int i = bytes; i-- > 0;) v = (v << 8) | uint8_t(s[i]);
+  return v;
+}
+
+Result<std::string_view> Unpickler::ReadLine() {
+  uint64_t window = std::min<uint64_t>(remaining(), lim_.max_string_bytes + 1);
+  const void* nl = std::memchr(in_.data() + pos_, '\n', window);
+  if (!nl) {
+    if (window < remaining())
+      return Fail("line longer than the limit of " + std::to_string(lim_.max_string_bytes) + " bytes");
+    return Fail("line is not terminated before the end of input");
+  }
+  size_t len = static_cast<const char*>(nl) - (in_.data() + pos_);
+  std::string_view s = in_.substr(pos_, len);
+  pos_ += len + 1;
+  return s;
+}
+
+Result<std::string_view> Unpickler::ReadCounted(uint64_t len) {
+  if (len > remaining())
+    return Fail("length " + std::to_string(len) + " exceeds remaining " + std::to_string(remaining()) +
+                " bytes");
+  if (len > lim_.max_string_bytes)
+    return Fail("length " + std::to_string(len) + " exceeds the limit of " +
+                std::to_string(lim_.max_string_bytes) + " bytes");
+  return Take(len, "length");
+}
+
+Result<PickleValue*> Unpickler::New(Kind kind) {
+  if (values_.size() >= lim_.max_values)
+    return Fail("would create more than " + std::to_string(lim_.max_values) + " values");
+  PickleValue& v = values_.emplace_back();
+  v.kind_ = kind;
+  v.index_ = static_cast<uint32_t>(values_.size() - 1);
+  return &v;
+}
+
+Result<PickleValue*> Unpickler::NewText(Kind kind, std::string text) {
+  ASSIGN_OR_RETURN(PickleValue * v, New(kind));
+  v->body_ = std::move(text);
+  return v;
+}
+
+Result<PickleValue*> Unpickler::NewStr(std::string_view utf8) {
+  if (!IsValidUtf8(utf8)) return Fail("string is not valid UTF-8");
+  return NewText(Kind::kStr, std::string(utf8));
+}
+
+Result<PickleValue*> Unpickler::NewInt(int64_t i) {
+  ASSIGN_OR_RETURN(PickleValue * v, New(Kind::kInt));
+  v->int_ = i;
+  return v;
+}
+
+Result<PickleValue*> Unpickler::NewItems(Kind kind, std::vector<const PickleValue*> items) {
+  if (items.size() > lim_.max_container_length)
+    return Fail("container of " + std::to_string(items.size()) + " items exceeds the limit of " +
+                std::to_string(lim_.max_container_length));
+  ASSIGN_OR_RETURN(PickleValue * v, New(kind));
+  v->body_ = std::move(items);
+  return v;
+}
+
+Result<PickleValue*> Unpickler::NewDict() {
+  ASSIGN_OR_RETURN(PickleValue * v, New(Kind::kDict));
+  v->body_ = PickleValue::Entries();
+  return v;
+}
+
+Result<PickleValue*> Unpickler::Singleton(PickleValue*& slot, Kind kind, int64_t i) {
+  if (!slot) {
+    ASSIGN_OR_RETURN(slot, New(kind));
+    slot->int_ = i;
+  }
+  return slot;
+}
+
+Status Unpickler::Push(PickleValue* v) {
+  if (stack_.size() >= lim_.max_container_length)
+    return Fail("stack exceeds " + std::to_string(lim_.max_container_length) + " values");
+  stack_.push_back(v);
+  return Status::OK();
+}
+
+Result<PickleValue*> Unpickler::Pop() {
+  if (stack_.size() <= fence()) return Fail("needs a value on the stack (stack underflow)");
+  PickleValue* v = stack_.back();
+  stack_.pop_back();
+  return v;
+}
+
+Result<PickleValue*> Unpickler::Top() {
+  if (stack_.size() <= fence()) return Fail("needs a value on the stack (stack underflow)");
+  return stack_.back();
+}
+
+Result<std::vector<const PickleValue*>> Unpickler::PopMark() {
+  if (marks_.empty()) return Fail("has no MARK to pop to");
+  size_t m = marks_.back();
+  marks_.pop_back();
+  std::vector<const PickleValue*> items(stack_.begin() + m, stack_.end());
+  stack_.resize(m);
+  return items;
+}
+
+Result<std::vector<PickleDictEntry>> Unpickler::Pairs(const std::vector<const PickleValue*>& items) {
+  if (items.size() % 2) return Fail("has an odd number of items (" + std::to_string(items.size()) + ")");
+  std::vector<PickleDictEntry> out;
+  out.reserve(items.size() / 2);
+  for (size_t i = 0; i < items.size(); i += 2) out.push_back({items[i], items[i + 1]});
+  return out;
+}
+
+PickleValue* Unpickler::MutableUnwrapped(PickleValue* v) {
+  while (v->kind_ == Kind::kBuild) v = const_cast<PickleValue*>(std::get<PickleValue::Items>(v->body_)[0]);
+  return v;
+}
+
+PickleValue::ObjectItems& Unpickler::ObjectItemsOf(PickleValue* v) {
+  if (!v->object_items_) v->object_items_ = std::make_unique<PickleValue::ObjectItems>();
+  return *v->object_items_;
+}
+
+Status Unpickler::CheckLength(size_t n) const {
+  if (n > lim_.max_container_length)
+    return Fail("container grows past the limit of " + std::to_string(lim_.max_container_length) + " items");
+  return Status::OK();
+}
 
 Result<PickleValue*> Unpickler::MakeGlobal(std::string_view module, std::string_view name) {
   if (!IsValidUtf8(module) || !IsValidUtf8(name)) return Fail("name is not valid UTF-8");
@@ -1022,11 +1079,75 @@ Result<PickleValue*> Unpickler::MemoGet(uint64_t index) {
   return v;
 }
 
+// One opcode. Opcodes are grouped by what they act on; each group reads its
+// arguments and either pushes a new value or changes the machine's state.
 Status Unpickler::Step(bool& done) {
   op_pos_ = pos_;
   op_ = uint8_t(in_[pos_++]);
   switch (op_) {
-    // --- framing and protocol ---
+    case PROTO: case FRAME: case STOP:
+      return FramingOp(done);
+    case MARK: case POP: case POP_MARK: case DUP:
+      return StackOp();
+    case NONE: case NEWTRUE: case NEWFALSE: case BININT: case BININT1: case BININT2: case INT: case LONG:
+    case LONG1: case LONG4: case BINFLOAT: case FLOAT:
+      return PushNew(NumberOp());
+    case SHORT_BINUNICODE: case BINUNICODE: case BINUNICODE8: case SHORT_BINSTRING: case BINSTRING:
+    case SHORT_BINBYTES: case BINBYTES: case BINBYTES8: case BYTEARRAY8: case STRING: case UNICODE:
+      return PushNew(TextOp());
+    case EMPTY_TUPLE: case TUPLE1: case TUPLE2: case TUPLE3: case TUPLE: case LIST: case FROZENSET:
+    case EMPTY_LIST: case EMPTY_SET: case EMPTY_DICT: case DICT:
+      return PushNew(ContainerOp());
+    case APPEND: case APPENDS: case ADDITEMS: case SETITEM: case SETITEMS:
+      return FillOp();
+    case PUT: case BINPUT: case LONG_BINPUT: case MEMOIZE: case GET: case BINGET: case LONG_BINGET:
+      return MemoOp();
+    case GLOBAL: case STACK_GLOBAL: case REDUCE: case NEWOBJ: case NEWOBJ_EX: case BINPERSID: case PERSID:
+      return PushNew(ObjectOp());
+    case BUILD:
+      return Build();
+    case INST:
+    case OBJ:
+      return Refuse("protocol 0/1 object construction imports and calls a class");
+    case EXT1:
+    case EXT2:
+    case EXT4:
+      return Refuse("extension codes name callables from the copyreg registry");
+    case NEXT_BUFFER:
+    case READONLY_BUFFER:
+      return Refuse("out-of-band buffers are not supported");
+  }
+  return UnknownOp();
+}
+
+Status Unpickler::UnknownOp() const {
+  static const char kHex[] = "0123456789abcdef";
+  return Status::Corruption("pickle: offset " + std::to_string(op_pos_) + ": unknown opcode 0x" +
+                            kHex[op_ >> 4] + kHex[op_ & 15]);
+}
+
+Status Unpickler::PushNew(Result<PickleValue*> v) {
+  if (!v.ok()) return v.status();
+  return Push(*v);
+}
+
+Result<uint64_t> Unpickler::ReadSignedCount4() {
+  ASSIGN_OR_RETURN(uint64_t u, ReadUint(4));
+  if (static_cast<int32_t>(static_cast<uint32_t>(u)) < 0) return Fail("byte count is negative");
+  return u;
+}
+
+Result<uint64_t> Unpickler::ReadMemoIndexLine() {
+  ASSIGN_OR_RETURN(std::string_view line, ReadLine());
+  uint64_t index;
+  auto r = std::from_chars(line.data(), line.data() + line.size(), index);
+  if (line.empty() || r.ec != std::errc() || r.ptr != line.data() + line.size())
+    return Fail("argument is not a memo index");
+  return index;
+}
+
+Status Unpickler::FramingOp(bool& done) {
+  switch (op_) {
     case PROTO: {
       ASSIGN_OR_RETURN(uint64_t p, ReadUint(1));
       if (p > 5) return Fail("protocol " + std::to_string(p) + " is newer than 5");
@@ -1047,8 +1168,12 @@ Status Unpickler::Step(bool& done) {
       done = true;
       return Status::OK();
     }
+  }
+  return UnknownOp();
+}
 
-    // --- stack manipulation ---
+Status Unpickler::StackOp() {
+  switch (op_) {
     case MARK:
       if (marks_.size() >= lim_.max_depth)
         return Fail("nesting exceeds the limit of " + std::to_string(lim_.max_depth) + " marks");
@@ -1067,37 +1192,32 @@ Status Unpickler::Step(bool& done) {
       ASSIGN_OR_RETURN(PickleValue * v, Top());
       return Push(v);
     }
+  }
+  return UnknownOp();
+}
 
-    // --- scalars ---
-    case NONE: {
-      ASSIGN_OR_RETURN(PickleValue * v, Singleton(none_, Kind::kNone, 0));
-      return Push(v);
-    }
-    case NEWTRUE: {
-      ASSIGN_OR_RETURN(PickleValue * v, Singleton(true_, Kind::kBool, 1));
-      return Push(v);
-    }
-    case NEWFALSE: {
-      ASSIGN_OR_RETURN(PickleValue * v, Singleton(false_, Kind::kBool, 0));
-      return Push(v);
-    }
+Result<PickleValue*> Unpickler::NumberOp() {
+  switch (op_) {
+    case NONE:
+      return Singleton(none_, Kind::kNone, 0);
+    case NEWTRUE:
+      return Singleton(true_, Kind::kBool, 1);
+    case NEWFALSE:
+      return Singleton(false_, Kind::kBool, 0);
     case BININT: {
       ASSIGN_OR_RETURN(uint64_t u, ReadUint(4));
-      ASSIGN_OR_RETURN(PickleValue * v, NewInt(static_cast<int32_t>(static_cast<uint32_t>(u))));
-      return Push(v);
+      return NewInt(static_cast<int32_t>(static_cast<uint32_t>(u)));
     }
     case BININT1:
     case BININT2: {
       ASSIGN_OR_RETURN(uint64_t u, ReadUint(op_ == BININT1 ? 1 : 2));
-      ASSIGN_OR_RETURN(PickleValue * v, NewInt(static_cast<int64_t>(u)));
-      return Push(v);
+      return NewInt(static_cast<int64_t>(u));
     }
     case INT:
     case LONG: {
       ASSIGN_OR_RETURN(std::string_view line, ReadLine());
       if (op_ == LONG && !line.empty() && line.back() == 'L') line.remove_suffix(1);
-      ASSIGN_OR_RETURN(PickleValue * v, ParseIntText(line, op_ == INT));
-      return Push(v);
+      return ParseIntText(line, op_ == INT);
     }
     case LONG1:
     case LONG4: {
@@ -1105,43 +1225,46 @@ Status Unpickler::Step(bool& done) {
       if (op_ == LONG1) {
         ASSIGN_OR_RETURN(n, ReadUint(1));
       } else {
-        ASSIGN_OR_RETURN(uint64_t u, ReadUint(4));
-        if (static_cast<int32_t>(static_cast<uint32_t>(u)) < 0) return Fail("byte count is negative");
-        n = u;
+        ASSIGN_OR_RETURN(n, ReadSignedCount4());
       }
       ASSIGN_OR_RETURN(std::string_view bytes, Take(n, "length " + std::to_string(n)));
-      ASSIGN_OR_RETURN(PickleValue * v, DecodeLong(bytes));
-      return Push(v);
+      return DecodeLong(bytes);
     }
-    case BINFLOAT: {
-      ASSIGN_OR_RETURN(std::string_view s, Take(8, "argument of 8 bytes"));
-      uint64_t bits = 0;
-      for (char c : s) bits = (bits << 8) | uint8_t(c);  // big-endian
-      ASSIGN_OR_RETURN(PickleValue * v, New(Kind::kFloat));
-      v->int_ = static_cast<int64_t>(bits);
-      return Push(v);
-    }
-    case FLOAT: {
-      ASSIGN_OR_RETURN(std::string_view line, ReadLine());
-      while (!line.empty() && (line.back() == ' ' || line.back() == '\r')) line.remove_suffix(1);
-      while (!line.empty() && line.front() == ' ') line.remove_prefix(1);
-      double d = 0;
-      auto r = std::from_chars(line.data(), line.data() + line.size(), d);
-      if (line.empty() || r.ec != std::errc() || r.ptr != line.data() + line.size())
-        return Fail("argument '" + std::string(line.substr(0, 40)) + "' is not a float");
-      ASSIGN_OR_RETURN(PickleValue * v, New(Kind::kFloat));
-      v->int_ = std::bit_cast<int64_t>(d);
-      return Push(v);
-    }
+    case BINFLOAT:
+    case FLOAT:
+      return FloatOp();
+  }
+  return UnknownOp();
+}
 
-    // --- strings and bytes ---
+Result<PickleValue*> Unpickler::FloatOp() {
+  uint64_t bits = 0;  // the IEEE double, kept bit for bit
+  if (op_ == BINFLOAT) {
+    ASSIGN_OR_RETURN(std::string_view s, Take(8, "argument of 8 bytes"));
+    for (char c : s) bits = (bits << 8) | uint8_t(c);  // big-endian
+  } else {
+    ASSIGN_OR_RETURN(std::string_view line, ReadLine());
+    while (!line.empty() && (line.back() == ' ' || line.back() == '\r')) line.remove_suffix(1);
+    while (!line.empty() && line.front() == ' ') line.remove_prefix(1);
+    double d = 0;
+    auto r = std::from_chars(line.data(), line.data() + line.size(), d);
+    if (line.empty() || r.ec != std::errc() || r.ptr != line.data() + line.size())
+      return Fail("argument '" + std::string(line.substr(0, 40)) + "' is not a float");
+    bits = std::bit_cast<uint64_t>(d);
+  }
+  ASSIGN_OR_RETURN(PickleValue * v, New(Kind::kFloat));
+  v->int_ = static_cast<int64_t>(bits);
+  return v;
+}
+
+Result<PickleValue*> Unpickler::TextOp() {
+  switch (op_) {
     case SHORT_BINUNICODE:
     case BINUNICODE:
     case BINUNICODE8: {
       ASSIGN_OR_RETURN(uint64_t n, ReadUint(op_ == SHORT_BINUNICODE ? 1 : op_ == BINUNICODE ? 4 : 8));
       ASSIGN_OR_RETURN(std::string_view s, ReadCounted(n));
-      ASSIGN_OR_RETURN(PickleValue * v, NewStr(s));
-      return Push(v);
+      return NewStr(s);
     }
     case SHORT_BINSTRING:
     case BINSTRING: {  // Python 2 str; torch reads these as UTF-8 text
@@ -1149,13 +1272,10 @@ Status Unpickler::Step(bool& done) {
       if (op_ == SHORT_BINSTRING) {
         ASSIGN_OR_RETURN(n, ReadUint(1));
       } else {
-        ASSIGN_OR_RETURN(uint64_t u, ReadUint(4));
-        if (static_cast<int32_t>(static_cast<uint32_t>(u)) < 0) return Fail("byte count is negative");
-        n = u;
+        ASSIGN_OR_RETURN(n, ReadSignedCount4());
       }
       ASSIGN_OR_RETURN(std::string_view s, ReadCounted(n));
-      ASSIGN_OR_RETURN(PickleValue * v, NewStr(s));
-      return Push(v);
+      return NewStr(s);
     }
     case SHORT_BINBYTES:
     case BINBYTES:
@@ -1163,87 +1283,100 @@ Status Unpickler::Step(bool& done) {
     case BYTEARRAY8: {
       ASSIGN_OR_RETURN(uint64_t n, ReadUint(op_ == SHORT_BINBYTES ? 1 : op_ == BINBYTES ? 4 : 8));
       ASSIGN_OR_RETURN(std::string_view s, ReadCounted(n));
-      ASSIGN_OR_RETURN(PickleValue * v, NewText(Kind::kBytes, std::string(s)));
-      return Push(v);
+      return NewText(Kind::kBytes, std::string(s));
     }
-    case STRING: {  // repr() of a Python 2 str: quoted, backslash escapes
+    case STRING: {
       ASSIGN_OR_RETURN(std::string_view line, ReadLine());
-      while (!line.empty() && (line.back() == ' ' || line.back() == '\r')) line.remove_suffix(1);
-      if (line.size() < 2 || (line[0] != '\'' && line[0] != '"') || line.back() != line[0])
-        return Fail("argument is not a quoted string");
-      line = line.substr(1, line.size() - 2);
-      std::string out;
-      for (size_t i = 0; i < line.size(); ++i) {
-        if (line[i] != '\\' || i + 1 == line.size()) {
-          out.push_back(line[i]);
-          continue;
-        }
-        char e = line[++i];
-        switch (e) {
-          case 'n': out.push_back('\n'); break;
-          case 't': out.push_back('\t'); break;
-          case 'r': out.push_back('\r'); break;
-          case 'a': out.push_back('\a'); break;
-          case 'b': out.push_back('\b'); break;
-          case 'f': out.push_back('\f'); break;
-          case 'v': out.push_back('\v'); break;
-          case '\n': break;
-          case '\\': out.push_back('\\'); break;
-          case '\'': out.push_back('\''); break;
-          case '"': out.push_back('"'); break;
-          case 'x': {
-            int h = i + 2 < line.size() ? HexValue(line[i + 1]) : -1;
-            int l = h >= 0 ? HexValue(line[i + 2]) : -1;
-            if (l < 0) return Fail("has a bad \\x escape");
-            out.push_back(char(h * 16 + l));
-            i += 2;
-            break;
-          }
-          default:
-            if (e >= '0' && e <= '7') {
-              int v = e - '0';
-              for (int k = 0; k < 2 && i + 1 < line.size() && line[i + 1] >= '0' && line[i + 1] <= '7'; ++k)
-                v = v * 8 + (line[++i] - '0');
-              out.push_back(char(v & 0xFF));
-            } else {  // unknown escapes are kept, as Python does
-              out.push_back('\\');
-              out.push_back(e);
-            }
-        }
-      }
-      ASSIGN_OR_RETURN(PickleValue * v, NewStr(out));
-      return Push(v);
+      ASSIGN_OR_RETURN(std::string s, UnquotePy2String(line));
+      return NewStr(s);
     }
-    case UNICODE: {  // raw-unicode-escape: latin-1 bytes plus \uXXXX, \UXXXXXXXX
+    case UNICODE: {
       ASSIGN_OR_RETURN(std::string_view line, ReadLine());
-      std::string out;
-      for (size_t i = 0; i < line.size(); ++i) {
-        size_t digits = 0;
-        if (line[i] == '\\' && i + 1 < line.size()) digits = line[i + 1] == 'u' ? 4 : line[i + 1] == 'U' ? 8 : 0;
-        if (!digits) {
-          AppendUtf8(out, uint8_t(line[i]));
-          continue;
-        }
-        if (i + 2 + digits > line.size()) return Fail("has a truncated \\u escape");
-        uint32_t cp = 0;
-        for (size_t k = 0; k < digits; ++k) {
-          int h = HexValue(line[i + 2 + k]);
-          if (h < 0) return Fail("has a bad \\u escape");
-          cp = cp * 16 + h;
-        }
-        if (cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return Fail("escapes an invalid code point");
-        AppendUtf8(out, cp);
-        i += 1 + digits;
-      }
-      ASSIGN_OR_RETURN(PickleValue * v, NewText(Kind::kStr, std::move(out)));
-      return Push(v);
+      ASSIGN_OR_RETURN(std::string s, RawUnicodeEscapeToUtf8(line));
+      return NewText(Kind::kStr, std::move(s));
     }
+  }
+  return UnknownOp();
+}
 
-    // --- containers ---
-    case EMPTY_TUPLE: {
-      ASSIGN_OR_RETURN(PickleValue * v, NewItems(Kind::kTuple, {}));
-      return Push(v);
+// The argument of STRING: repr() of a Python 2 str, quoted, with backslash
+// escapes.
+Result<std::string> Unpickler::UnquotePy2String(std::string_view line) const {
+  while (!line.empty() && (line.back() == ' ' || line.back() == '\r')) line.remove_suffix(1);
+  if (line.size() < 2 || (line[0] != '\'' && line[0] != '"') || line.back() != line[0])
+    return Fail("argument is not a quoted string");
+  line = line.substr(1, line.size() - 2);
+  std::string out;
+  for (size_t i = 0; i < line.size(); ++i) {
+    if (line[i] != '\\' || i + 1 == line.size()) {
+      out.push_back(line[i]);
+      continue;
     }
+    char e = line[++i];
+    switch (e) {
+      case 'n': out.push_back('\n'); break;
+      case 't': out.push_back('\t'); break;
+      case 'r': out.push_back('\r'); break;
+      case 'a': out.push_back('\a'); break;
+      case 'b': out.push_back('\b'); break;
+      case 'f': out.push_back('\f'); break;
+      case 'v': out.push_back('\v'); break;
+      case '\n': break;
+      case '\\': out.push_back('\\'); break;
+      case '\'': out.push_back('\''); break;
+      case '"': out.push_back('"'); break;
+      case 'x': {
+        int h = i + 2 < line.size() ? HexValue(line[i + 1]) : -1;
+        int l = h >= 0 ? HexValue(line[i + 2]) : -1;
+        if (l < 0) return Fail("has a bad \\x escape");
+        out.push_back(char(h * 16 + l));
+        i += 2;
+        break;
+      }
+      default:
+        if (e >= '0' && e <= '7') {
+          int v = e - '0';
+          for (int k = 0; k < 2 && i + 1 < line.size() && line[i + 1] >= '0' && line[i + 1] <= '7'; ++k)
+            v = v * 8 + (line[++i] - '0');
+          out.push_back(char(v & 0xFF));
+        } else {  // unknown escapes are kept, as Python does
+          out.push_back('\\');
+          out.push_back(e);
+        }
+    }
+  }
+  return out;
+}
+
+// The argument of UNICODE (raw-unicode-escape): latin-1 bytes, plus \u with
+// 4 hex digits and \U with 8, as UTF-8.
+Result<std::string> Unpickler::RawUnicodeEscapeToUtf8(std::string_view line) const {
+  std::string out;
+  for (size_t i = 0; i < line.size(); ++i) {
+    size_t digits = 0;
+    if (line[i] == '\\' && i + 1 < line.size()) digits = line[i + 1] == 'u' ? 4 : line[i + 1] == 'U' ? 8 : 0;
+    if (!digits) {
+      AppendUtf8(out, uint8_t(line[i]));
+      continue;
+    }
+    if (i + 2 + digits > line.size()) return Fail("has a truncated \\u escape");
+    uint32_t cp = 0;
+    for (size_t k = 0; k < digits; ++k) {
+      int h = HexValue(line[i + 2 + k]);
+      if (h < 0) return Fail("has a bad \\u escape");
+      cp = cp * 16 + h;
+    }
+    if (cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return Fail("escapes an invalid code point");
+    AppendUtf8(out, cp);
+    i += 1 + digits;
+  }
+  return out;
+}
+
+Result<PickleValue*> Unpickler::ContainerOp() {
+  switch (op_) {
+    case EMPTY_TUPLE:
+      return NewItems(Kind::kTuple, {});
     case TUPLE1:
     case TUPLE2:
     case TUPLE3: {
@@ -1252,34 +1385,34 @@ Status Unpickler::Step(bool& done) {
       for (size_t i = n; i-- > 0;) {
         ASSIGN_OR_RETURN(items[i], Pop());
       }
-      ASSIGN_OR_RETURN(PickleValue * v, NewItems(Kind::kTuple, std::move(items)));
-      return Push(v);
+      return NewItems(Kind::kTuple, std::move(items));
     }
     case TUPLE:
     case LIST:
     case FROZENSET: {
       ASSIGN_OR_RETURN(auto items, PopMark());
       Kind k = op_ == TUPLE ? Kind::kTuple : op_ == LIST ? Kind::kList : Kind::kFrozenSet;
-      ASSIGN_OR_RETURN(PickleValue * v, NewItems(k, std::move(items)));
-      return Push(v);
+      return NewItems(k, std::move(items));
     }
     case EMPTY_LIST:
-    case EMPTY_SET: {
-      ASSIGN_OR_RETURN(PickleValue * v, NewItems(op_ == EMPTY_LIST ? Kind::kList : Kind::kSet, {}));
-      return Push(v);
-    }
-    case EMPTY_DICT: {
-      ASSIGN_OR_RETURN(PickleValue * v, NewDict());
-      return Push(v);
-    }
+    case EMPTY_SET:
+      return NewItems(op_ == EMPTY_LIST ? Kind::kList : Kind::kSet, {});
+    case EMPTY_DICT:
+      return NewDict();
     case DICT: {
       ASSIGN_OR_RETURN(auto items, PopMark());
       ASSIGN_OR_RETURN(auto entries, Pairs(items));
       RETURN_IF_ERROR(CheckLength(entries.size()));
       ASSIGN_OR_RETURN(PickleValue * v, NewDict());
       std::get<PickleValue::Entries>(v->body_) = std::move(entries);
-      return Push(v);
+      return v;
     }
+  }
+  return UnknownOp();
+}
+
+Status Unpickler::FillOp() {
+  switch (op_) {
     case APPEND: {
       ASSIGN_OR_RETURN(PickleValue * item, Pop());
       ASSIGN_OR_RETURN(PickleValue * target, Top());
@@ -1303,101 +1436,77 @@ Status Unpickler::Step(bool& done) {
       ASSIGN_OR_RETURN(PickleValue * target, Top());
       return AddDictItems(target, entries);
     }
+  }
+  return UnknownOp();
+}
 
-    // --- memo ---
-    case PUT: {
-      ASSIGN_OR_RETURN(std::string_view line, ReadLine());
-      uint64_t index;
-      auto r = std::from_chars(line.data(), line.data() + line.size(), index);
-      if (line.empty() || r.ec != std::errc() || r.ptr != line.data() + line.size())
-        return Fail("argument is not a memo index");
-      return MemoPut(index);
+Status Unpickler::MemoOp() {
+  uint64_t index = 0;
+  switch (op_) {
+    case PUT:
+    case GET: {
+      ASSIGN_OR_RETURN(index, ReadMemoIndexLine());
+      break;
     }
     case BINPUT:
-    case LONG_BINPUT: {
-      ASSIGN_OR_RETURN(uint64_t index, ReadUint(op_ == BINPUT ? 1 : 4));
-      return MemoPut(index);
+    case BINGET:
+    case LONG_BINPUT:
+    case LONG_BINGET: {
+      ASSIGN_OR_RETURN(index, ReadUint(op_ == BINPUT || op_ == BINGET ? 1 : 4));
+      break;
     }
     case MEMOIZE:
-      return MemoPut(memo_count_);
-    case GET: {
-      ASSIGN_OR_RETURN(std::string_view line, ReadLine());
-      uint64_t index;
-      auto r = std::from_chars(line.data(), line.data() + line.size(), index);
-      if (line.empty() || r.ec != std::errc() || r.ptr != line.data() + line.size())
-        return Fail("argument is not a memo index");
-      ASSIGN_OR_RETURN(PickleValue * v, MemoGet(index));
-      return Push(v);
-    }
-    case BINGET:
-    case LONG_BINGET: {
-      ASSIGN_OR_RETURN(uint64_t index, ReadUint(op_ == BINGET ? 1 : 4));
-      ASSIGN_OR_RETURN(PickleValue * v, MemoGet(index));
-      return Push(v);
-    }
+      index = memo_count_;
+      break;
+    default:
+      return UnknownOp();
+  }
+  if (op_ == PUT || op_ == BINPUT || op_ == LONG_BINPUT || op_ == MEMOIZE) return MemoPut(index);
+  ASSIGN_OR_RETURN(PickleValue * v, MemoGet(index));
+  return Push(v);
+}
 
-    // --- objects: recorded, never imported or called ---
+// Objects are recorded, never imported or called.
+Result<PickleValue*> Unpickler::ObjectOp() {
+  switch (op_) {
     case GLOBAL: {
       ASSIGN_OR_RETURN(std::string_view module, ReadLine());
       ASSIGN_OR_RETURN(std::string_view name, ReadLine());
-      ASSIGN_OR_RETURN(PickleValue * v, MakeGlobal(module, name));
-      return Push(v);
+      return MakeGlobal(module, name);
     }
     case STACK_GLOBAL: {
       ASSIGN_OR_RETURN(PickleValue * name, Pop());
       ASSIGN_OR_RETURN(PickleValue * module, Pop());
       if (!name->AsStr() || !module->AsStr()) return Fail("needs two str values");
-      ASSIGN_OR_RETURN(PickleValue * v, MakeGlobal(*module->AsStr(), *name->AsStr()));
-      return Push(v);
+      return MakeGlobal(*module->AsStr(), *name->AsStr());
     }
     case REDUCE: {
       ASSIGN_OR_RETURN(PickleValue * args, Pop());
       ASSIGN_OR_RETURN(PickleValue * callable, Pop());
-      ASSIGN_OR_RETURN(PickleValue * v, MakeReduce(callable, args));
-      return Push(v);
+      return MakeReduce(callable, args);
     }
     case NEWOBJ: {
       ASSIGN_OR_RETURN(PickleValue * args, Pop());
       ASSIGN_OR_RETURN(PickleValue * cls, Pop());
-      ASSIGN_OR_RETURN(PickleValue * v, NewItems(Kind::kNewObj, {cls, args}));
-      return Push(v);
+      return NewItems(Kind::kNewObj, {cls, args});
     }
     case NEWOBJ_EX: {
       ASSIGN_OR_RETURN(PickleValue * kwargs, Pop());
       ASSIGN_OR_RETURN(PickleValue * args, Pop());
       ASSIGN_OR_RETURN(PickleValue * cls, Pop());
-      ASSIGN_OR_RETURN(PickleValue * v, NewItems(Kind::kNewObj, {cls, args, kwargs}));
-      return Push(v);
+      return NewItems(Kind::kNewObj, {cls, args, kwargs});
     }
-    case BUILD:
-      return Build();
     case BINPERSID: {
       ASSIGN_OR_RETURN(PickleValue * pid, Pop());
-      ASSIGN_OR_RETURN(PickleValue * v, NewItems(Kind::kPersistentId, {pid}));
-      return Push(v);
+      return NewItems(Kind::kPersistentId, {pid});
     }
     case PERSID: {
       ASSIGN_OR_RETURN(std::string_view line, ReadLine());
       ASSIGN_OR_RETURN(PickleValue * pid, NewStr(line));
-      ASSIGN_OR_RETURN(PickleValue * v, NewItems(Kind::kPersistentId, {pid}));
-      return Push(v);
+      return NewItems(Kind::kPersistentId, {pid});
     }
-
-    // --- refused ---
-    case INST:
-    case OBJ:
-      return Refuse("protocol 0/1 object construction imports and calls a class");
-    case EXT1:
-    case EXT2:
-    case EXT4:
-      return Refuse("extension codes name callables from the copyreg registry");
-    case NEXT_BUFFER:
-    case READONLY_BUFFER:
-      return Refuse("out-of-band buffers are not supported");
   }
-  static const char kHex[] = "0123456789abcdef";
-  return Status::Corruption("pickle: offset " + std::to_string(op_pos_) + ": unknown opcode 0x" +
-                            kHex[op_ >> 4] + kHex[op_ & 15]);
+  return UnknownOp();
 }
 
 // Acyclic, no deeper than max_depth, at most max_tree_values when shared

@@ -1,8 +1,8 @@
 // The restricted unpickler: pickle bytes in, an inert value tree out.
 //
 // Why: DCP `.metadata` files and torch.save archives (`data.pkl`) are
-// pickles, and a pickle from an untrusted checkpoint must never execute
-// (docs/DESIGN.md, "Decisions"). Python's unpickler imports every GLOBAL and
+// pickles, and ckptfs indexes whatever checkpoint a user points it at, so a
+// pickle must never execute. Python's unpickler imports every GLOBAL and
 // calls every REDUCE; this one only records them. GLOBAL / STACK_GLOBAL
 // become Global nodes, REDUCE a Reduce node, NEWOBJ a NewObj node, BUILD wraps
 // its object in a Build node with the state beside it (no __setstate__), and
@@ -185,6 +185,12 @@ class PickleValue {
   size_t ChildCount() const;
   const PickleValue* Child(size_t i) const;
   void Render(std::string& out, size_t max_chars, int depth) const;
+  // Render's steps: a sequence between `open` and `close` (a 1-tuple gets
+  // its comma), a dict's entries, and a Reduce/NewObj call with its items.
+  static void RenderItems(std::string& out, const Items& items, const char* open, const char* close, bool one_tuple,
+                          size_t max_chars, int depth);
+  static void RenderEntries(std::string& out, const Entries& entries, size_t max_chars, int depth);
+  void RenderCall(std::string& out, size_t max_chars, int depth) const;
 
   Kind kind_ = Kind::kNone;
   // Dict: is an OrderedDict. Global: on the allowlist.

@@ -15,11 +15,15 @@
 
 namespace ckptfs {
 
-SourceReader::SourceReader(const Catalog* catalog, GroupPolicy policy, uint64_t decoded_cache_bytes)
-    : catalog_(catalog),
+SourceReader::SourceReader(std::string root, const std::vector<SourceFile>* files, GroupPolicy policy,
+                           uint64_t decoded_cache_bytes)
+    : root_(std::move(root)),
+      files_(files),
       policy_(policy),
-      fds_(catalog->files.size(), -1),
+      fds_(files->size(), -1),
+      stale_(files->size()),
       bytes_read_(std::make_unique<std::atomic<uint64_t>>(0)),
+      any_stale_(std::make_unique<std::atomic<bool>>(false)),
       decoded_budget_(decoded_cache_bytes) {}
 
 Result<std::shared_ptr<const std::string>> SourceReader::Decoded(FileId id) {
@@ -30,10 +34,10 @@ Result<std::shared_ptr<const std::string>> SourceReader::Decoded(FileId id) {
       return it->second.first;
     }
   }
-  const SourceFile& f = catalog_->files[id];
+  const SourceFile& f = (*files_)[id];
   ASSIGN_OR_RETURN(int fd, Fd(f.base));
-  RETURN_IF_ERROR(CheckUnchanged(f.base, fd));
   ASSIGN_OR_RETURN(std::string bytes, DecodeItem(f.transform, fd, f.base_offset, f.base_length, f.size, f.path));
+  RETURN_IF_ERROR(CheckUnchanged(f.base, fd));
   if (bytes.size() != f.size)
     return Status::Stale(f.path + ": decodes to " + std::to_string(bytes.size()) + " bytes, indexed as " +
                          std::to_string(f.size) + "; run `ckptfs index` again");
@@ -66,17 +70,12 @@ Result<int> SourceReader::Fd(FileId id) {
   if (id >= fds_.size()) return Status::Corruption("read plan names unknown file " + std::to_string(id));
   {
     std::lock_guard<std::mutex> lock(mu_);
+    if (!stale_[id].empty()) return Status::Stale(stale_[id]);
     if (fds_[id] >= 0) return fds_[id];
   }
-  const SourceFile& f = catalog_->files[id];
-  const std::string path = catalog_->root + "/" + f.path;
+  const std::string path = root_ + "/" + PathOf(id);
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::IOError(f.path + ": " + std::strerror(errno));
-  struct stat st;
-  if (::fstat(fd, &st) != 0 || st.st_ino != f.inode) {
-    ::close(fd);
-    return Status::Stale(f.path + ": replaced since indexing; run `ckptfs index` again");
-  }
+  if (fd < 0) return Status::IOError(PathOf(id) + ": " + std::strerror(errno));
   Status unchanged = CheckUnchanged(id, fd);
   if (!unchanged.ok()) {
     ::close(fd);
@@ -92,15 +91,66 @@ Result<int> SourceReader::Fd(FileId id) {
 }
 
 Status SourceReader::CheckUnchanged(FileId id, int fd) {
-  const SourceFile& f = catalog_->files[id];
-  struct stat st;
-  if (::fstat(fd, &st) != 0) return Status::IOError(f.path + ": " + std::strerror(errno));
-  SourceFile now;
-  now.size = st.st_size;
-  now.mtime_ns = int64_t(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
-  now.inode = f.inode;
-  std::string what = DescribeChange(f, now);
-  if (!what.empty()) return Status::Stale(f.path + ": " + what + "; run `ckptfs index` again");
+  const SourceFile& f = (*files_)[id];
+  struct stat by_fd, by_path;
+  if (::fstat(fd, &by_fd) != 0) return Status::IOError(f.path + ": " + std::strerror(errno));
+  std::string what = DescribeChange(f, IdentityOf(by_fd));
+  // The path is checked too: a file renamed over the source or deleted
+  // leaves our descriptor on the old inode, whose bytes are no longer the
+  // source's.
+  if (what.empty()) {
+    if (::stat((root_ + "/" + f.path).c_str(), &by_path) != 0)
+      what = std::string("gone (") + std::strerror(errno) + ")";
+    else
+      what = DescribeChange(f, IdentityOf(by_path));
+  }
+  if (what.empty()) return Status::OK();
+  std::string why = f.path + ": " + what + " since indexing; run `ckptfs index` again";
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stale_[id].empty()) stale_[id] = why;
+  any_stale_->store(true);
+  return Status::Stale(why);
+}
+
+Status SourceReader::Recheck() {
+  for (FileId id = 0; id < files_->size(); ++id) {
+    const SourceFile& f = (*files_)[id];
+    if (f.derived()) continue;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!stale_[id].empty()) return Status::Stale(stale_[id]);
+    }
+    auto now = StatSource(root_ + "/" + f.path);
+    std::string what = now.ok() ? DescribeChange(f, *now) : "gone (" + now.status().message() + ")";
+    if (what.empty()) continue;
+    std::string why = f.path + ": " + what + " since indexing; run `ckptfs index` again";
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stale_[id].empty()) stale_[id] = why;
+    any_stale_->store(true);
+    return Status::Stale(why);
+  }
+  return Status::OK();
+}
+
+Status SourceReader::ReadOne(const SourceRead& r, char* dst, char* converted, std::vector<char>& scratch) {
+  if ((*files_)[r.file].derived()) {
+    ASSIGN_OR_RETURN(auto bytes, Decoded(r.file));
+    if (r.offset + r.length > bytes->size())
+      return Status::Corruption(PathOf(r.file) + ": read past the decoded item");
+    for (const auto& g : r.gathers)
+      std::memcpy((g.to_scratch ? converted : dst) + g.dst_offset, bytes->data() + r.offset + g.read_offset, g.length);
+    return Status::OK();
+  }
+  ASSIGN_OR_RETURN(int fd, Fd(r.file));
+  if (r.direct()) {
+    RETURN_IF_ERROR(PreadFull(fd, dst + r.gathers[0].dst_offset, r.length, r.offset, PathOf(r.file)));
+  } else {
+    scratch.resize(r.length);
+    RETURN_IF_ERROR(PreadFull(fd, scratch.data(), r.length, r.offset, PathOf(r.file)));
+    for (const auto& g : r.gathers)
+      std::memcpy((g.to_scratch ? converted : dst) + g.dst_offset, scratch.data() + g.read_offset, g.length);
+  }
+  bytes_read_->fetch_add(r.length, std::memory_order_relaxed);
   return Status::OK();
 }
 
@@ -110,32 +160,19 @@ Status SourceReader::Execute(const ReadPlan& plan, char* dst) {
   std::vector<SourceRead> reads = GroupReads(plan.copies, policy_);
   std::vector<char> converted(plan.scratch_size);  // source bytes of ConvertOps
   std::vector<char> scratch;
-  FileId checked = static_cast<FileId>(-1);
+  for (const SourceRead& r : reads) RETURN_IF_ERROR(ReadOne(r, dst, converted.data(), scratch));
+  // Identity checked after the reads (see the header): reads are grouped by
+  // file, so this is one fstat + stat per file touched.
+  // A derived source's bytes may come from the decoded cache: its base file
+  // is checked instead.
+  FileId last = static_cast<FileId>(-1);
   for (const SourceRead& r : reads) {
-    if (catalog_->files[r.file].derived()) {
-      ASSIGN_OR_RETURN(auto bytes, Decoded(r.file));
-      if (r.offset + r.length > bytes->size())
-        return Status::Corruption(catalog_->files[r.file].path + ": read past the decoded item");
-      for (const auto& g : r.gathers)
-        std::memcpy((g.to_scratch ? converted.data() : dst) + g.dst_offset, bytes->data() + r.offset + g.read_offset,
-                    g.length);
-      continue;
-    }
-    ASSIGN_OR_RETURN(int fd, Fd(r.file));
-    if (r.file != checked) {  // reads are grouped by file: one fstat per file
-      RETURN_IF_ERROR(CheckUnchanged(r.file, fd));
-      checked = r.file;
-    }
-    const std::string& what = catalog_->files[r.file].path;
-    if (r.direct()) {
-      RETURN_IF_ERROR(PreadFull(fd, dst + r.gathers[0].dst_offset, r.length, r.offset, what));
-    } else {
-      scratch.resize(r.length);
-      RETURN_IF_ERROR(PreadFull(fd, scratch.data(), r.length, r.offset, what));
-      for (const auto& g : r.gathers)
-        std::memcpy((g.to_scratch ? converted.data() : dst) + g.dst_offset, scratch.data() + g.read_offset, g.length);
-    }
-    bytes_read_->fetch_add(r.length, std::memory_order_relaxed);
+    const SourceFile& f = (*files_)[r.file];
+    FileId id = f.derived() ? f.base : r.file;
+    if (id == last) continue;
+    last = id;
+    ASSIGN_OR_RETURN(int fd, Fd(id));
+    RETURN_IF_ERROR(CheckUnchanged(id, fd));
   }
   std::vector<float> values;
   for (const ConvertOp& c : plan.converts) {

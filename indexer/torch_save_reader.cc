@@ -1,5 +1,7 @@
 // Reader for torch.save checkpoints: `pytorch_model.bin` (or the shards an
-// `pytorch_model.bin.index.json` names) and `*.pt` / `*.pth` files. Each
+// `pytorch_model.bin.index.json` names), `*.pt` / `*.pth` files (DeepSpeed's
+// mp_rank_00_model_states.pt among them) and PyTorch Lightning `*.ckpt`
+// files ({"state_dict": ..., "optimizer_states": [...], ...}). Each
 // tensor's storage bytes are read in place from the stored zip entry
 // (indexer/torch_zip.h); the pickle is never executed.
 //
@@ -24,7 +26,7 @@ namespace ckptfs {
 namespace {
 
 bool IsHfShard(const std::string& f) { return f.starts_with("pytorch_model") && f.ends_with(".bin"); }
-bool IsGeneric(const std::string& f) { return f.ends_with(".pt") || f.ends_with(".pth"); }
+bool IsGeneric(const std::string& f) { return f.ends_with(".pt") || f.ends_with(".pth") || f.ends_with(".ckpt"); }
 
 class TorchSaveReader : public FormatReader {
  public:

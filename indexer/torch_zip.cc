@@ -83,15 +83,39 @@ const ZipEntry* ZipDirectory::Find(std::string_view name) const {
 
 namespace {
 
-Result<ZipDirectory> ReadDirectory(RangeReader& in, uint64_t base, uint64_t length, const std::string& what,
-                                   const TorchZipLimits& limits) {
-  auto corrupt = [&](const std::string& m) { return Status::Corruption(what + ": zip: " + m); };
-  if (base + length < base) return Status::InvalidArgument(what + ": zip: range overflows");
-  if (length < kEocdSize)
-    return corrupt(std::to_string(length) + " bytes is too short for an end-of-central-directory record");
+Status ZipCorrupt(const std::string& what, const std::string& m) { return Status::Corruption(what + ": zip: " + m); }
 
-  // The EOCD is the last 22 bytes unless a comment (<= 64 KiB) follows it;
-  // like Python's zipfile, take the last signature whose comment fits.
+// Where the central directory is, from the end records.
+struct EndRecord {
+  uint64_t disk = 0, cd_disk = 0;
+  uint64_t count = 0, cd_size = 0, cd_offset = 0;
+  uint64_t cd_limit = 0;  // the directory must end before the end records
+};
+
+// zip64: a locator right before the EOCD (at `eocd`) points at the zip64
+// EOCD record, whose 64-bit fields replace the saturated 16/32-bit ones.
+Status ApplyZip64(RangeReader& in, uint64_t eocd, EndRecord& r, const std::string& what) {
+  if (eocd < kZip64LocatorSize) return Status::OK();
+  ASSIGN_OR_RETURN(std::string loc, in.Read(eocd - kZip64LocatorSize, kZip64LocatorSize));
+  if (Le(loc, 0, 4) != kZip64LocatorSig) return Status::OK();
+  uint64_t rec = Le(loc, 8, 8);
+  uint64_t loc_start = eocd - kZip64LocatorSize;
+  if (!FitsWithin(rec, kZip64EocdSize, loc_start))
+    return ZipCorrupt(what, "zip64 end record at " + std::to_string(rec) + " lies outside the archive");
+  ASSIGN_OR_RETURN(std::string z, in.Read(rec, kZip64EocdSize));
+  if (Le(z, 0, 4) != kZip64EocdSig) return ZipCorrupt(what, "zip64 locator does not point at a zip64 end record");
+  r.disk = Le(z, 16, 4);
+  r.cd_disk = Le(z, 20, 4);
+  r.count = Le(z, 32, 8);
+  r.cd_size = Le(z, 40, 8);
+  r.cd_offset = Le(z, 48, 8);
+  r.cd_limit = rec;
+  return Status::OK();
+}
+
+// The EOCD is the last 22 bytes unless a comment (<= 64 KiB) follows it;
+// like Python's zipfile, take the last signature whose comment fits.
+Result<EndRecord> ReadEndRecord(RangeReader& in, uint64_t length, const std::string& what) {
   uint64_t tail_len = std::min<uint64_t>(length, kEocdSize + kMaxCommentSize);
   uint64_t tail_start = length - tail_len;
   RETURN_IF_ERROR(in.LoadTail(tail_len));
@@ -103,110 +127,149 @@ Result<ZipDirectory> ReadDirectory(RangeReader& in, uint64_t base, uint64_t leng
       break;
     }
   }
-  if (!found) return corrupt("no end-of-central-directory record (not a zip, or truncated)");
+  if (!found) return ZipCorrupt(what, "no end-of-central-directory record (not a zip, or truncated)");
   uint64_t eocd = tail_start + *found;
   std::string_view e(tail.data() + *found, kEocdSize);
-  uint64_t disk = Le(e, 4, 2), cd_disk = Le(e, 6, 2);
-  uint64_t count = Le(e, 10, 2), cd_size = Le(e, 12, 4), cd_offset = Le(e, 16, 4);
-  uint64_t cd_limit = eocd;  // the directory must end before the end records
+  EndRecord r;
+  r.disk = Le(e, 4, 2);
+  r.cd_disk = Le(e, 6, 2);
+  r.count = Le(e, 10, 2);
+  r.cd_size = Le(e, 12, 4);
+  r.cd_offset = Le(e, 16, 4);
+  r.cd_limit = eocd;
+  RETURN_IF_ERROR(ApplyZip64(in, eocd, r, what));
+  return r;
+}
 
-  // zip64: a locator right before the EOCD points at the zip64 EOCD record,
-  // whose 64-bit fields replace the saturated 16/32-bit ones.
-  if (eocd >= kZip64LocatorSize) {
-    ASSIGN_OR_RETURN(std::string loc, in.Read(eocd - kZip64LocatorSize, kZip64LocatorSize));
-    if (Le(loc, 0, 4) == kZip64LocatorSig) {
-      uint64_t rec = Le(loc, 8, 8);
-      uint64_t loc_start = eocd - kZip64LocatorSize;
-      if (!FitsWithin(rec, kZip64EocdSize, loc_start))
-        return corrupt("zip64 end record at " + std::to_string(rec) + " lies outside the archive");
-      ASSIGN_OR_RETURN(std::string z, in.Read(rec, kZip64EocdSize));
-      if (Le(z, 0, 4) != kZip64EocdSig) return corrupt("zip64 locator does not point at a zip64 end record");
-      disk = Le(z, 16, 4);
-      cd_disk = Le(z, 20, 4);
-      count = Le(z, 32, 8);
-      cd_size = Le(z, 40, 8);
-      cd_offset = Le(z, 48, 8);
-      cd_limit = rec;
+Status CheckEndRecord(const EndRecord& r, const std::string& what, const TorchZipLimits& limits) {
+  if (r.disk != 0 || r.cd_disk != 0) return Status::NotSupported(what + ": zip: multi-disk archives are not supported");
+  if (!FitsWithin(r.cd_offset, r.cd_size, r.cd_limit))
+    return ZipCorrupt(what, "central directory [" + std::to_string(r.cd_offset) + ", +" + std::to_string(r.cd_size) +
+                                ") lies outside the archive (directory must end by " + std::to_string(r.cd_limit) + ")");
+  if (r.cd_size > limits.max_central_directory_bytes)
+    return ZipCorrupt(what, "central directory of " + std::to_string(r.cd_size) + " bytes exceeds the limit of " +
+                                std::to_string(limits.max_central_directory_bytes));
+  if (r.count > limits.max_entries)
+    return ZipCorrupt(what,
+                      std::to_string(r.count) + " entries exceed the limit of " + std::to_string(limits.max_entries));
+  if (r.count > r.cd_size / kCentralHeaderSize)
+    return ZipCorrupt(what, std::to_string(r.count) + " entries cannot fit in a " + std::to_string(r.cd_size) +
+                                "-byte central directory");
+  return Status::OK();
+}
+
+// One central directory header, zip64 fields applied.
+struct CentralEntry {
+  std::string name;
+  std::string where;  // "entry 'name'", for messages
+  uint64_t flags = 0, method = 0, crc = 0, csize = 0, usize = 0;
+  uint64_t start_disk = 0, local = 0;
+  uint64_t record_size = 0;  // fixed header plus name, extra and comment
+};
+
+// zip64 extended information: present fields replace saturated ones, in the
+// order uncompressed size, compressed size, local offset, disk.
+Status ApplyZip64Extra(std::string_view extra, CentralEntry& c, const std::string& what) {
+  for (size_t x = 0; x + 4 <= extra.size();) {
+    uint64_t id = Le(extra, x, 2), len = Le(extra, x + 2, 2);
+    if (x + 4 + len > extra.size()) return ZipCorrupt(what, c.where + ": extra field runs past its header");
+    if (id == 0x0001) {
+      std::string_view z = extra.substr(x + 4, len);
+      size_t p = 0;
+      auto take = [&](uint64_t& field, uint64_t saturated, int bytes) -> bool {
+        if (field != saturated) return true;
+        if (p + bytes > z.size()) return false;
+        field = Le(z, p, bytes);
+        p += bytes;
+        return true;
+      };
+      if (!take(c.usize, 0xFFFFFFFF, 8) || !take(c.csize, 0xFFFFFFFF, 8) || !take(c.local, 0xFFFFFFFF, 8) ||
+          !take(c.start_disk, 0xFFFF, 4))
+        return ZipCorrupt(what, c.where + ": zip64 extra field is too short");
     }
+    x += 4 + len;
   }
-  if (disk != 0 || cd_disk != 0) return Status::NotSupported(what + ": zip: multi-disk archives are not supported");
-  if (!FitsWithin(cd_offset, cd_size, cd_limit))
-    return corrupt("central directory [" + std::to_string(cd_offset) + ", +" + std::to_string(cd_size) +
-                   ") lies outside the archive (directory must end by " + std::to_string(cd_limit) + ")");
-  if (cd_size > limits.max_central_directory_bytes)
-    return corrupt("central directory of " + std::to_string(cd_size) + " bytes exceeds the limit of " +
-                   std::to_string(limits.max_central_directory_bytes));
-  if (count > limits.max_entries)
-    return corrupt(std::to_string(count) + " entries exceed the limit of " + std::to_string(limits.max_entries));
-  if (count > cd_size / kCentralHeaderSize)
-    return corrupt(std::to_string(count) + " entries cannot fit in a " + std::to_string(cd_size) +
-                   "-byte central directory");
-  ASSIGN_OR_RETURN(std::string cd, in.Read(cd_offset, cd_size));
+  return Status::OK();
+}
+
+// The `n`th header, at `at` in the directory `cd` (read from `cd_offset`).
+Result<CentralEntry> ParseCentralEntry(const std::string& cd, uint64_t at, uint64_t n, uint64_t cd_offset,
+                                       const std::string& what) {
+  const uint64_t cd_size = cd.size();
+  if (cd_size - at < kCentralHeaderSize || Le(cd, at, 4) != kCentralSig)
+    return ZipCorrupt(what, "central directory entry " + std::to_string(n) + " at " + std::to_string(cd_offset + at) +
+                                " is truncated or has a bad signature");
+  CentralEntry c;
+  c.flags = Le(cd, at + 8, 2);
+  c.method = Le(cd, at + 10, 2);
+  c.crc = Le(cd, at + 16, 4);
+  c.csize = Le(cd, at + 20, 4);
+  c.usize = Le(cd, at + 24, 4);
+  uint64_t name_len = Le(cd, at + 28, 2), extra_len = Le(cd, at + 30, 2), comment_len = Le(cd, at + 32, 2);
+  c.start_disk = Le(cd, at + 34, 2);
+  c.local = Le(cd, at + 42, 4);
+  uint64_t var_len = name_len + extra_len + comment_len;
+  if (cd_size - at - kCentralHeaderSize < var_len)
+    return ZipCorrupt(what, "central directory entry " + std::to_string(n) + " runs past the central directory");
+  c.name = cd.substr(at + kCentralHeaderSize, name_len);
+  c.where = "entry '" + c.name + "'";
+  c.record_size = kCentralHeaderSize + var_len;
+  RETURN_IF_ERROR(ApplyZip64Extra(std::string_view(cd.data() + at + kCentralHeaderSize + name_len, extra_len), c, what));
+  return c;
+}
+
+Status CheckStoredEntry(const CentralEntry& c, const std::string& what) {
+  if (c.flags & 1) return Status::NotSupported(what + ": zip: " + c.where + " is encrypted");
+  if (c.method != 0)
+    return Status::NotSupported(what + ": zip: " + c.where + " is compressed (method " + std::to_string(c.method) +
+                                "); torch.save archives store entries uncompressed");
+  if (c.csize != c.usize)
+    return ZipCorrupt(what, c.where + " is stored but its sizes differ (" + std::to_string(c.csize) + " vs " +
+                                std::to_string(c.usize) + ")");
+  if (c.start_disk != 0) return Status::NotSupported(what + ": zip: " + c.where + " is on another disk");
+  return Status::OK();
+}
+
+// The local header's name and extra lengths (the extra carries torch's
+// alignment padding) locate the data; its sizes are zero and unused. Returns
+// the data's offset in the zip.
+Result<uint64_t> LocateData(RangeReader& in, const CentralEntry& c, uint64_t cd_offset, const std::string& what) {
+  const uint64_t name_len = c.name.size();
+  if (!FitsWithin(c.local, kLocalHeaderSize + name_len, cd_offset))
+    return ZipCorrupt(what, c.where + ": local header at " + std::to_string(c.local) + " lies outside the archive");
+  ASSIGN_OR_RETURN(std::string lh, in.Read(c.local, kLocalHeaderSize + name_len));
+  if (Le(lh, 0, 4) != kLocalSig)
+    return ZipCorrupt(what, c.where + ": bad local header signature at " + std::to_string(c.local));
+  if (Le(lh, 26, 2) != name_len || lh.compare(kLocalHeaderSize, name_len, c.name) != 0)
+    return ZipCorrupt(what, c.where + ": local header names a different entry");
+  uint64_t data = c.local + kLocalHeaderSize + name_len + Le(lh, 28, 2);
+  if (!FitsWithin(data, c.usize, cd_offset))
+    return ZipCorrupt(what, c.where + ": data [" + std::to_string(data) + ", +" + std::to_string(c.usize) +
+                                ") lies outside the archive");
+  return data;
+}
+
+Result<ZipDirectory> ReadDirectory(RangeReader& in, uint64_t base, uint64_t length, const std::string& what,
+                                   const TorchZipLimits& limits) {
+  if (base + length < base) return Status::InvalidArgument(what + ": zip: range overflows");
+  if (length < kEocdSize)
+    return ZipCorrupt(what, std::to_string(length) + " bytes is too short for an end-of-central-directory record");
+  ASSIGN_OR_RETURN(EndRecord end, ReadEndRecord(in, length, what));
+  RETURN_IF_ERROR(CheckEndRecord(end, what, limits));
+  ASSIGN_OR_RETURN(std::string cd, in.Read(end.cd_offset, end.cd_size));
 
   ZipDirectory dir;
-  dir.entries.reserve(count);
-  std::set<std::string_view> names;
+  dir.entries.reserve(end.count);
+  std::set<std::string_view> names;  // views into `cd`
   uint64_t at = 0;
-  for (uint64_t n = 0; n < count; ++n) {
-    std::string where = "central directory entry " + std::to_string(n);
-    if (cd_size - at < kCentralHeaderSize || Le(cd, at, 4) != kCentralSig)
-      return corrupt(where + " at " + std::to_string(cd_offset + at) + " is truncated or has a bad signature");
-    uint64_t flags = Le(cd, at + 8, 2), method = Le(cd, at + 10, 2);
-    uint64_t crc = Le(cd, at + 16, 4), csize = Le(cd, at + 20, 4), usize = Le(cd, at + 24, 4);
-    uint64_t name_len = Le(cd, at + 28, 2), extra_len = Le(cd, at + 30, 2), comment_len = Le(cd, at + 32, 2);
-    uint64_t start_disk = Le(cd, at + 34, 2), local = Le(cd, at + 42, 4);
-    uint64_t var_len = name_len + extra_len + comment_len;
-    if (cd_size - at - kCentralHeaderSize < var_len) return corrupt(where + " runs past the central directory");
-    std::string name = cd.substr(at + kCentralHeaderSize, name_len);
-    std::string_view extra(cd.data() + at + kCentralHeaderSize + name_len, extra_len);
-    where = "entry '" + name + "'";
-
-    // zip64 extended information: present fields replace saturated ones, in
-    // the order uncompressed size, compressed size, local offset, disk.
-    for (size_t x = 0; x + 4 <= extra.size();) {
-      uint64_t id = Le(extra, x, 2), len = Le(extra, x + 2, 2);
-      if (x + 4 + len > extra.size()) return corrupt(where + ": extra field runs past its header");
-      if (id == 0x0001) {
-        std::string_view z = extra.substr(x + 4, len);
-        size_t p = 0;
-        auto take = [&](uint64_t& field, uint64_t saturated, int bytes) -> bool {
-          if (field != saturated) return true;
-          if (p + bytes > z.size()) return false;
-          field = Le(z, p, bytes);
-          p += bytes;
-          return true;
-        };
-        if (!take(usize, 0xFFFFFFFF, 8) || !take(csize, 0xFFFFFFFF, 8) || !take(local, 0xFFFFFFFF, 8) ||
-            !take(start_disk, 0xFFFF, 4))
-          return corrupt(where + ": zip64 extra field is too short");
-      }
-      x += 4 + len;
-    }
-    if (flags & 1) return Status::NotSupported(what + ": zip: " + where + " is encrypted");
-    if (method != 0)
-      return Status::NotSupported(what + ": zip: " + where + " is compressed (method " + std::to_string(method) +
-                                  "); torch.save archives store entries uncompressed");
-    if (csize != usize)
-      return corrupt(where + " is stored but its sizes differ (" + std::to_string(csize) + " vs " +
-                     std::to_string(usize) + ")");
-    if (start_disk != 0) return Status::NotSupported(what + ": zip: " + where + " is on another disk");
-    if (!names.insert(std::string_view(cd.data() + at + kCentralHeaderSize, name_len)).second)
-      return corrupt("duplicate " + where);
-
-    // The local header's name and extra lengths (the extra carries torch's
-    // alignment padding) locate the data; its sizes are zero and unused.
-    if (!FitsWithin(local, kLocalHeaderSize + name_len, cd_offset))
-      return corrupt(where + ": local header at " + std::to_string(local) + " lies outside the archive");
-    ASSIGN_OR_RETURN(std::string lh, in.Read(local, kLocalHeaderSize + name_len));
-    if (Le(lh, 0, 4) != kLocalSig) return corrupt(where + ": bad local header signature at " + std::to_string(local));
-    if (Le(lh, 26, 2) != name_len || lh.compare(kLocalHeaderSize, name_len, name) != 0)
-      return corrupt(where + ": local header names a different entry");
-    uint64_t data = local + kLocalHeaderSize + name_len + Le(lh, 28, 2);
-    if (!FitsWithin(data, usize, cd_offset))
-      return corrupt(where + ": data [" + std::to_string(data) + ", +" + std::to_string(usize) +
-                     ") lies outside the archive");
-    dir.entries.push_back({std::move(name), base + data, usize, static_cast<uint32_t>(crc)});
-    at += kCentralHeaderSize + var_len;
+  for (uint64_t n = 0; n < end.count; ++n) {
+    ASSIGN_OR_RETURN(CentralEntry c, ParseCentralEntry(cd, at, n, end.cd_offset, what));
+    RETURN_IF_ERROR(CheckStoredEntry(c, what));
+    if (!names.insert(std::string_view(cd.data() + at + kCentralHeaderSize, c.name.size())).second)
+      return ZipCorrupt(what, "duplicate " + c.where);
+    ASSIGN_OR_RETURN(uint64_t data, LocateData(in, c, end.cd_offset, what));
+    dir.entries.push_back({std::move(c.name), base + data, c.usize, static_cast<uint32_t>(c.crc)});
+    at += c.record_size;
   }
   return dir;
 }
@@ -318,6 +381,98 @@ Result<std::optional<TorchTensorRef>> MatchValue(const PickleValue& v, int depth
   return MatchCall(u.callable(), u.args(), depth);
 }
 
+// The storage persistent id of a rebuild call's first argument:
+// ('storage', storage_type, key, location, numel). `ref` gets the key and
+// location; `storage` the typed storage's dtype (nullopt for UntypedStorage).
+Status ReadStoragePid(const PickleValue& arg, const char* fn, TorchTensorRef& ref, uint64_t& numel,
+                      std::optional<DType>& storage, std::string_view& storage_torch_name) {
+  const PickleValue* pid = arg.pid();
+  const auto* p = pid ? pid->AsTuple() : nullptr;
+  if (!p || p->size() != 5 || !(*p)[0]->AsStr() || *(*p)[0]->AsStr() != "storage")
+    return BadTensor(std::string(fn) + ": storage is not a ('storage', type, key, location, numel) persistent id: " +
+                     arg.DebugString(200));
+  const PickleValue* cls = (*p)[1];
+  const std::string* key = (*p)[2]->AsStr();
+  const std::string* location = (*p)[3]->AsStr();
+  auto n = (*p)[4]->AsInt();
+  if (!cls->IsGlobal() || !key || !location || !n || *n < 0)
+    return BadTensor("malformed storage persistent id " + pid->DebugString(200));
+  numel = uint64_t(*n);
+  ref.storage_key = *key;
+  ref.location = *location;
+  bool untyped = (cls->global_module() == "torch" || cls->global_module() == "torch.storage") &&
+                 cls->global_name() == "UntypedStorage";
+  if (!untyped) {
+    if (cls->global_module() != "torch")
+      return BadTensor("storage type " + cls->DebugString(200) + " is not a torch storage");
+    for (const auto& s : kStorages)
+      if (s.cls == cls->global_name()) {
+        storage = s.dtype;
+        storage_torch_name = s.torch_name;
+      }
+    if (!storage)
+      return Status::NotSupported("torch tensor: storage type torch." + std::string(cls->global_name()) +
+                                  " is not supported");
+  }
+  return Status::OK();
+}
+
+// storage_offset, size and stride (arguments 1-3), and every element the
+// view reaches inside the storage.
+Status ReadView(const std::vector<const PickleValue*>& args, TorchTensorRef& ref) {
+  auto offset = args[1]->AsInt();
+  if (!offset || *offset < 0) return BadTensor("storage_offset is not a non-negative int");
+  ref.storage_offset = uint64_t(*offset);
+  auto shape = AsShape(*args[2]);
+  auto strides = AsShape(*args[3]);
+  if (!shape || !strides || shape->size() != strides->size())
+    return BadTensor("size " + args[2]->DebugString(200) + " and stride " + args[3]->DebugString(200) +
+                     " are not int tuples of one length");
+  ref.shape = std::move(*shape);
+  ref.strides = std::move(*strides);
+  uint64_t item = DTypeBits(ref.dtype) / 8;
+  auto extent = ElementExtent(ref.shape, ref.strides, ref.storage_offset);
+  if (!extent || *extent > UINT64_MAX / item || *extent * item > ref.storage_nbytes)
+    return BadTensor("storage_offset " + std::to_string(ref.storage_offset) + " with size " +
+                     args[2]->DebugString(200) + " and stride " + args[3]->DebugString(200) +
+                     " reaches past the storage '" + ref.storage_key + "' of " + std::to_string(ref.storage_nbytes) +
+                     " bytes");
+  return Status::OK();
+}
+
+// _rebuild_tensor (v1, v2: dtype from the typed storage; v3: dtype argument).
+Result<TorchTensorRef> MatchRebuild(int version, const std::vector<const PickleValue*>& args) {
+  const char* fn = version == 3 ? "_rebuild_tensor_v3" : version == 2 ? "_rebuild_tensor_v2" : "_rebuild_tensor";
+  size_t min_args = version == 3 ? 7 : version == 2 ? 6 : 4;
+  if (args.size() < min_args)
+    return BadTensor(std::string(fn) + " has " + std::to_string(args.size()) + " arguments, expected " +
+                     std::to_string(min_args) + " or more");
+  TorchTensorRef ref;
+  uint64_t numel = 0;
+  std::optional<DType> storage_dtype;
+  std::string_view storage_torch_name;
+  RETURN_IF_ERROR(ReadStoragePid(*args[0], fn, ref, numel, storage_dtype, storage_torch_name));
+  if (version == 3) {
+    const PickleValue* d = args[6];
+    if (!d->IsGlobal() || d->global_module() != "torch")
+      return BadTensor("_rebuild_tensor_v3 dtype is not a torch dtype: " + d->DebugString(200));
+    auto dt = DTypeFromTorchName(d->global_name());
+    if (!dt) return Status::NotSupported("torch tensor: dtype torch." + std::string(d->global_name()) + " is not supported");
+    ref.dtype = *dt;
+    ref.torch_dtype = d->global_name();
+  } else {
+    if (!storage_dtype) return BadTensor(std::string(fn) + " with an UntypedStorage has no dtype");
+    ref.dtype = *storage_dtype;
+    ref.torch_dtype = storage_torch_name;
+  }
+  // Typed storages count elements of their own type; untyped ones bytes.
+  uint64_t storage_item = storage_dtype ? DTypeBits(*storage_dtype) / 8 : 1;
+  if (numel > UINT64_MAX / storage_item) return BadTensor("storage numel overflows");
+  ref.storage_nbytes = numel * storage_item;
+  RETURN_IF_ERROR(ReadView(args, ref));
+  return ref;
+}
+
 Result<std::optional<TorchTensorRef>> MatchCall(const PickleValue* callable, const PickleValue* args_value,
                                                 int depth) {
   const auto* args = args_value->AsTuple();
@@ -336,85 +491,12 @@ Result<std::optional<TorchTensorRef>> MatchCall(const PickleValue* callable, con
     if (args->size() < 3 || depth > 8) return BadTensor("malformed _rebuild_from_type_v2 call");
     return MatchCall((*args)[0], (*args)[2], depth + 1);
   }
-  bool v2 = callable->IsGlobal("torch._utils", "_rebuild_tensor_v2");
-  bool v3 = callable->IsGlobal("torch._utils", "_rebuild_tensor_v3");
-  bool v1 = callable->IsGlobal("torch._utils", "_rebuild_tensor");
-  if (!v1 && !v2 && !v3) return std::optional<TorchTensorRef>();
-  const char* fn = v3 ? "_rebuild_tensor_v3" : v2 ? "_rebuild_tensor_v2" : "_rebuild_tensor";
-  size_t min_args = v3 ? 7 : v2 ? 6 : 4;
-  if (args->size() < min_args)
-    return BadTensor(std::string(fn) + " has " + std::to_string(args->size()) + " arguments, expected " +
-                     std::to_string(min_args) + " or more");
-
-  // ('storage', storage_type, key, location, numel)
-  const PickleValue* pid = (*args)[0]->pid();
-  const auto* p = pid ? pid->AsTuple() : nullptr;
-  if (!p || p->size() != 5 || !(*p)[0]->AsStr() || *(*p)[0]->AsStr() != "storage")
-    return BadTensor(std::string(fn) + ": storage is not a ('storage', type, key, location, numel) persistent id: " +
-                     (*args)[0]->DebugString(200));
-  const PickleValue* cls = (*p)[1];
-  const std::string* key = (*p)[2]->AsStr();
-  const std::string* location = (*p)[3]->AsStr();
-  auto numel = (*p)[4]->AsInt();
-  if (!cls->IsGlobal() || !key || !location || !numel || *numel < 0)
-    return BadTensor("malformed storage persistent id " + pid->DebugString(200));
-
-  TorchTensorRef ref;
-  ref.storage_key = *key;
-  ref.location = *location;
-  bool untyped = (cls->global_module() == "torch" || cls->global_module() == "torch.storage") &&
-                 cls->global_name() == "UntypedStorage";
-  std::optional<DType> storage_dtype;
-  std::string_view storage_torch_name;
-  if (!untyped) {
-    if (cls->global_module() != "torch")
-      return BadTensor("storage type " + cls->DebugString(200) + " is not a torch storage");
-    for (const auto& s : kStorages)
-      if (s.cls == cls->global_name()) {
-        storage_dtype = s.dtype;
-        storage_torch_name = s.torch_name;
-      }
-    if (!storage_dtype)
-      return Status::NotSupported("torch tensor: storage type torch." + std::string(cls->global_name()) +
-                                  " is not supported");
-  }
-  if (v3) {
-    const PickleValue* d = (*args)[6];
-    if (!d->IsGlobal() || d->global_module() != "torch")
-      return BadTensor("_rebuild_tensor_v3 dtype is not a torch dtype: " + d->DebugString(200));
-    auto dt = DTypeFromTorchName(d->global_name());
-    if (!dt) return Status::NotSupported("torch tensor: dtype torch." + std::string(d->global_name()) + " is not supported");
-    ref.dtype = *dt;
-    ref.torch_dtype = d->global_name();
-  } else {
-    if (untyped) return BadTensor(std::string(fn) + " with an UntypedStorage has no dtype");
-    ref.dtype = *storage_dtype;
-    ref.torch_dtype = storage_torch_name;
-  }
-  // Typed storages count elements of their own type; untyped ones bytes.
-  uint64_t storage_item = untyped ? 1 : DTypeBits(*storage_dtype) / 8;
-  if (uint64_t(*numel) > UINT64_MAX / storage_item) return BadTensor("storage numel overflows");
-  ref.storage_nbytes = uint64_t(*numel) * storage_item;
-
-  auto offset = (*args)[1]->AsInt();
-  if (!offset || *offset < 0) return BadTensor("storage_offset is not a non-negative int");
-  ref.storage_offset = uint64_t(*offset);
-  auto shape = AsShape(*(*args)[2]);
-  auto strides = AsShape(*(*args)[3]);
-  if (!shape || !strides || shape->size() != strides->size())
-    return BadTensor("size " + (*args)[2]->DebugString(200) + " and stride " + (*args)[3]->DebugString(200) +
-                     " are not int tuples of one length");
-  ref.shape = std::move(*shape);
-  ref.strides = std::move(*strides);
-
-  // Every element the view reaches must lie in the storage.
-  uint64_t item = DTypeBits(ref.dtype) / 8;
-  auto extent = ElementExtent(ref.shape, ref.strides, ref.storage_offset);
-  if (!extent || *extent > UINT64_MAX / item || *extent * item > ref.storage_nbytes)
-    return BadTensor("storage_offset " + std::to_string(ref.storage_offset) + " with size " +
-                     (*args)[2]->DebugString(200) + " and stride " + (*args)[3]->DebugString(200) +
-                     " reaches past the storage '" + ref.storage_key + "' of " + std::to_string(ref.storage_nbytes) +
-                     " bytes");
+  int version = callable->IsGlobal("torch._utils", "_rebuild_tensor_v3")   ? 3
+                : callable->IsGlobal("torch._utils", "_rebuild_tensor_v2") ? 2
+                : callable->IsGlobal("torch._utils", "_rebuild_tensor")    ? 1
+                                                                           : 0;
+  if (version == 0) return std::optional<TorchTensorRef>();
+  ASSIGN_OR_RETURN(TorchTensorRef ref, MatchRebuild(version, *args));
   return std::optional<TorchTensorRef>(std::move(ref));
 }
 

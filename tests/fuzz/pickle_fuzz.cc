@@ -1,8 +1,9 @@
 // libFuzzer target: no input may crash, hang or leak the restricted
 // unpickler or the torch.save reader (indexer/pickle.h, indexer/torch_zip.h).
 //
-//   cmake -S . -B build-fuzz -G Ninja -DCMAKE_CXX_COMPILER=clang++ && ninja -C build-fuzz pickle_fuzz
-//   build-fuzz/pickle_fuzz -max_len=4096 corpus/   # seeds: data.pkl files, small .pt files
+//   bash tools/fuzz.sh pickle_fuzz      # builds into build-fuzz/
+//
+// Seeds (corpus/pickle_fuzz/): data.pkl files and DCP .metadata pickles.
 //
 // Each input is unpickled, the result is walked through every accessor, and
 // the same bytes are offered to the zip reader through a memfd. Limits are
