@@ -20,7 +20,7 @@
 
 namespace ckptfs {
 
-// Index of a source file in the catalog's file table.
+// Index of a source file in its checkpoint's file table (Checkpoint::files).
 using FileId = uint32_t;
 
 struct ShardMeta {
@@ -47,6 +47,10 @@ struct Chunk {
   // Non-empty when the box is known but its bytes cannot be served (the
   // shard file is truncated, say). Reads touching it fail with this reason.
   std::string unavailable;
+  // CRC32C of the chunk's stored bytes, when its writer recorded one
+  // (ckptfs's own writer does; checkpoints indexed by a scan have none).
+  bool has_crc32c = false;
+  uint32_t crc32c = 0;
 };
 
 struct TensorMeta {
@@ -76,6 +80,9 @@ struct SourceFile {
   std::string path;  // relative to the source root ("file@offset" when derived)
   uint64_t size = 0;
   int64_t mtime_ns = 0;
+  // ctime cannot be set back by a user (utime restores mtime, not ctime), so
+  // a rewrite that keeps the size and restores the mtime is still seen.
+  int64_t ctime_ns = 0;
   uint64_t inode = 0;
   std::string transform;  // "" for a plain file; "zstd"
   uint32_t base = 0;
@@ -84,10 +91,13 @@ struct SourceFile {
   bool derived() const { return !transform.empty(); }
 };
 
-// One recognised checkpoint: a directory under the source root.
+// One recognised checkpoint: a directory under the source root. It owns
+// its file table, so a checkpoint can be indexed, stored, loaded and served
+// without touching any other.
 struct Checkpoint {
   std::string dir;     // relative to the source root; "" for the root itself
   std::string format;  // "hf-safetensors", "sharded-safetensors", ...
+  std::vector<SourceFile> files;  // FileId is the position here
   std::vector<std::shared_ptr<const TensorMeta>> tensors;  // sorted by fqn
   // Files passed through into views (config.json, tokenizer files), keyed
   // by the name they get in the view.
@@ -104,10 +114,9 @@ struct Checkpoint {
   std::string incomplete;
 };
 
-// Everything an index holds.
+// Everything a scan of a source root found.
 struct Catalog {
   std::string root;                  // absolute path of the source root
-  std::vector<SourceFile> files;     // FileId is the position here
   std::vector<Checkpoint> checkpoints;
   int64_t indexed_at_ns = 0;
 };

@@ -32,6 +32,238 @@
 namespace ckptfs {
 namespace {
 
+// What the metadata files declare, gathered before any .distcp is opened.
+struct DcpPlan {
+  std::map<std::string, TensorMeta> tensors;
+  std::map<std::string, std::vector<Box>> declared;  // fqn -> chunk boxes from metadata
+  std::map<ChunkKey, StorageInfo> storage;
+  std::map<std::string, StorageInfo> byte_storage;
+  std::map<std::string, std::vector<uint64_t>> reformulated;  // Megatron: fqn -> original global shape
+  std::map<std::string, Shape> saved_shape;  // Megatron: fqn -> the flattened shape it was saved with
+  std::vector<std::unique_ptr<const PickleDocument>> docs;    // keep values alive while reading
+};
+
+// One descriptor per .distcp file, opened at its first item.
+using FdCache = std::map<std::string, std::unique_ptr<ScopedFd>>;
+
+// Decoded items are held in memory while indexing; this bounds one.
+constexpr uint64_t kMaxDecodedItem = 8ull << 30;
+
+Result<std::string> Decode(const StorageInfo& si, int fd, const std::string& what) {
+  if (si.transforms.size() != 1 || TransformName(si.transforms[0]).empty()) {
+    std::string all;
+    for (const auto& t : si.transforms) all += (all.empty() ? "" : ", ") + t;
+    return Status::NotSupported(what + ": transform " + all + " is not supported (ckptfs decodes stream.zstd/1)");
+  }
+  return DecodeItem(TransformName(si.transforms[0]), fd, si.offset, si.length, kMaxDecodedItem, what);
+}
+
+// Parses a decoded item through an in-memory file (the archive reader
+// works on descriptors).
+Result<TorchArchive> ReadDecoded(const std::string& bytes, const std::string& what) {
+  ScopedFd mem(::memfd_create("ckptfs-item", MFD_CLOEXEC));
+  if (mem.get() < 0) return Status::IOError(what + ": memfd_create: " + std::strerror(errno));
+  for (size_t done = 0; done < bytes.size();) {
+    ssize_t n = ::write(mem.get(), bytes.data() + done, bytes.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return Status::IOError(what + ": memfd write: " + std::strerror(errno));
+    done += n;
+  }
+  return ReadTorchArchive(mem.get(), 0, bytes.size(), what + " (decoded)");
+}
+
+// `.metadata`, else the per-rank `__R.metadata` files newer torch writes
+// when it saves without collectives.
+std::vector<std::string> MetadataFiles(const DirListing& dir) {
+  if (dir.has_file(".metadata")) return {".metadata"};
+  std::vector<std::string> out;
+  for (const auto& f : dir.files)
+    if (f.starts_with("__") && f.ends_with(".metadata")) out.push_back(f);
+  return out;
+}
+
+// Adds a chunk; a Megatron-flattened one is decomposed into the boxes of
+// the original tensor it covers (docs/FORMATS.md, Megatron-Core).
+// `reformulated` maps a Megatron-flattened fqn to its saved (reformulated)
+// shape; t.shape is already the original one.
+void AddChunk(TensorMeta& t, Chunk c, const std::map<std::string, Shape>& reformulated, Checkpoint& out) {
+  auto it = reformulated.find(t.fqn);
+  if (it == reformulated.end()) {
+    t.chunks.push_back(std::move(c));
+    return;
+  }
+  const Shape& saved = it->second;
+  const size_t n = t.shape.size();
+  // Saved as [X/x, Y/y, ..., x*y*...]: block shape b[d] = orig[d] / saved[d].
+  Shape block(n);
+  for (size_t d = 0; d < n; ++d) block[d] = saved[d] ? t.shape[d] / saved[d] : 0;
+  const Box& box = c.shard.box;
+  for (size_t d = 0; d < n; ++d)
+    if (box.lengths[d] != 1) {
+      AddProblem(out, "tensor '" + t.fqn + "' chunk " + ToString(box) + ": a flattened chunk must span one block",
+                 false);
+      return;
+    }
+  const uint64_t itemsize = DTypeBits(t.dtype) / 8;
+  const uint64_t begin = box.offsets[n], end = begin + box.lengths[n];
+  for (const auto& [piece, flat] : FlatRangeToBoxes(block, begin, end)) {
+    Chunk p = c;
+    p.shard.box = piece;
+    for (size_t d = 0; d < n; ++d) p.shard.box.offsets[d] += box.offsets[d] * block[d];
+    p.bytes.offset = c.bytes.offset + (flat - begin) * itemsize;
+    p.bytes.length = piece.numel() * itemsize;
+    p.basic.strides.clear();
+    t.chunks.push_back(std::move(p));
+  }
+}
+
+// Unpickles one metadata file into `plan`; a file that cannot be used is a
+// problem that makes the checkpoint incomplete.
+void LoadMetadataFile(const std::string& rel, FileTable& files, DcpPlan& plan, Checkpoint& out) {
+  auto id = files.Add(rel);
+  auto text = id.ok() ? ReadWholeFile(files.Abs(*id)) : Result<std::string>(id.status());
+  if (!text.ok()) return AddProblem(out, rel + ": " + text.status().message(), true);
+  auto doc = Unpickle(*text);
+  if (!doc.ok()) return AddProblem(out, rel + ": " + doc.status().message(), true);
+  // Globals off the allowlist stay inert either way; classes of the
+  // checkpointing libraries themselves (torch's planner records,
+  // Megatron's MCoreMetadata and MCoreSavePlan) are expected there, but
+  // anything else (os.system, builtins.eval ...) has no business in a
+  // checkpoint's metadata: refuse the file and say what it names.
+  std::string foreign;
+  for (const auto& g : (*doc)->unknown_globals())
+    if (!g.starts_with("torch.") && !g.starts_with("megatron.core.")) foreign += (foreign.empty() ? "" : ", ") + g;
+  if (!foreign.empty())
+    return AddProblem(out,
+                      rel + ": refusing the metadata: it references globals a checkpoint never needs (" + foreign +
+                          "); nothing was executed",
+                      true);
+  const PickleValue* root = &(*doc)->root();
+  // torch's Metadata, or a subclass such as Megatron's MCoreMetadata.
+  if (!ClassOf(root).ends_with("Metadata") || !Field(root, "state_dict_metadata"))
+    return AddProblem(out, rel + ": not a DCP Metadata object (" + std::string(ClassOf(root)) + ")", true);
+  Status st = ReadDcpMetadata(rel, root, plan.tensors, plan.declared, plan.storage, plan.byte_storage,
+                              plan.reformulated, nullptr);
+  if (!st.ok()) AddProblem(out, st.message(), true);
+  plan.docs.push_back(std::move(*doc));
+}
+
+// Megatron: gives flattened tensors their original shape (remembering the
+// saved one in plan.saved_shape); chunks are decomposed as they are added.
+void ApplyReformulation(DcpPlan& plan, Checkpoint& out) {
+  for (const auto& [fqn, orig] : plan.reformulated) {
+    auto it = plan.tensors.find(fqn);
+    if (it == plan.tensors.end()) continue;
+    TensorMeta& t = it->second;
+    // Saved [X/x, Y/y, ..., x*y*...]: each block count divides its dim and
+    // the last dim is the block's element count.
+    bool fits = t.shape.size() == orig.size() + 1;
+    uint64_t block_numel = 1;
+    for (size_t d = 0; fits && d < orig.size(); ++d) {
+      fits = t.shape[d] > 0 && orig[d] % t.shape[d] == 0;
+      if (fits) block_numel *= orig[d] / t.shape[d];
+    }
+    fits = fits && t.shape.back() == block_numel;
+    if (!fits) {
+      AddProblem(out,
+                 "tensor '" + fqn + "': saved shape " + ShapeToString(t.shape) + " is not a reformulation of " +
+                     ShapeToString(orig),
+                 false);
+      continue;
+    }
+    plan.saved_shape[fqn] = t.shape;
+    t.shape = orig;
+  }
+}
+
+// The archive of an item; a transformed item is decoded once here to index
+// it, and again (into a bounded cache) when read, so its chunk points into
+// the decoded bytes: `data_file` becomes their derived file.
+Result<TorchArchive> ReadItem(const StorageInfo& si, int fd, FileId id, FileTable& files,
+                                     const std::string& item, FileId& data_file) {
+  if (si.transforms.empty()) return ReadTorchArchive(fd, si.offset, si.length, item);
+  ASSIGN_OR_RETURN(std::string decoded, Decode(si, fd, item));
+  data_file = files.AddDerived(id, si.offset, si.length, TransformName(si.transforms[0]), decoded.size());
+  return ReadDecoded(decoded, item);
+}
+
+// Points `c` at the item's one tensor, or says why it cannot be.
+void PlaceChunk(const TorchArchive& archive, const std::string& rel, FileId data_file, const TensorMeta& t,
+                       Chunk& c) {
+  if (archive.tensors.size() != 1) {
+    c.unavailable = rel + ": the item holds " + std::to_string(archive.tensors.size()) + " tensors, not 1";
+    return;
+  }
+  const TorchTensorRecord& r = archive.tensors[0];
+  if (r.dtype != t.dtype) {
+    c.unavailable = rel + ": the item is " + std::string(DTypeName(r.dtype)) + ", the metadata says " +
+                    std::string(DTypeName(t.dtype));
+  } else if (r.shape != c.shard.box.lengths) {
+    c.unavailable = rel + ": the item's shape " + ShapeToString(r.shape) + " is not the chunk's " +
+                    ShapeToString(c.shard.box.lengths);
+  } else {
+    c.bytes = {data_file, r.data_offset, r.storage_bytes_available};
+    c.basic.strides = NormalizeStrides(r.shape, r.strides);
+  }
+}
+
+// One declared chunk of tensor `fqn`: its item, a torch.save archive, is
+// found through storage_data and parsed; a chunk whose item cannot be used
+// is kept, unavailable, with its reason.
+void AddTensorChunk(const DirListing& dir, FileTable& files, const DcpPlan& plan, const std::string& fqn,
+                           const Box& box, TensorMeta& t, FdCache& fds, Checkpoint& out) {
+  const std::string who = "tensor '" + fqn + "' chunk " + ToString(box);
+  auto it = plan.storage.find({fqn, box.offsets});
+  if (it == plan.storage.end()) return AddProblem(out, who + ": no item in the metadata's storage_data", false);
+  const StorageInfo& si = it->second;
+  const std::string rel = JoinPath(dir.rel, si.relative_path);
+  auto id = files.Add(rel);
+  if (!id.ok()) return AddProblem(out, who + ": " + id.status().message(), true);
+  Chunk c;
+  c.shard = {fqn, box};
+  c.basic.dtype = t.dtype;
+  c.bytes = {*id, si.offset, si.length};
+  auto& fd = fds[rel];
+  if (!fd) fd = std::make_unique<ScopedFd>(::open(files.Abs(*id).c_str(), O_RDONLY | O_CLOEXEC));
+  const std::string item = rel + " item at " + std::to_string(si.offset);
+  FileId data_file = *id;
+  Result<TorchArchive> archive = ReadItem(si, fd->get(), *id, files, item, data_file);
+  if (!archive.ok())
+    c.unavailable = archive.status().message();
+  else
+    PlaceChunk(*archive, rel, data_file, t, c);
+  if (!c.unavailable.empty()) AddProblem(out, who + ": " + c.unavailable, false);
+  AddChunk(t, std::move(c), plan.saved_shape, out);
+}
+
+// BYTE_IO items (non-tensor values), served as `bytes/<key>.pt`.
+void AddByteItems(const DirListing& dir, FileTable& files, const std::map<std::string, StorageInfo>& items,
+                         Checkpoint& out) {
+  for (const auto& [key, si] : items) {
+    auto id = files.Add(JoinPath(dir.rel, si.relative_path));
+    if (!id.ok()) {
+      AddProblem(out, "item '" + key + "': " + id.status().message(), false);
+      continue;
+    }
+    if (si.offset + si.length > files.at(*id).size) {
+      AddProblem(out, "item '" + key + "' runs past the end of " + si.relative_path + " (truncated?)", false);
+      continue;
+    }
+    if (si.transforms.empty()) {
+      out.byte_items[key] = {*id, si.offset, si.length};
+      continue;
+    }
+    ScopedFd fd(::open(files.Abs(*id).c_str(), O_RDONLY | O_CLOEXEC));
+    auto decoded = Decode(si, fd.get(), "item '" + key + "'");
+    if (!decoded.ok()) {
+      AddProblem(out, decoded.status().message(), false);
+      continue;
+    }
+    FileId d = files.AddDerived(*id, si.offset, si.length, TransformName(si.transforms[0]), decoded->size());
+    out.byte_items[key] = {d, 0, decoded->size()};
+  }
+}
+
 class DcpReader : public FormatReader {
  public:
   std::string name() const override { return "dcp"; }
@@ -43,248 +275,20 @@ class DcpReader : public FormatReader {
   }
 
   Status Read(const DirListing& dir, FileTable& files, Checkpoint& out) const override {
-    auto problem = [&](const std::string& msg, bool incomplete) { AddProblem(out, msg, incomplete); };
     out.format = dir.has_file("metadata.json") ? "megatron-torch-dist" : "dcp";
-
-    std::map<std::string, TensorMeta> tensors;
-    std::map<std::string, std::vector<Box>> declared;  // fqn -> chunk boxes from metadata
-    std::map<ChunkKey, StorageInfo> storage;
-    std::map<std::string, StorageInfo> byte_storage;
-    std::map<std::string, std::vector<uint64_t>> reformulated;  // Megatron: fqn -> original global shape
-    std::vector<std::unique_ptr<const PickleDocument>> docs;    // keep values alive while reading
-
-    for (const std::string& meta_name : MetadataFiles(dir)) {
-      const std::string rel = JoinPath(dir.rel, meta_name);
-      auto id = files.Add(rel);
-      auto text = id.ok() ? ReadWholeFile(files.Abs(*id)) : Result<std::string>(id.status());
-      if (!text.ok()) {
-        problem(rel + ": " + text.status().message(), true);
-        continue;
-      }
-      auto doc = Unpickle(*text);
-      if (!doc.ok()) {
-        problem(rel + ": " + doc.status().message(), true);
-        continue;
-      }
-      // Globals off the allowlist stay inert either way; classes of the
-      // checkpointing libraries themselves (torch's planner records,
-      // Megatron's MCoreMetadata and MCoreSavePlan) are expected there, but
-      // anything else (os.system, builtins.eval ...) has no business in a
-      // checkpoint's metadata: refuse the file and say what it names.
-      std::string foreign;
-      for (const auto& g : (*doc)->unknown_globals())
-        if (!g.starts_with("torch.") && !g.starts_with("megatron.core."))
-          foreign += (foreign.empty() ? "" : ", ") + g;
-      if (!foreign.empty()) {
-        problem(rel + ": refusing the metadata: it references globals a checkpoint never needs (" + foreign +
-                    "); nothing was executed",
-                true);
-        continue;
-      }
-      const PickleValue* root = &(*doc)->root();
-      // torch's Metadata, or a subclass such as Megatron's MCoreMetadata.
-      if (!ClassOf(root).ends_with("Metadata") || !Field(root, "state_dict_metadata")) {
-        problem(rel + ": not a DCP Metadata object (" + std::string(ClassOf(root)) + ")", true);
-        continue;
-      }
-      Status st = ReadDcpMetadata(rel, root, tensors, declared, storage, byte_storage, reformulated, nullptr);
-      if (!st.ok()) problem(st.message(), true);
-      docs.push_back(std::move(*doc));
+    DcpPlan plan;
+    for (const std::string& meta_name : MetadataFiles(dir))
+      LoadMetadataFile(JoinPath(dir.rel, meta_name), files, plan, out);
+    ApplyReformulation(plan, out);
+    FdCache fds;
+    for (const auto& [fqn, boxes] : plan.declared) {
+      TensorMeta& t = plan.tensors[fqn];
+      for (const Box& box : boxes) AddTensorChunk(dir, files, plan, fqn, box, t, fds, out);
     }
-
-    // Megatron: give flattened tensors their original shape; chunks are
-    // decomposed as they are added.
-    std::map<std::string, Shape> saved_shape;
-    for (const auto& [fqn, orig] : reformulated) {
-      auto it = tensors.find(fqn);
-      if (it == tensors.end()) continue;
-      TensorMeta& t = it->second;
-      // Saved [X/x, Y/y, ..., x*y*...]: each block count divides its dim and
-      // the last dim is the block's element count.
-      bool fits = t.shape.size() == orig.size() + 1;
-      uint64_t block_numel = 1;
-      for (size_t d = 0; fits && d < orig.size(); ++d) {
-        fits = t.shape[d] > 0 && orig[d] % t.shape[d] == 0;
-        if (fits) block_numel *= orig[d] / t.shape[d];
-      }
-      fits = fits && t.shape.back() == block_numel;
-      if (!fits) {
-        problem("tensor '" + fqn + "': saved shape " + ShapeToString(t.shape) + " is not a reformulation of " +
-                    ShapeToString(orig),
-                false);
-        continue;
-      }
-      saved_shape[fqn] = t.shape;
-      t.shape = orig;
-    }
-
-    // Tensor chunks: each item is a torch.save archive.
-    std::map<std::string, std::unique_ptr<ScopedFd>> open_files;
-    for (auto& [fqn, boxes] : declared) {
-      TensorMeta& t = tensors[fqn];
-      for (const Box& box : boxes) {
-        const std::string who = "tensor '" + fqn + "' chunk " + ToString(box);
-        auto it = storage.find({fqn, box.offsets});
-        if (it == storage.end()) {
-          problem(who + ": no item in the metadata's storage_data", false);
-          continue;
-        }
-        const StorageInfo& si = it->second;
-        const std::string rel = JoinPath(dir.rel, si.relative_path);
-        auto id = files.Add(rel);
-        if (!id.ok()) {
-          problem(who + ": " + id.status().message(), true);
-          continue;
-        }
-        Chunk c;
-        c.shard = {fqn, box};
-        c.basic.dtype = t.dtype;
-        c.bytes = {*id, si.offset, si.length};
-        auto& fd = open_files[rel];
-        if (!fd) fd = std::make_unique<ScopedFd>(::open(files.Abs(*id).c_str(), O_RDONLY | O_CLOEXEC));
-        const std::string item = rel + " item at " + std::to_string(si.offset);
-        // A transformed item is decoded once here to index it, and again (into
-        // a bounded cache) when read; its chunk points into the decoded bytes.
-        FileId data_file = *id;
-        Result<TorchArchive> archive = Status::NotFound("");
-        if (si.transforms.empty()) {
-          archive = ReadTorchArchive(fd->get(), si.offset, si.length, item);
-        } else {
-          auto decoded = Decode(si, fd->get(), item);
-          if (!decoded.ok()) {
-            c.unavailable = decoded.status().message();
-            problem(who + ": " + c.unavailable, false);
-            AddChunk(t, std::move(c), saved_shape, problem);
-            continue;
-          }
-          data_file = files.AddDerived(*id, si.offset, si.length, TransformName(si.transforms[0]), decoded->size());
-          archive = ReadDecoded(*decoded, item);
-        }
-        if (!archive.ok()) {
-          c.unavailable = archive.status().message();
-          problem(who + ": " + c.unavailable, false);
-          AddChunk(t, std::move(c), saved_shape, problem);
-          continue;
-        }
-        if (archive->tensors.size() != 1) {
-          c.unavailable = rel + ": the item holds " + std::to_string(archive->tensors.size()) + " tensors, not 1";
-        } else {
-          const TorchTensorRecord& r = archive->tensors[0];
-          if (r.dtype != t.dtype) {
-            c.unavailable = rel + ": the item is " + std::string(DTypeName(r.dtype)) + ", the metadata says " +
-                            std::string(DTypeName(t.dtype));
-          } else if (r.shape != box.lengths) {
-            c.unavailable = rel + ": the item's shape " + ShapeToString(r.shape) + " is not the chunk's " +
-                            ShapeToString(box.lengths);
-          } else {
-            c.bytes = {data_file, r.data_offset, r.storage_bytes_available};
-            c.basic.strides = NormalizeStrides(r.shape, r.strides);
-          }
-        }
-        if (!c.unavailable.empty()) problem(who + ": " + c.unavailable, false);
-        AddChunk(t, std::move(c), saved_shape, problem);
-      }
-    }
-
-    for (auto& [key, si] : byte_storage) {
-      auto id = files.Add(JoinPath(dir.rel, si.relative_path));
-      if (!id.ok()) {
-        problem("item '" + key + "': " + id.status().message(), false);
-        continue;
-      }
-      if (si.offset + si.length > files.at(*id).size) {
-        problem("item '" + key + "' runs past the end of " + si.relative_path + " (truncated?)", false);
-        continue;
-      }
-      if (!si.transforms.empty()) {
-        ScopedFd fd(::open(files.Abs(*id).c_str(), O_RDONLY | O_CLOEXEC));
-        auto decoded = Decode(si, fd.get(), "item '" + key + "'");
-        if (!decoded.ok()) {
-          problem(decoded.status().message(), false);
-          continue;
-        }
-        FileId d = files.AddDerived(*id, si.offset, si.length, TransformName(si.transforms[0]), decoded->size());
-        out.byte_items[key] = {d, 0, decoded->size()};
-        continue;
-      }
-      out.byte_items[key] = {*id, si.offset, si.length};
-    }
-
-    FinishTensors(tensors, out);
+    AddByteItems(dir, files, plan.byte_storage, out);
+    FinishTensors(plan.tensors, out);
     AddSidecarFiles(dir, files, out);
     return Status::OK();
-  }
-
- private:
-  // Decoded items are held in memory while indexing; this bounds one.
-  static constexpr uint64_t kMaxDecodedItem = 8ull << 30;
-
-  static Result<std::string> Decode(const StorageInfo& si, int fd, const std::string& what) {
-    if (si.transforms.size() != 1 || TransformName(si.transforms[0]).empty()) {
-      std::string all;
-      for (const auto& t : si.transforms) all += (all.empty() ? "" : ", ") + t;
-      return Status::NotSupported(what + ": transform " + all + " is not supported (ckptfs decodes stream.zstd/1)");
-    }
-    return DecodeItem(TransformName(si.transforms[0]), fd, si.offset, si.length, kMaxDecodedItem, what);
-  }
-
-  // Parses a decoded item through an in-memory file (the archive reader
-  // works on descriptors).
-  static Result<TorchArchive> ReadDecoded(const std::string& bytes, const std::string& what) {
-    ScopedFd mem(::memfd_create("ckptfs-item", MFD_CLOEXEC));
-    if (mem.get() < 0) return Status::IOError(what + ": memfd_create: " + std::strerror(errno));
-    for (size_t done = 0; done < bytes.size();) {
-      ssize_t n = ::write(mem.get(), bytes.data() + done, bytes.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) return Status::IOError(what + ": memfd write: " + std::strerror(errno));
-      done += n;
-    }
-    return ReadTorchArchive(mem.get(), 0, bytes.size(), what + " (decoded)");
-  }
-
-  // `.metadata`, else the per-rank `__R.metadata` files newer torch writes
-  // when it saves without collectives.
-  static std::vector<std::string> MetadataFiles(const DirListing& dir) {
-    if (dir.has_file(".metadata")) return {".metadata"};
-    std::vector<std::string> out;
-    for (const auto& f : dir.files)
-      if (f.starts_with("__") && f.ends_with(".metadata")) out.push_back(f);
-    return out;
-  }
-
-  // Adds a chunk; a Megatron-flattened one is decomposed into the boxes of
-  // the original tensor it covers (docs/FORMATS.md, Megatron-Core).
-  // `reformulated` maps a Megatron-flattened fqn to its saved (reformulated)
-  // shape; t.shape is already the original one.
-  template <typename ProblemFn>
-  static void AddChunk(TensorMeta& t, Chunk c, const std::map<std::string, Shape>& reformulated, ProblemFn problem) {
-    auto it = reformulated.find(t.fqn);
-    if (it == reformulated.end()) {
-      t.chunks.push_back(std::move(c));
-      return;
-    }
-    const Shape& saved = it->second;
-    const size_t n = t.shape.size();
-    // Saved as [X/x, Y/y, ..., x*y*...]: block shape b[d] = orig[d] / saved[d].
-    Shape block(n);
-    for (size_t d = 0; d < n; ++d) block[d] = saved[d] ? t.shape[d] / saved[d] : 0;
-    const Box& box = c.shard.box;
-    for (size_t d = 0; d < n; ++d)
-      if (box.lengths[d] != 1) {
-        problem("tensor '" + t.fqn + "' chunk " + ToString(box) + ": a flattened chunk must span one block", false);
-        return;
-      }
-    const uint64_t itemsize = DTypeBits(t.dtype) / 8;
-    const uint64_t begin = box.offsets[n], end = begin + box.lengths[n];
-    for (const auto& [piece, flat] : FlatRangeToBoxes(block, begin, end)) {
-      Chunk p = c;
-      p.shard.box = piece;
-      for (size_t d = 0; d < n; ++d) p.shard.box.offsets[d] += box.offsets[d] * block[d];
-      p.bytes.offset = c.bytes.offset + (flat - begin) * itemsize;
-      p.bytes.length = piece.numel() * itemsize;
-      p.basic.strides.clear();
-      t.chunks.push_back(std::move(p));
-    }
   }
 };
 

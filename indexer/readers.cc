@@ -1,7 +1,11 @@
 // Helpers the format readers share (indexer/readers.h).
 #include "indexer/readers.h"
 
+#include <dirent.h>
+#include <sys/stat.h>
 #include <unistd.h>
+
+#include <algorithm>
 
 #include <set>
 
@@ -13,12 +17,81 @@
 namespace ckptfs {
 namespace {
 
-// Config and tokenizer files a Hugging Face folder carries next to weights.
-const char* const kSidecarNames[] = {
-    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-    "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt",
-    "added_tokens.json", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
-    "processor_config.json"};
+// Files that are weights (of this or another framework) or describe how the
+// shards were cut: consolidated/ serves its own weights and index instead.
+bool IsWeightOrShardIndex(const std::string& name) {
+  static const char* const kWeightSuffixes[] = {".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".distcp",
+                                                ".h5", ".msgpack", ".gguf", ".index.json"};
+  for (const char* suffix : kWeightSuffixes)
+    if (name.ends_with(suffix)) return true;
+  return name == "fqn_to_file_index_mapping.json";
+}
+
+struct Entries {
+  std::vector<std::string> files, dirs;
+};
+
+// Regular files and directories in `abs` (following links), sorted.
+Entries ListEntries(const std::string& abs) {
+  Entries e;
+  DIR* d = ::opendir(abs.c_str());
+  if (!d) return e;
+  while (struct dirent* ent = ::readdir(d)) {
+    std::string name = ent->d_name;
+    struct stat st;
+    if (name == "." || name == ".." || ::stat((abs + "/" + name).c_str(), &st) != 0) continue;
+    if (S_ISREG(st.st_mode)) e.files.push_back(name);
+    else if (S_ISDIR(st.st_mode)) e.dirs.push_back(name);
+  }
+  ::closedir(d);
+  std::sort(e.files.begin(), e.files.end());
+  std::sort(e.dirs.begin(), e.dirs.end());
+  return e;
+}
+
+// Deep enough for any model folder (sentence-transformers nests one level);
+// bounded so that a checkpoint dir holding a whole training tree is not walked.
+constexpr int kMaxSidecarDepth = 4;
+constexpr size_t kMaxSidecarFiles = 10'000;
+
+// Adds the files under `rel` (relative to the root) as sidecars named
+// `prefix` + their path below it. Hidden entries are skipped (DCP's
+// .metadata, NeMo's .hf_metadata, which the caller reads first); weights
+// only when `with_weights` (a folder modules.json names).
+void AddFolder(const std::string& rel, const std::string& prefix, int depth, bool with_weights, FileTable& files,
+               Checkpoint& out) {
+  const Entries e = ListEntries(files.root() + "/" + rel);
+  for (const std::string& name : e.files) {
+    if (name[0] == '.' || (!with_weights && IsWeightOrShardIndex(name))) continue;
+    if (out.sidecars.size() >= kMaxSidecarFiles || out.sidecars.count(prefix + name)) continue;
+    if (auto id = files.Add(JoinPath(rel, name)); id.ok()) out.sidecars[prefix + name] = *id;
+  }
+  if (depth >= kMaxSidecarDepth) return;
+  for (const std::string& name : e.dirs)
+    if (name[0] != '.') AddFolder(JoinPath(rel, name), prefix + name + "/", depth + 1, with_weights, files, out);
+}
+
+// Whether a folder holds weights anywhere below it (a checkpoint of its
+// own, say), within the same bounds as AddFolder.
+bool HoldsWeights(const std::string& abs, int depth) {
+  const Entries e = ListEntries(abs);
+  if (std::any_of(e.files.begin(), e.files.end(), IsWeightOrShardIndex)) return true;
+  if (depth >= kMaxSidecarDepth) return !e.dirs.empty();
+  return std::any_of(e.dirs.begin(), e.dirs.end(),
+                     [&](const std::string& d) { return d[0] != '.' && HoldsWeights(abs + "/" + d, depth + 1); });
+}
+
+// The module folders sentence-transformers' modules.json names ("path":
+// "2_Dense"): the model needs them whole, weights included.
+std::set<std::string> ModuleFolders(const std::string& modules_json_path) {
+  std::set<std::string> out;
+  auto text = ReadWholeFile(modules_json_path);
+  auto j = text.ok() ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
+  if (!j.is_array()) return out;
+  for (const auto& m : j)
+    if (m.is_object() && m.contains("path") && m["path"].is_string()) out.insert(m["path"].get<std::string>());
+  return out;
+}
 
 }  // namespace
 
@@ -66,15 +139,21 @@ void FinishTensors(std::map<std::string, TensorMeta>& tensors, Checkpoint& out) 
 }
 
 void AddSidecarFiles(const DirListing& dir, FileTable& files, Checkpoint& out) {
-  // NeMo keeps them in .hf_metadata/; a plain folder keeps them beside the weights.
+  // NeMo keeps the model folder's files in .hf_metadata/ (they win); a plain
+  // folder keeps them beside the weights.
   const std::string meta_rel = JoinPath(dir.rel, ".hf_metadata");
-  for (const char* name : kSidecarNames) {
-    for (const std::string& rel : {JoinPath(meta_rel, name), JoinPath(dir.rel, name)}) {
-      if (::access((files.root() + "/" + rel).c_str(), R_OK) != 0) continue;
-      auto id = files.Add(rel);
-      if (id.ok()) out.sidecars[name] = *id;
-      break;
-    }
+  if (std::find(dir.dirs.begin(), dir.dirs.end(), ".hf_metadata") != dir.dirs.end())
+    AddFolder(meta_rel, "", 0, false, files, out);
+  std::set<std::string> modules = ModuleFolders(dir.abs + "/modules.json");
+  for (const std::string& name : dir.files) {
+    if (name[0] == '.' || IsWeightOrShardIndex(name) || out.sidecars.count(name)) continue;
+    if (auto id = files.Add(JoinPath(dir.rel, name)); id.ok()) out.sidecars[name] = *id;
+  }
+  for (const std::string& name : dir.dirs) {
+    if (name[0] == '.') continue;
+    const bool module = modules.count(name) > 0;
+    if (!module && HoldsWeights(dir.abs + "/" + name, 1)) continue;  // another checkpoint, not metadata
+    AddFolder(JoinPath(dir.rel, name), name + "/", 1, module, files, out);
   }
 }
 

@@ -16,9 +16,14 @@ std::unique_ptr<FormatReader> MakeDcpReader();
 std::unique_ptr<FormatReader> MakeTorchSaveReader();
 std::unique_ptr<FormatReader> MakeByteCheckpointReader();
 
-// Registers the config and tokenizer files a Hugging Face folder carries
-// (config.json, tokenizer.json, ...) as out.sidecars, from `<dir>/.hf_metadata/`
-// (NeMo) or else `<dir>/`.
+// Registers every file of the checkpoint's model folder that is not a weight
+// as out.sidecars (config, tokenizer, sentencepiece models, chat templates,
+// remote-code *.py, sentence-transformers' modules.json and 1_Pooling/...),
+// named by their path below the folder: `<dir>/.hf_metadata/` (NeMo) first,
+// then `<dir>/`. Left out: hidden entries, weight files and shard indexes
+// (consolidated/ serves its own), and subfolders holding weights (another
+// checkpoint), except the module folders modules.json names, which pass
+// through whole.
 void AddSidecarFiles(const DirListing& dir, FileTable& files, Checkpoint& out);
 
 // "dir/name", or "name" when dir is the source root ("").

@@ -68,8 +68,7 @@ Result<std::optional<std::map<std::string, std::vector<uint64_t>>>> ShardingInfo
 // The shard files record no world size, so a missing last rank shrinks
 // shapes without leaving a hole. config.json, when there is one, says what
 // the shapes should be: a disagreement marks the checkpoint incomplete.
-template <typename ProblemFn>
-void CheckAgainstConfig(const std::string& path, const Checkpoint& out, ProblemFn problem) {
+void CheckAgainstConfig(const std::string& path, Checkpoint& out) {
   auto text = ReadWholeFile(path);
   json cfg = text.ok() ? json::parse(*text, nullptr, false) : json();
   if (!cfg.is_object()) return;
@@ -83,11 +82,132 @@ void CheckAgainstConfig(const std::string& path, const Checkpoint& out, ProblemF
                      t->fqn.ends_with(".lm_head.weight");
     if (!embedding || t->shape.size() != 2) continue;
     if ((vocab && t->shape[0] != *vocab) || (hidden && t->shape[1] != *hidden))
-      problem("tensor '" + t->fqn + "' is " + ShapeToString(t->shape) + " but config.json says vocab_size " +
-                  (vocab ? std::to_string(*vocab) : "?") + ", hidden_size " + (hidden ? std::to_string(*hidden) : "?") +
-                  " (a shard file missing?)",
-              true);
+      AddProblem(out,
+                 "tensor '" + t->fqn + "' is " + ShapeToString(t->shape) + " but config.json says vocab_size " +
+                     (vocab ? std::to_string(*vocab) : "?") + ", hidden_size " +
+                     (hidden ? std::to_string(*hidden) : "?") + " (a shard file missing?)",
+                 true);
   }
+}
+
+// What the files of one directory hold, gathered file by file.
+struct SafetensorsScan {
+  std::map<std::string, TensorMeta> tensors;
+  bool sharded = false;
+  std::set<uint64_t> ranks;  // RRRRR of shard-RRRRR-model-IIIII-of-NNNNN.safetensors
+};
+
+// Adds the entries of one file's header as chunks.
+void AddEntries(const std::string& rel, const std::string& name, FileId id, uint64_t file_size,
+                const SafetensorsHeader& header,
+                const std::optional<std::map<std::string, std::vector<uint64_t>>>& info,
+                const std::map<std::string, std::string>& weight_map, SafetensorsScan& scan, Checkpoint& out) {
+  for (const SafetensorsEntry& e : header.entries) {
+    Chunk c;
+    c.shard.fqn = e.name;
+    c.shard.box.lengths = e.shape;
+    c.shard.box.offsets.assign(e.shape.size(), 0);
+    if (info) {
+      auto it = info->find(e.name);
+      if (it == info->end() || it->second.size() != e.shape.size()) {
+        AddProblem(out,
+                   rel + ": tensor '" + e.name + "' has no saved_offsets of rank " + std::to_string(e.shape.size()) +
+                       " in DCP_SHARDING_INFO",
+                   true);
+        continue;
+      }
+      c.shard.box.offsets = it->second;
+    }
+    c.bytes = {id, header.data_start() + e.begin, e.end - e.begin};
+    c.basic.dtype = e.dtype;
+    if (c.bytes.offset + c.bytes.length > file_size)
+      c.unavailable = rel + " is truncated: " + std::to_string(file_size) + " bytes, but this chunk ends at byte " +
+                      std::to_string(c.bytes.offset + c.bytes.length);
+    if (auto w = weight_map.find(e.name); w != weight_map.end() && w->second != name)
+      AddProblem(out, rel + ": holds '" + e.name + "', which the index places in " + w->second, false);
+    TensorMeta& t = scan.tensors[e.name];
+    if (t.chunks.empty()) {
+      t.fqn = e.name;
+      t.dtype = e.dtype;
+    }
+    t.chunks.push_back(std::move(c));
+  }
+}
+
+// One safetensors file of the directory: its header read and its entries
+// added; a file that cannot be used is a problem.
+void ReadFile(const DirListing& dir, FileTable& files, const std::string& name,
+              const std::map<std::string, std::string>& weight_map, SafetensorsScan& scan, Checkpoint& out) {
+  static const std::regex kShardName(R"(^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$)");
+  const std::string rel = JoinPath(dir.rel, name);
+  if (!dir.has_file(name)) return AddProblem(out, rel + ": listed in model.safetensors.index.json but missing", true);
+  auto id = files.Add(rel);
+  if (!id.ok()) return AddProblem(out, id.status().message(), true);
+  const SourceFile& sf = files.at(*id);
+  auto header = ReadHeader(files.Abs(*id), sf.size);
+  if (!header.ok()) return AddProblem(out, rel + ": " + header.status().message(), true);
+  Status size_ok = CheckSafetensorsFileSize(*header, sf.size);
+  if (!size_ok.ok()) AddProblem(out, rel + ": " + size_ok.message(), false);
+  auto info = ShardingInfo(*header);
+  if (!info.ok()) return AddProblem(out, rel + ": " + info.status().message(), true);
+  if (info->has_value()) scan.sharded = true;
+  std::smatch m;
+  if (std::regex_match(name, m, kShardName)) scan.ranks.insert(std::stoull(m[1]));
+  AddEntries(rel, name, *id, sf.size, *header, *info, weight_map, scan, out);
+}
+
+void CheckShardRanks(const DirListing& dir, const std::set<uint64_t>& ranks, Checkpoint& out) {
+  if (ranks.empty() || (*ranks.begin() == 1 && *ranks.rbegin() == ranks.size())) return;
+  std::string found;
+  for (uint64_t r : ranks) found += (found.empty() ? "" : ",") + std::to_string(r);
+  AddProblem(out,
+             JoinPath(dir.rel, "shard-*") + ": shard files of some ranks are missing (ranks found: " + found +
+                 "); tensors or parts only they held would be missing",
+             // torch writes no file for a rank with nothing to save, but it
+             // gives replicated tensors to the rank with the least data, so
+             // a rank without a file is all but impossible: treat it as loss.
+             true);
+}
+
+// Each tensor's shape is the extent of its chunks; tensors whose chunks
+// disagree on the number of dimensions get that problem instead.
+void SetShapes(std::map<std::string, TensorMeta>& tensors) {
+  for (auto& [fqn, t] : tensors) {
+    const size_t rank = t.chunks.front().shard.box.rank();
+    bool ranks_agree = std::all_of(t.chunks.begin(), t.chunks.end(),
+                                   [rank](const Chunk& c) { return c.shard.box.rank() == rank; });
+    if (!ranks_agree) {
+      t.problem = "tensor '" + fqn + "': chunks disagree on the number of dimensions";
+      continue;
+    }
+    t.shape.assign(rank, 0);
+    for (const Chunk& c : t.chunks)
+      for (size_t d = 0; d < rank; ++d)
+        t.shape[d] = std::max(t.shape[d], c.shard.box.offsets[d] + c.shard.box.lengths[d]);
+  }
+}
+
+// config.json and tokenizer files, checked against the shapes; NeMo's
+// fqn_to_file_index_mapping.json, checked against the tensors found.
+void AddSidecars(const DirListing& dir, FileTable& files, Checkpoint& out) {
+  const std::string meta_rel = JoinPath(dir.rel, ".hf_metadata");
+  AddSidecarFiles(dir, files, out);
+  if (auto it = out.sidecars.find("config.json"); it != out.sidecars.end()) CheckAgainstConfig(files.Abs(it->second), out);
+  const std::string mapping = files.root() + "/" + JoinPath(meta_rel, "fqn_to_file_index_mapping.json");
+  if (::access(mapping.c_str(), R_OK) != 0) return;
+  Status st = LoadFileIndexMapping(mapping, out);
+  if (!st.ok()) AddProblem(out, st.message(), false);
+  // The mapping is the one record of which tensors were saved: a tensor it
+  // names that no shard holds means a shard file is missing. A set, not a
+  // search of the tensor list per name: NeMo maps every tensor.
+  std::set<std::string_view> present;
+  for (const auto& t : out.tensors) present.insert(t->fqn);
+  for (const auto& [fqn, index] : out.file_index)
+    if (!present.count(fqn))
+      AddProblem(out,
+                 JoinPath(meta_rel, "fqn_to_file_index_mapping.json") + " names tensor '" + fqn +
+                     "', which no shard file holds (missing shard?)",
+                 true);
 }
 
 class SafetensorsReader : public FormatReader {
@@ -100,140 +220,28 @@ class SafetensorsReader : public FormatReader {
   }
 
   Status Read(const DirListing& dir, FileTable& files, Checkpoint& out) const override {
-    auto problem = [&](const std::string& msg, bool incomplete) { AddProblem(out, msg, incomplete); };
-
     // Which files: the index's, when there is one; else every .safetensors.
     std::vector<std::string> names;
     std::map<std::string, std::string> weight_map;
-    const bool have_index = dir.has_file("model.safetensors.index.json");
-    if (have_index) {
+    if (dir.has_file("model.safetensors.index.json")) {
       names = IndexedFiles(dir, "model.safetensors.index.json", out, &weight_map);
     } else {
       for (const auto& f : dir.files)
         if (EndsWith(f, ".safetensors")) names.push_back(f);
     }
-
-    std::map<std::string, TensorMeta> tensors;
-    bool sharded = false;
-    static const std::regex kShardName(R"(^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$)");
-    std::set<uint64_t> ranks;
-    for (const std::string& name : names) {
-      const std::string rel = JoinPath(dir.rel, name);
-      if (!dir.has_file(name)) {
-        problem(rel + ": listed in model.safetensors.index.json but missing", true);
-        continue;
-      }
-      auto id = files.Add(rel);
-      if (!id.ok()) {
-        problem(id.status().message(), true);
-        continue;
-      }
-      const SourceFile& sf = files.at(*id);
-      auto header = ReadHeader(files.Abs(*id), sf.size);
-      if (!header.ok()) {
-        problem(rel + ": " + header.status().message(), true);
-        continue;
-      }
-      Status size_ok = CheckSafetensorsFileSize(*header, sf.size);
-      if (!size_ok.ok()) problem(rel + ": " + size_ok.message(), false);
-      auto info = ShardingInfo(*header);
-      if (!info.ok()) {
-        problem(rel + ": " + info.status().message(), true);
-        continue;
-      }
-      if (info->has_value()) sharded = true;
-      std::smatch m;
-      if (std::regex_match(name, m, kShardName)) ranks.insert(std::stoull(m[1]));
-
-      for (const SafetensorsEntry& e : header->entries) {
-        Chunk c;
-        c.shard.fqn = e.name;
-        c.shard.box.lengths = e.shape;
-        c.shard.box.offsets.assign(e.shape.size(), 0);
-        if (info->has_value()) {
-          auto it = (*info)->find(e.name);
-          if (it == (*info)->end() || it->second.size() != e.shape.size()) {
-            problem(rel + ": tensor '" + e.name + "' has no saved_offsets of rank " +
-                        std::to_string(e.shape.size()) + " in DCP_SHARDING_INFO",
-                    true);
-            continue;
-          }
-          c.shard.box.offsets = it->second;
-        }
-        c.bytes = {*id, header->data_start() + e.begin, e.end - e.begin};
-        c.basic.dtype = e.dtype;
-        if (c.bytes.offset + c.bytes.length > sf.size)
-          c.unavailable = rel + " is truncated: " + std::to_string(sf.size) +
-                          " bytes, but this chunk ends at byte " +
-                          std::to_string(c.bytes.offset + c.bytes.length);
-        if (have_index && weight_map.count(e.name) && weight_map[e.name] != name)
-          problem(rel + ": holds '" + e.name + "', which the index places in " + weight_map[e.name],
-                  false);
-        TensorMeta& t = tensors[e.name];
-        if (t.chunks.empty()) {
-          t.fqn = e.name;
-          t.dtype = e.dtype;
-        }
-        t.chunks.push_back(std::move(c));
-      }
-    }
+    SafetensorsScan scan;
+    for (const std::string& name : names) ReadFile(dir, files, name, weight_map, scan, out);
     for (const auto& [fqn, file] : weight_map)
-      if (!tensors.count(fqn))
-        problem(JoinPath(dir.rel, file) + ": tensor '" + fqn + "' listed in the index is not in the file", true);
-    if (!ranks.empty() && (*ranks.begin() != 1 || *ranks.rbegin() != ranks.size())) {
-      std::string found;
-      for (uint64_t r : ranks) found += (found.empty() ? "" : ",") + std::to_string(r);
-      problem(JoinPath(dir.rel, "shard-*") + ": shard files of some ranks are missing (ranks found: " +
-                  found + "); tensors or parts only they held would be missing",
-              // torch writes no file for a rank with nothing to save, but it
-              // gives replicated tensors to the rank with the least data, so
-              // a rank without a file is all but impossible: treat it as loss.
-              true);
-    }
-
-    for (auto& [fqn, t] : tensors) {
-      size_t rank = t.chunks.front().shard.box.rank();
-      bool ranks_agree = std::all_of(t.chunks.begin(), t.chunks.end(),
-                                     [&](const Chunk& c) { return c.shard.box.rank() == rank; });
-      if (!ranks_agree) {
-        t.problem = "tensor '" + fqn + "': chunks disagree on the number of dimensions";
-      } else {
-        t.shape.assign(rank, 0);
-        for (const Chunk& c : t.chunks)
-          for (size_t d = 0; d < rank; ++d)
-            t.shape[d] = std::max(t.shape[d], c.shard.box.offsets[d] + c.shard.box.lengths[d]);
-      }
-    }
+      if (!scan.tensors.count(fqn))
+        AddProblem(out, JoinPath(dir.rel, file) + ": tensor '" + fqn + "' listed in the index is not in the file", true);
+    CheckShardRanks(dir, scan.ranks, out);
+    SetShapes(scan.tensors);
     // Tensors whose chunks disagree on rank keep that problem; the rest get
     // the coverage check.
-    FinishTensors(tensors, out);
-    out.format = sharded ? "sharded-safetensors" : "hf-safetensors";
-    AddSidecars(dir, files, out, problem);
+    FinishTensors(scan.tensors, out);
+    out.format = scan.sharded ? "sharded-safetensors" : "hf-safetensors";
+    AddSidecars(dir, files, out);
     return Status::OK();
-  }
-
- private:
-  template <typename ProblemFn>
-  static void AddSidecars(const DirListing& dir, FileTable& files, Checkpoint& out, ProblemFn problem) {
-    const std::string meta_rel = JoinPath(dir.rel, ".hf_metadata");
-    AddSidecarFiles(dir, files, out);
-    if (auto it = out.sidecars.find("config.json"); it != out.sidecars.end())
-      CheckAgainstConfig(files.Abs(it->second), out, problem);
-    const std::string mapping = files.root() + "/" + JoinPath(meta_rel, "fqn_to_file_index_mapping.json");
-    if (::access(mapping.c_str(), R_OK) == 0) {
-      Status st = LoadFileIndexMapping(mapping, out);
-      if (!st.ok()) problem(st.message(), false);
-      // The mapping is the one record of which tensors were saved: a tensor
-      // it names that no shard holds means a shard file is missing.
-      for (const auto& [fqn, idx] : out.file_index) {
-        bool present = std::any_of(out.tensors.begin(), out.tensors.end(),
-                                   [&](const auto& t) { return t->fqn == fqn; });
-        if (!present)
-          problem(JoinPath(meta_rel, "fqn_to_file_index_mapping.json") + " names tensor '" + fqn +
-                      "', which no shard file holds (missing shard?)",
-                  true);
-      }
-    }
   }
 };
 

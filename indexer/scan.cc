@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <functional>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -44,10 +45,17 @@ Result<DirListing> ListDir(const std::string& root, const std::string& rel) {
   while (struct dirent* e = ::readdir(dir)) {
     std::string name = e->d_name;
     if (name == "." || name == "..") continue;
+    // A symlinked directory is never descended into: inside the root it is
+    // indexed once under its target's name (and the mount shows the link,
+    // which the kernel follows to the same views); outside the root it is
+    // not ours to serve. A symlinked file is offered to the readers, which
+    // refuse one that resolves outside the root (FileTable::Add).
     struct stat st;
-    if (::stat((d.abs + "/" + name).c_str(), &st) != 0) continue;  // dangling link
+    if (::lstat((d.abs + "/" + name).c_str(), &st) != 0) continue;
     if (S_ISDIR(st.st_mode)) d.dirs.push_back(name);
     else if (S_ISREG(st.st_mode)) d.files.push_back(name);
+    else if (S_ISLNK(st.st_mode) && ::stat((d.abs + "/" + name).c_str(), &st) == 0 && S_ISREG(st.st_mode))
+      d.files.push_back(name);
   }
   ::closedir(dir);
   std::sort(d.files.begin(), d.files.end());
@@ -55,7 +63,113 @@ Result<DirListing> ListDir(const std::string& root, const std::string& rel) {
   return d;
 }
 
+// Offers `listing` to the readers; the first that recognises it reads the
+// checkpoint. nullopt when none does.
+Result<std::optional<Checkpoint>> ReadCheckpoint(const std::string& root, const DirListing& listing,
+                                                 const std::vector<std::unique_ptr<FormatReader>>& readers,
+                                                 const ScanOptions& options, std::vector<std::string>* claimed) {
+  for (const auto& r : readers) {
+    if (!r->Recognise(listing)) continue;
+    Checkpoint ckpt;
+    ckpt.dir = listing.rel;
+    FileTable files(root);
+    RETURN_IF_ERROR(r->Read(listing, files, ckpt));
+    ckpt.files = files.Take();
+    if (claimed) *claimed = r->ClaimedSubdirs(listing);
+    if (!options.file_index_mapping.empty()) RETURN_IF_ERROR(LoadFileIndexMapping(options.file_index_mapping, ckpt));
+    return std::optional<Checkpoint>(std::move(ckpt));
+  }
+  return std::optional<Checkpoint>();
+}
+
 }  // namespace
+
+namespace {
+
+// What an unrecognised directory that holds shard files lacks, or "".
+std::string MissingCommitPoint(const DirListing& d) {
+  size_t distcp = 0, safetensors = 0;
+  for (const std::string& f : d.files) {
+    distcp += f.ends_with(".distcp");
+    safetensors += f.ends_with(".safetensors");
+  }
+  if (distcp) return std::to_string(distcp) + " .distcp file(s) but no .metadata: an interrupted DCP save";
+  if (safetensors) return std::to_string(safetensors) + " .safetensors file(s) no format reads as a checkpoint";
+  if (std::binary_search(d.dirs.begin(), d.dirs.end(), ".ckptfs"))
+    return ".ckptfs/ without a commit record: an interrupted ckptfs save";
+  return "";
+}
+
+}  // namespace
+
+namespace {
+
+// Walks `root` by file names alone, as ScanSource walks it: `visit` gets each
+// directory with the reader that recognises it (null when none does), and
+// the walk goes on into its subdirectories except those that reader claims.
+void WalkByNames(const std::string& root,
+                 const std::function<void(const DirListing&, const FormatReader*)>& visit) {
+  auto readers = AllReaders();
+  std::vector<std::string> pending{""};
+  while (!pending.empty()) {
+    std::string rel = pending.back();
+    pending.pop_back();
+    auto listing = ListDir(root, rel);
+    if (!listing.ok()) continue;
+    const FormatReader* reader = nullptr;
+    for (const auto& r : readers)
+      if (r->Recognise(*listing)) {
+        reader = r.get();
+        break;
+      }
+    visit(*listing, reader);
+    std::vector<std::string> claimed = reader ? reader->ClaimedSubdirs(*listing) : std::vector<std::string>{};
+    for (const std::string& d : listing->dirs)
+      if (std::find(claimed.begin(), claimed.end(), d) == claimed.end()) pending.push_back(rel.empty() ? d : rel + "/" + d);
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> FindCheckpointDirs(const std::string& root) {
+  std::vector<std::string> out;
+  WalkByNames(root, [&](const DirListing& d, const FormatReader* reader) {
+    if (reader) out.push_back(d.rel);
+  });
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+bool CommitPointIsNewest(const std::string& root, const std::string& rel) {
+  auto listing = ListDir(root, rel);
+  if (!listing.ok() || !listing->has_file(".metadata")) return false;
+  auto ctime = [&](const std::string& name) -> int64_t {
+    struct stat st;
+    if (::lstat((listing->abs + "/" + name).c_str(), &st) != 0) return INT64_MAX;
+    return int64_t(st.st_ctim.tv_sec) * 1'000'000'000 + st.st_ctim.tv_nsec;
+  };
+  const int64_t commit = ctime(".metadata");
+  for (const std::string& f : listing->files)
+    if (f != ".metadata" && ctime(f) > commit) return false;
+  return true;
+}
+
+std::vector<std::string> FindInterruptedSaves(const std::string& root) {
+  std::vector<std::string> out;
+  WalkByNames(root, [&](const DirListing& d, const FormatReader* reader) {
+    if (reader) return;  // a checkpoint: its problems are the reader's to report
+    if (std::string what = MissingCommitPoint(d); !what.empty())
+      out.push_back((d.rel.empty() ? "." : d.rel) + ": " + what + " (not served; save it again or remove it)");
+  });
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+Result<std::optional<Checkpoint>> ScanCheckpointDir(const std::string& root, const std::string& rel,
+                                                    const ScanOptions& options) {
+  ASSIGN_OR_RETURN(DirListing listing, ListDir(root, rel));
+  return ReadCheckpoint(root, listing, AllReaders(), options, nullptr);
+}
 
 Result<Catalog> ScanSource(const std::string& root_arg, const ScanOptions& options) {
   char real[PATH_MAX];
@@ -67,7 +181,6 @@ Result<Catalog> ScanSource(const std::string& root_arg, const ScanOptions& optio
   if (::stat(real, &st) != 0 || !S_ISDIR(st.st_mode))
     return Status::InvalidArgument(root_arg + ": not a directory");
 
-  FileTable files(catalog.root);
   auto readers = AllReaders();
   std::vector<std::string> pending{""};
   std::set<std::pair<dev_t, ino_t>> seen;  // symlinked directories can loop
@@ -83,19 +196,8 @@ Result<Catalog> ScanSource(const std::string& root_arg, const ScanOptions& optio
     struct stat ds;
     if (::stat(listing->abs.c_str(), &ds) != 0 || !seen.insert({ds.st_dev, ds.st_ino}).second) continue;
     std::vector<std::string> claimed;
-    for (const auto& r : readers) {
-      if (!r->Recognise(*listing)) continue;
-      Checkpoint ckpt;
-      ckpt.dir = rel;
-      RETURN_IF_ERROR(r->Read(*listing, files, ckpt));
-      claimed = r->ClaimedSubdirs(*listing);
-      if (!options.file_index_mapping.empty()) {
-        Status s = LoadFileIndexMapping(options.file_index_mapping, ckpt);
-        if (!s.ok()) return s;
-      }
-      catalog.checkpoints.push_back(std::move(ckpt));
-      break;
-    }
+    ASSIGN_OR_RETURN(std::optional<Checkpoint> ckpt, ReadCheckpoint(catalog.root, *listing, readers, options, &claimed));
+    if (ckpt) catalog.checkpoints.push_back(std::move(*ckpt));
     for (auto it = listing->dirs.rbegin(); it != listing->dirs.rend(); ++it)
       if (std::find(claimed.begin(), claimed.end(), *it) == claimed.end())
         pending.push_back(rel.empty() ? *it : rel + "/" + *it);
@@ -104,7 +206,6 @@ Result<Catalog> ScanSource(const std::string& root_arg, const ScanOptions& optio
   }
   std::sort(catalog.checkpoints.begin(), catalog.checkpoints.end(),
             [](const Checkpoint& a, const Checkpoint& b) { return a.dir < b.dir; });
-  catalog.files = files.Take();
   catalog.indexed_at_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                               std::chrono::system_clock::now().time_since_epoch())
                               .count();

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "core/meta.h"
 #include "core/status.h"
@@ -20,5 +22,31 @@ struct ScanOptions {
 // Fails only when `root` cannot be read at all; problems inside checkpoints
 // are recorded on them.
 Result<Catalog> ScanSource(const std::string& root, const ScanOptions& options = {});
+
+// Directories under `root` (absolute, resolved) that hold shard files no
+// reader recognises as a checkpoint, each with what is missing: a DCP save
+// interrupted before its .metadata was written, say. They are never served;
+// `ckptfs check` names them.
+std::vector<std::string> FindInterruptedSaves(const std::string& root);
+
+// Directories under `root` (absolute, resolved) that some reader recognises
+// as a checkpoint, found from file names alone (nothing is parsed): what
+// ScanSource would read. Lets a command see checkpoints saved since the
+// index was built.
+std::vector<std::string> FindCheckpointDirs(const std::string& root);
+
+// True when directory `rel` of `root` holds a commit point written after
+// every other file in it: DCP's .metadata, which torch renames into place
+// after all shards are durable. A checkpoint saved again into the same
+// directory may be indexed again only then; before, its old .metadata
+// would describe new, half-written shards. Formats without such a file
+// (safetensors folders, torch.save files) have none: they are indexed
+// again only by `ckptfs index`.
+bool CommitPointIsNewest(const std::string& root, const std::string& rel);
+
+// Reads directory `rel` of `root` (absolute, resolved) alone, as the scan
+// would: a checkpoint, or nullopt when no reader recognises it.
+Result<std::optional<Checkpoint>> ScanCheckpointDir(const std::string& root, const std::string& rel,
+                                                    const ScanOptions& options = {});
 
 }  // namespace ckptfs

@@ -1,9 +1,9 @@
 // The CLI's shared machinery (tools/cli.h).
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <syslog.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <climits>
 #include <cstdio>
@@ -13,6 +13,7 @@
 #include <fstream>
 #include <iostream>
 #include <mutex>
+#include <set>
 #include <sstream>
 #include <string>
 
@@ -70,9 +71,87 @@ size_t CountProblems(const Catalog& catalog) {
   return n;
 }
 
-// Scans the source and writes the index. Returns an exit code.
+static int ExitCodeFor(const Status& s) { return s.code() == Status::Code::kBusy ? kExitIndexBusy : kExitIndexError; }
+
+// Opens the index of `c`, telling the user what opening it did (a rebuilt
+// schema 1 index, removed leftovers). nullptr with *exit_code set on failure.
+static std::unique_ptr<Store> OpenStore(const Common& c, Store::Access access, int* exit_code) {
+  auto store = Store::Open(IndexPath(c), AbsRoot(c.root), access);
+  if (!store.ok()) {
+    Error(store.status().message());
+    *exit_code = ExitCodeFor(store.status());
+    return nullptr;
+  }
+  for (const std::string& line : (*store)->notices()) std::fprintf(stderr, "ckptfs: %s\n", line.c_str());
+  return std::move(*store);
+}
+
+// One scanned checkpoint into the store: from its writer's commit record
+// when it has one whose sources are unchanged, else from the scan.
+static Status StoreCheckpoint(Store& store, const std::string& root, const Checkpoint& ck) {
+  const std::string sst = root + "/" + (ck.dir.empty() ? "" : ck.dir + "/") + ".ckptfs/commit.sst";
+  char real[PATH_MAX];
+  if (::access(sst.c_str(), F_OK) == 0) {
+    // Only a record that really lies in this checkpoint (no symlink out of
+    // it), so that it is stored as this checkpoint and no other.
+    Status s = ::realpath(sst.c_str(), real) && sst == real
+                   ? store.Ingest(sst)
+                   : Status::InvalidArgument("it is reached through a symlink");
+    if (s.ok()) {
+      auto ingested = store.Load(ck.dir);
+      Catalog one;
+      one.root = root;
+      if (ingested.ok()) one.checkpoints.push_back(std::move(*ingested));
+      s = ingested.ok() ? CheckSources(one) : ingested.status();
+      if (s.ok()) return s;
+    }
+    std::fprintf(stderr, "ckptfs: warning: %s not used (%s); indexed from the files instead\n", sst.c_str(),
+                 s.message().c_str());
+  }
+  return store.Commit(ck);
+}
+
+// Commits every checkpoint of the scan, each in its own batch, and removes
+// the checkpoints the scan no longer found.
+static Status StoreCatalog(Store& store, const Catalog& catalog) {
+  std::set<std::string> found;
+  for (const Checkpoint& ck : catalog.checkpoints) {
+    found.insert(ck.dir);
+    RETURN_IF_ERROR(StoreCheckpoint(store, catalog.root, ck));
+  }
+  for (const CheckpointEntry& e : store.List())
+    if (!found.count(e.dir)) RETURN_IF_ERROR(store.Remove(e.dir));
+  return Status::OK();
+}
+
+// Every committed checkpoint of the store, loaded.
+static Result<Catalog> ReadCatalog(const Store& store) {
+  Catalog catalog;
+  catalog.root = store.root();
+  for (const CheckpointEntry& e : store.List()) {
+    ASSIGN_OR_RETURN(Checkpoint ck, store.Load(e.dir));
+    catalog.indexed_at_ns = std::max(catalog.indexed_at_ns, e.committed_at_ns);
+    catalog.checkpoints.push_back(std::move(ck));
+  }
+  return catalog;
+}
+
+static bool CheckRootIsDir(const Common& c, int* exit_code) {
+  struct stat st;
+  if (::stat(c.root.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) return true;
+  Error(c.root + ": not a directory");
+  *exit_code = kExitNoSource;
+  return false;
+}
+
 int BuildIndex(const Common& c, bool quiet) {
   auto t0 = std::chrono::steady_clock::now();
+  int rc = kExitOk;
+  // The store before the scan: a busy or refused index fails at once, not
+  // after minutes of reading headers.
+  if (!CheckRootIsDir(c, &rc)) return rc;
+  auto store = OpenStore(c, Store::Access::kReadWrite, &rc);
+  if (!store) return rc;
   ScanOptions so;
   so.file_index_mapping = c.mapping;
   Progress progress("indexing " + c.root, 0, "dirs scanned");
@@ -82,25 +161,30 @@ int BuildIndex(const Common& c, bool quiet) {
     Error(catalog.status().message());
     return kExitNoSource;
   }
-  const std::string path = IndexPath(c);
-  Status st = WriteIndex(*catalog, path);
+  Status st = StoreCatalog(*store, *catalog);
   if (!st.ok()) {
     Error(st.message());
-    return kExitIndexError;
+    return ExitCodeFor(st);
   }
-  size_t tensors = 0, chunks = 0;
-  for (const Checkpoint& ck : catalog->checkpoints)
+  const std::string path = store->path();
+  store.reset();  // flushed and unlocked before we report success
+  size_t tensors = 0, chunks = 0, files = 0;
+  for (const Checkpoint& ck : catalog->checkpoints) {
+    files += ck.files.size();
     for (const auto& t : ck.tensors) {
       ++tensors;
       chunks += t->chunks.size();
     }
+  }
   double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   if (!quiet || CountProblems(*catalog))
     std::fprintf(stderr, "ckptfs: indexed %s: %zu checkpoint(s), %zu tensors, %zu chunks, %zu files in %.2f s -> %s\n",
-                 catalog->root.c_str(), catalog->checkpoints.size(), tensors, chunks, catalog->files.size(), secs,
+                 catalog->root.c_str(), catalog->checkpoints.size(), tensors, chunks, files, secs,
                  path.c_str());
   if (catalog->checkpoints.empty())
-    std::fprintf(stderr, "ckptfs: warning: no checkpoint recognised under %s (looked for *.safetensors)\n",
+    std::fprintf(stderr, "ckptfs: warning: no checkpoint recognised under %s (looked for PyTorch DCP .metadata + *.distcp, "
+                 "Megatron torch_dist, ByteCheckpoint, *.safetensors folders, torch.save *.bin/*.pt/*.ckpt; a "
+                 "mount shows checkpoints saved later as they commit)\n",
                  catalog->root.c_str());
   PrintProblems(*catalog);
   if (size_t n = CountProblems(*catalog)) {
@@ -110,30 +194,65 @@ int BuildIndex(const Common& c, bool quiet) {
   return kExitOk;
 }
 
-std::optional<Catalog> LoadCatalog(const Common& c, bool allow_stale, int* exit_code) {
-  struct stat st;
-  if (::stat(c.root.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    Error(c.root + ": not a directory");
-    *exit_code = kExitNoSource;
-    return std::nullopt;
+int DumpIndex(const Common& c, std::ostream& out) {
+  int rc = kExitOk;
+  if (!CheckRootIsDir(c, &rc)) return rc;
+  auto store = OpenStore(c, Store::Access::kReadOnly, &rc);
+  if (!store) return rc;
+  Status st = store->Dump(out);
+  if (!st.ok()) {
+    Error(st.message());
+    return kExitIndexError;
   }
-  const std::string path = IndexPath(c);
-  auto catalog = LoadIndex(path);
-  if (c.reindex || (!catalog.ok() && catalog.status().code() == Status::Code::kNotFound)) {
+  return kExitOk;
+}
+
+// Opens the index read-only, building it first when there is none (or it is
+// of schema 1) or when --reindex asks.
+// True when the store lacks a checkpoint that is now under the root (one
+// saved since the index was built, say while a live mount served it).
+static bool MissesCheckpoints(const Store& store, const std::string& root) {
+  std::set<std::string> stored;
+  for (const CheckpointEntry& e : store.List()) stored.insert(e.dir);
+  for (const std::string& dir : FindCheckpointDirs(root))
+    if (!stored.count(dir)) return true;
+  return false;
+}
+
+static std::unique_ptr<Store> OpenOrBuild(const Common& c, int* exit_code) {
+  auto store = Store::Open(IndexPath(c), AbsRoot(c.root), Store::Access::kReadOnly);
+  bool newer = store.ok() && !c.reindex && MissesCheckpoints(**store, AbsRoot(c.root));
+  if (newer) {
+    std::fprintf(stderr, "ckptfs: checkpoints were saved under %s since it was indexed; indexing them\n",
+                 AbsRoot(c.root).c_str());
+    store = Status::NotFound("re-index");  // closes the read-only store before writing
+  }
+  if (c.reindex || newer || (!store.ok() && store.status().code() == Status::Code::kNotFound)) {
     int rc = BuildIndex(c, /*quiet=*/true);
-    if (rc != kExitOk && rc != kExitProblems) {
+    // Another process is indexing: say so and use the index as it is.
+    if (newer && rc == kExitIndexBusy)
+      std::fprintf(stderr, "ckptfs: warning: the newer checkpoints are not listed until that process is done\n");
+    else if (rc != kExitOk && rc != kExitProblems) {
       *exit_code = rc;
-      return std::nullopt;
+      return nullptr;
     }
-    catalog = LoadIndex(path);
+    store = Store::Open(IndexPath(c), AbsRoot(c.root), Store::Access::kReadOnly);
   }
+  if (!store.ok()) {
+    Error(store.status().message());
+    *exit_code = ExitCodeFor(store.status());
+    return nullptr;
+  }
+  return std::move(*store);
+}
+
+std::optional<Catalog> LoadCatalog(const Common& c, bool allow_stale, int* exit_code) {
+  if (!CheckRootIsDir(c, exit_code)) return std::nullopt;
+  auto store = OpenOrBuild(c, exit_code);
+  if (!store) return std::nullopt;
+  auto catalog = ReadCatalog(*store);
   if (!catalog.ok()) {
-    Error(catalog.status().message());
-    *exit_code = kExitIndexError;
-    return std::nullopt;
-  }
-  if (catalog->root != AbsRoot(c.root)) {
-    Error("index " + path + " was built for " + catalog->root + ", not " + AbsRoot(c.root));
+    Error(catalog.status().message() + "; run `ckptfs index` again");
     *exit_code = kExitIndexError;
     return std::nullopt;
   }
@@ -210,7 +329,7 @@ int CopyOut(VirtualFs& fs, const Attr& a, const std::string& vpath, std::FILE* o
     if (*n == 0) break;
     if (std::fwrite(buf.get(), 1, *n, out) != *n) {
       Error(std::string("write failed: ") + std::strerror(errno));
-      rc = kExitReadError;
+      rc = kExitWriteError;
       break;
     }
     off += *n;

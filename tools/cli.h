@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <functional>
+#include <iosfwd>
 #include <memory>
 #include <optional>
 #include <string>
@@ -24,6 +25,8 @@ enum Exit : int {
   kExitReadError = 6,    // data could not be served (EIO): see the message
   kExitMountFailed = 7,  // the mount itself failed
   kExitIndexError = 8,   // the index could not be written or read
+  kExitIndexBusy = 9,    // another process (a mount, another `ckptfs index`) holds the index for writing
+  kExitWriteError = 10,  // (export, cat) the destination could not be written
 };
 
 
@@ -46,8 +49,13 @@ std::string AbsRoot(const std::string& root);
 std::string IndexPath(const Common& c);
 size_t CountProblems(const Catalog& catalog);
 
-// Scans the source and writes the index. Returns an exit code.
+// Scans the source and commits each checkpoint found into the index (and
+// removes those no longer found). Returns an exit code.
 int BuildIndex(const Common& c, bool quiet);
+
+// Prints every row of the index as one JSON object per line, values decoded
+// (`ckptfs index --dump`). Returns an exit code.
+int DumpIndex(const Common& c, std::ostream& out);
 
 // Loads the index (building it when missing or when --reindex). With
 // `allow_stale`, sources that changed since indexing are not an error (for
@@ -62,7 +70,7 @@ int CopyOut(VirtualFs& fs, const Attr& a, const std::string& vpath, std::FILE* o
             uint64_t* done);
 
 // Inspection subcommands (tools/inspect_commands.cc).
-int RunTensorTable(const Catalog& catalog, const std::string& pattern, bool json);
+int RunTensorTable(const std::vector<LoadedCheckpoint>& checkpoints, const std::string& pattern, bool json);
 int RunInspect(VirtualFs& fs, const std::string& name, bool json);
 int RunCheck(const Common& c);
 int RunVerify(VirtualFs& fs, const std::string& against, bool json);

@@ -1,5 +1,5 @@
-// The RocksDB index: round trip, atomic replacement, incomplete indexes,
-// staleness; and the safetensors reader on files written here.
+// Scanned checkpoints through the store, staleness; and the safetensors
+// reader on files written here (the store itself: store_test.cc).
 #include "indexer/index_store.h"
 
 #include <gtest/gtest.h>
@@ -52,52 +52,41 @@ TEST_F(IndexTest, ScanWriteLoadRoundTrip) {
   EXPECT_EQ(catalog->checkpoints[0].tensors[0]->shape, (Shape{4, 3}));
   EXPECT_TRUE(catalog->checkpoints[0].problems.empty());
 
-  const std::string path = (dir_ / "index").string();
-  ASSERT_TRUE(WriteIndex(*catalog, path).ok());
-  auto loaded = LoadIndex(path);
+  auto store = Store::Open((dir_ / "index").string(), catalog->root, Store::Access::kReadWrite);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  ASSERT_TRUE((*store)->Commit(catalog->checkpoints[0]).ok());
+  auto loaded = (*store)->Load(catalog->checkpoints[0].dir);
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
-  EXPECT_EQ(loaded->root, catalog->root);
-  ASSERT_EQ(loaded->files.size(), 2u);
-  EXPECT_EQ(loaded->files[1].size, catalog->files[1].size);
-  EXPECT_EQ(loaded->files[1].inode, catalog->files[1].inode);
-  const TensorMeta& t = *loaded->checkpoints[0].tensors[0];
+  const auto& files = loaded->files;
+  ASSERT_EQ(files.size(), 2u);
+  EXPECT_EQ(files[1].path, catalog->checkpoints[0].files[1].path);
+  EXPECT_EQ(files[1].size, catalog->checkpoints[0].files[1].size);
+  EXPECT_EQ(files[1].inode, catalog->checkpoints[0].files[1].inode);
+  EXPECT_EQ(files[1].ctime_ns, catalog->checkpoints[0].files[1].ctime_ns);
+  const TensorMeta& t = *loaded->tensors[0];
   EXPECT_EQ(t.shape, (Shape{4, 3}));
   ASSERT_EQ(t.chunks.size(), 2u);
   EXPECT_EQ(t.chunks[1].shard.box, (Box{{2, 0}, {2, 3}}));
   EXPECT_EQ(t.chunks[1].bytes.offset, catalog->checkpoints[0].tensors[0]->chunks[1].bytes.offset);
-  EXPECT_TRUE(CheckSources(*loaded).ok());
+  Catalog reloaded;
+  reloaded.root = catalog->root;
+  reloaded.checkpoints.push_back(std::move(*loaded));
+  EXPECT_TRUE(CheckSources(reloaded).ok());
 }
 
-TEST_F(IndexTest, RewriteReplacesTheIndexAtomically) {
+TEST_F(IndexTest, RecommitReplacesTheCheckpointAndLeavesNoTemporary) {
   WriteSafetensors("model.safetensors", {{"a", DType::kU8, {4}, 0, 4}});
   const std::string path = (dir_ / "index").string();
-  ASSERT_TRUE(WriteIndex(*ScanSource((dir_ / "ckpt").string()), path).ok());
+  auto store = Store::Open(path, ScanSource((dir_ / "ckpt").string())->root, Store::Access::kReadWrite);
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  ASSERT_TRUE((*store)->Commit(ScanSource((dir_ / "ckpt").string())->checkpoints[0]).ok());
   WriteSafetensors("model.safetensors", {{"a", DType::kU8, {4}, 0, 4}, {"b", DType::kU8, {2}, 4, 6}});
-  ASSERT_TRUE(WriteIndex(*ScanSource((dir_ / "ckpt").string()), path).ok());
-  auto loaded = LoadIndex(path);
+  ASSERT_TRUE((*store)->Commit(ScanSource((dir_ / "ckpt").string())->checkpoints[0]).ok());
+  auto loaded = (*store)->Load("");
   ASSERT_TRUE(loaded.ok());
-  EXPECT_EQ(loaded->checkpoints[0].tensors.size(), 2u);
+  EXPECT_EQ(loaded->tensors.size(), 2u);
   for (const auto& e : fs::directory_iterator(dir_))  // no temporary left behind
     EXPECT_EQ(e.path().filename().string().find(".tmp."), std::string::npos) << e.path();
-}
-
-TEST_F(IndexTest, MissingIndexIsNotFound) {
-  auto loaded = LoadIndex((dir_ / "nope").string());
-  ASSERT_FALSE(loaded.ok());
-  EXPECT_EQ(loaded.status().code(), Status::Code::kNotFound);
-}
-
-TEST_F(IndexTest, IndexWithoutCompletionRecordIsRejected) {
-  WriteSafetensors("model.safetensors", {{"a", DType::kU8, {4}, 0, 4}});
-  const std::string path = (dir_ / "index").string();
-  ASSERT_TRUE(WriteIndex(*ScanSource((dir_ / "ckpt").string()), path).ok());
-  // Simulate an interrupted build: an index directory that is not a database
-  // with a completion record.
-  fs::remove_all(path);
-  fs::create_directories(path);
-  auto loaded = LoadIndex(path);
-  ASSERT_FALSE(loaded.ok());
-  EXPECT_NE(loaded.status().code(), Status::Code::kOk);
 }
 
 TEST_F(IndexTest, ChangedSourceIsStale) {
