@@ -6,10 +6,15 @@
 #define FUSE_USE_VERSION FUSE_MAKE_VERSION(3, 12)
 #include <fuse3/fuse_lowlevel.h>
 
+#include <dirent.h>
 #include <sys/stat.h>
-#include <syslog.h>
+#include <unistd.h>
 
+#include <condition_variable>
 #include <csignal>
+#include <deque>
+#include <mutex>
+#include <thread>
 
 #include <climits>
 #include <cstdio>
@@ -21,6 +26,7 @@
 #include <vector>
 
 #include "fs/mount.h"
+#include "fs/watcher.h"
 
 namespace ckptfs {
 namespace {
@@ -35,7 +41,11 @@ constexpr double kSourceTimeout = 1.0;
 
 VirtualFs* Fs(fuse_req_t req) { return static_cast<VirtualFs*>(fuse_req_userdata(req)); }
 
+// The mount's log (MountOptions::log), set before the loop starts.
+std::function<void(const std::string&)> g_log;
+
 void LogLine(const std::string& line) {
+  if (g_log) return g_log(line);
   std::fprintf(stderr, "ckptfs: %s\n", line.c_str());
   std::fflush(stderr);
 }
@@ -194,6 +204,14 @@ void OpRelease(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
   });
 }
 
+void OpReadlink(fuse_req_t req, fuse_ino_t ino) {
+  Guard(req, "readlink", [&] {
+    auto target = Fs(req)->ReadLink(ino);
+    if (!target.ok()) return ReplyError(req, target.status());
+    fuse_reply_readlink(req, target->c_str());
+  });
+}
+
 void OpStatfs(fuse_req_t req, fuse_ino_t) {
   Guard(req, "statfs", [&] {
     struct statvfs s;
@@ -269,6 +287,7 @@ fuse_lowlevel_ops MakeOps() {
   ops.open = OpOpen;
   ops.read = OpRead;
   ops.release = OpRelease;
+  ops.readlink = OpReadlink;
   ops.statfs = OpStatfs;
   ops.access = OpAccess;
   ops.setattr = OpSetattr;
@@ -289,11 +308,139 @@ fuse_lowlevel_ops MakeOps() {
   return ops;
 }
 
+// Sends the kernel the invalidations VirtualFs asks for, from a thread of
+// its own: a reader that finds a source changed must not invalidate the
+// inode it is reading (the kernel would wait on the page lock that read holds).
+class Invalidator {
+ public:
+  explicit Invalidator(struct fuse_session* se) : se_(se), thread_([this] { Run(); }) {}
+  ~Invalidator() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  void Push(uint64_t ino) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(ino);
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
+      if (stop_) return;
+      uint64_t ino = queue_.front();
+      queue_.pop_front();
+      lock.unlock();
+      // -ENOENT: the kernel has forgotten the inode already; nothing cached.
+      fuse_lowlevel_notify_inval_inode(se_, ino, 0, 0);
+      lock.lock();
+    }
+  }
+
+  struct fuse_session* se_;
+  std::mutex mu_;  // guards queue_, stop_
+  std::condition_variable cv_;
+  std::deque<uint64_t> queue_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+// libfuse splits -o values at commas; a backslash escapes one.
+std::string EscapeOption(const std::string& s) {
+  std::string out;
+  for (char ch : s) {
+    if (ch == ',' || ch == '\\') out += '\\';
+    out += ch;
+  }
+  return out;
+}
+
+bool IsMountpoint(const std::string& abs) {
+  std::ifstream info("/proc/self/mountinfo");
+  std::string line;
+  while (std::getline(info, line)) {
+    std::istringstream fields(line);
+    std::string id, parent, majmin, root, point;
+    fields >> id >> parent >> majmin >> root >> point;
+    if (point == abs) return true;
+  }
+  return false;
+}
+
+bool IsEmptyDir(const std::string& abs) {
+  DIR* d = ::opendir(abs.c_str());
+  if (!d) return false;
+  bool empty = true;
+  while (struct dirent* e = ::readdir(d))
+    if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) empty = false;
+  ::closedir(d);
+  return empty;
+}
+
+// The source watcher: re-checks sources on changes and watches each
+// checkpoint's directories. Started after daemonizing (threads do not
+// survive fork).
+struct Watching {
+  std::unique_ptr<LiveRoot> live;  // declared first: the watcher's thread uses it
+  std::unique_ptr<SourceWatcher> watcher;
+};
+
+// `watching->watcher` is destroyed (its thread joined) before `live`.
+void StartWatcher(VirtualFs* fs, const MountOptions& options, Watching* watching) {
+  SourceWatcher::Options wo;
+  wo.rescan = std::chrono::milliseconds(options.rescan_ms);
+  if (options.live.scan) watching->live = std::make_unique<LiveRoot>(fs, options.live);
+  LiveRoot* live = watching->live.get();
+  watching->watcher = std::make_unique<SourceWatcher>(
+      [fs, live] {
+        fs->RecheckSources();
+        if (live) live->Refresh();
+      },
+      wo);
+  if (live) live->set_watcher(watching->watcher.get());
+  auto log = [&](const Status& s) {
+    if (!s.ok() && options.log) options.log("watch: " + s.message());
+  };
+  log(watching->watcher->Start());
+  for (const std::string& dir : fs->SourceDirs()) log(watching->watcher->Watch(dir));
+}
+
 }  // namespace
+
+Result<std::string> CheckMountpoint(const std::string& mountpoint, bool allow_non_empty) {
+  char real[PATH_MAX];
+  if (!::realpath(mountpoint.c_str(), real))
+    return Status::InvalidArgument("mountpoint " + mountpoint + ": " + std::strerror(errno) +
+                                   (errno == ENOENT ? " (create it with mkdir first)" : ""));
+  struct stat st;
+  if (::stat(real, &st) != 0) return Status::InvalidArgument("mountpoint " + mountpoint + ": " + std::strerror(errno));
+  if (!S_ISDIR(st.st_mode)) return Status::InvalidArgument("mountpoint " + mountpoint + " is not a directory");
+  if (IsMountpoint(real))
+    return Status::InvalidArgument("mountpoint " + mountpoint + " is already mounted (unmount it first: fusermount3 -u " +
+                                   real + ")");
+  if (!allow_non_empty && !IsEmptyDir(real))
+    return Status::InvalidArgument("mountpoint " + mountpoint +
+                                   " is not empty (mounting would hide its files; use --allow-non-empty to do it anyway)");
+  return std::string(real);
+}
 
 Status MountAndServe(std::unique_ptr<VirtualFs> fs, const std::string& mountpoint,
                      const MountOptions& options) {
-  std::vector<std::string> argv_s = {"ckptfs", "-o", "ro,default_permissions,fsname=ckptfs,subtype=ckptfs"};
+  g_log = options.log;
+  // default_permissions: the kernel checks each caller against the modes
+  // we report, which is what keeps --allow-other from widening access.
+  std::vector<std::string> argv_s = {
+      "ckptfs", "-o",
+      "ro,default_permissions,fsname=" + EscapeOption(options.fsname.empty() ? "ckptfs" : options.fsname) +
+          ",subtype=ckptfs"};
   if (options.allow_other) argv_s.push_back("-oallow_other");
   if (options.debug) argv_s.push_back("-d");
   std::vector<char*> argv;
@@ -321,11 +468,24 @@ Status MountAndServe(std::unique_ptr<VirtualFs> fs, const std::string& mountpoin
     fuse_session_destroy(se);
     return Status::IOError("could not daemonize");
   }
-  struct fuse_loop_config* cfg = fuse_loop_cfg_create();
-  fuse_loop_cfg_set_max_threads(cfg, options.max_threads);
-  fuse_loop_cfg_set_clone_fd(cfg, 0);
-  int rc = fuse_session_loop_mt(se, cfg);
-  fuse_loop_cfg_destroy(cfg);
+  int rc;
+  {
+    Invalidator invalidator(se);
+    fs->set_invalidate([&invalidator](uint64_t ino) { invalidator.Push(ino); });
+    fs->set_invalidate_entry([se](uint64_t parent, const std::string& name) {
+      fuse_lowlevel_notify_inval_entry(se, parent, name.c_str(), name.size());
+    });
+    Watching watching;
+    if (options.watch) StartWatcher(fs.get(), options, &watching);
+    struct fuse_loop_config* cfg = fuse_loop_cfg_create();
+    fuse_loop_cfg_set_max_threads(cfg, options.max_threads);
+    fuse_loop_cfg_set_clone_fd(cfg, 0);
+    rc = fuse_session_loop_mt(se, cfg);
+    fuse_loop_cfg_destroy(cfg);
+    watching.watcher.reset();
+    fs->set_invalidate({});
+    fs->set_invalidate_entry({});
+  }
   fuse_session_unmount(se);
   fuse_remove_signal_handlers(se);
   fuse_session_destroy(se);

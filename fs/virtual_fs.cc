@@ -6,10 +6,12 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <mutex>
+#include <set>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -30,7 +32,7 @@ FsError FsError::From(const Status& s) {
 bool Attr::is_dir() const { return S_ISDIR(mode); }
 
 struct VirtualFs::Node {
-  enum class Kind { kSourceDir, kSourceFile, kVirtualDir, kVirtualFile };
+  using Kind = NodeKind;
   Kind kind;
   uint64_t ino = 0;
   uint64_t parent = 0;
@@ -39,10 +41,12 @@ struct VirtualFs::Node {
   std::shared_ptr<const Layout> layout;         // virtual file
   std::string problem;                          // virtual file that cannot be served
   std::map<std::string, uint64_t> children;     // virtual entries (in any dir)
-  int mesh_ckpt = -1;                           // a mesh/ dir: its checkpoint's index
+  int ckpt = -1;                                // virtual kinds: the checkpoint they show;
+                                                // a source dir: whose views `children` holds
+  bool is_mesh = false;                         // a mesh/ dir: specs are made on lookup
 
   bool is_dir() const { return kind == Kind::kSourceDir || kind == Kind::kVirtualDir; }
-  bool is_source() const { return kind == Kind::kSourceDir || kind == Kind::kSourceFile; }
+  bool is_source() const { return kind == Kind::kSourceDir || kind == Kind::kSourceFile || kind == Kind::kSourceLink; }
 };
 
 struct VirtualFs::Handle {
@@ -62,9 +66,11 @@ int64_t MtimeNs(const struct stat& st) {
 
 }  // namespace
 
-VirtualFs::VirtualFs(Catalog catalog, FsOptions options)
-    : catalog_(std::move(catalog)), options_(std::move(options)) {
-  reader_ = std::make_unique<SourceReader>(&catalog_);
+VirtualFs::VirtualFs(FsOptions options, SourceTree tree, CheckpointLoader loader)
+    : options_(std::move(options)), tree_(std::move(tree)), loader_(std::move(loader)) {
+  mounted_at_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                       std::chrono::system_clock::now().time_since_epoch())
+                       .count();
   auto root = std::make_unique<Node>();
   root->kind = Node::Kind::kSourceDir;
   root->ino = kRootIno;
@@ -75,74 +81,189 @@ VirtualFs::VirtualFs(Catalog catalog, FsOptions options)
 
 VirtualFs::~VirtualFs() = default;
 
-Result<std::unique_ptr<VirtualFs>> VirtualFs::Create(Catalog catalog, FsOptions options) {
-  std::unique_ptr<VirtualFs> fs(new VirtualFs(std::move(catalog), std::move(options)));
-  RETURN_IF_ERROR(fs->BuildViews());
+Result<std::unique_ptr<VirtualFs>> VirtualFs::Open(std::string root, const std::vector<std::string>& dirs,
+                                                   CheckpointLoader loader, FsOptions options) {
+  auto tree = SourceTree::Open(root);
+  if (!tree.ok()) return Status::IOError(tree.status().message());
+  std::unique_ptr<VirtualFs> fs(new VirtualFs(std::move(options), std::move(*tree), std::move(loader)));
+  for (const std::string& dir : dirs) fs->AddCheckpoint(dir);
   return fs;
+}
+
+Result<std::unique_ptr<VirtualFs>> VirtualFs::Create(Catalog catalog, FsOptions options) {
+  auto by_dir = std::make_shared<std::map<std::string, Checkpoint>>();
+  std::vector<std::string> dirs;
+  for (Checkpoint& c : catalog.checkpoints) {
+    dirs.push_back(c.dir);
+    (*by_dir)[c.dir] = std::move(c);
+  }
+  // Each checkpoint is handed over once; a reload (after a replacement) of
+  // an in-memory catalog has nothing newer to give.
+  CheckpointLoader loader = [by_dir](const std::string& dir) -> Result<Checkpoint> {
+    auto it = by_dir->find(dir);
+    if (it == by_dir->end()) return Status::NotFound(dir + ": no such checkpoint in the catalog");
+    Checkpoint c = std::move(it->second);
+    by_dir->erase(it);
+    return c;
+  };
+  return Open(catalog.root, dirs, std::move(loader), std::move(options));
 }
 
 void VirtualFs::Log(const std::string& line) const {
   if (options_.log) options_.log(line);
 }
 
-Status VirtualFs::BuildViews() {
-  for (const Checkpoint& ckpt : catalog_.checkpoints) {
-    auto files = ConsolidatedView(ckpt, catalog_.files, options_.consolidated);
-    if (!files.ok()) {
-      // One bad checkpoint must not hide the others: log and go on.
-      Log(Join(ckpt.dir, "consolidated") + ": not created: " + files.status().message());
-      continue;
+VirtualFs::Served* VirtualFs::ServedAt(int i) const {
+  std::shared_lock lock(mu_);
+  return served_[i].get();
+}
+
+int VirtualFs::HostedBy(const std::string& rel) const {
+  auto it = hosted_.find(rel);
+  return it == hosted_.end() ? -1 : it->second;
+}
+
+void VirtualFs::AddCheckpoint(const std::string& dir, std::optional<Checkpoint> rows) {
+  auto s = std::make_unique<Served>();
+  s->dir = dir;
+  s->staged = std::move(rows);
+  const bool eager = s->staged.has_value();
+  std::unique_lock lock(mu_);
+  if (int old = HostedBy(dir); old >= 0) served_[old]->removed = true;
+  hosted_[dir] = int(served_.size());
+  served_.push_back(std::move(s));
+  const int i = hosted_[dir];
+  if (auto it = source_inos_.find(dir); it != source_inos_.end()) {
+    Node* n = nodes_[it->second - 1].get();
+    n->children.clear();  // the old views stay reachable from open handles only
+    n->ckpt = -1;
+  }
+  lock.unlock();
+  // Rows handed over (a live checkpoint) are loaded now, so the watcher
+  // checks their sources from the start.
+  if (eager) (void)EnsureLoaded(i);
+}
+
+void VirtualFs::RemoveCheckpoint(const std::string& dir) {
+  uint64_t dir_ino = 0;
+  std::vector<std::string> names;
+  {
+    std::unique_lock lock(mu_);
+    int i = HostedBy(dir);
+    if (i < 0) return;
+    served_[i]->removed = true;
+    hosted_.erase(dir);
+    if (auto it = source_inos_.find(dir); it != source_inos_.end()) {
+      Node* n = nodes_[it->second - 1].get();
+      for (const auto& [name, ino] : n->children) names.push_back(name);
+      n->children.clear();
+      n->ckpt = -1;
+      dir_ino = n->ino;
     }
-    Node* dir = SourceNode(ckpt.dir, /*is_dir=*/true);
-    Node* view = AddVirtual(dir, "consolidated", /*is_dir=*/true);
-    for (ViewFile& f : *files) {
-      Node* n = AddVirtual(view, f.name, /*is_dir=*/false);
-      n->layout = std::move(f.layout);
-      n->problem = std::move(f.problem);
+  }
+  if (dir_ino && invalidate_entry_)
+    for (const std::string& name : names) invalidate_entry_(dir_ino, name);
+}
+
+std::vector<std::string> VirtualFs::CheckpointDirs(bool stale_only) const {
+  std::shared_lock lock(mu_);
+  std::vector<std::string> out;
+  for (const auto& [dir, i] : hosted_)
+    if (!stale_only || served_[i]->stale.load()) out.push_back(dir);
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+Status VirtualFs::EnsureLoaded(int i) {
+  Served* s = ServedAt(i);
+  std::lock_guard<std::mutex> load(s->load_mu);
+  if (s->loaded) return s->load_error.empty() ? Status::OK() : Status::IOError(s->load_error);
+  s->loaded = true;
+  auto ckpt = s->staged ? Result<Checkpoint>(std::move(*s->staged)) : loader_(s->dir);
+  s->staged.reset();
+  if (!ckpt.ok()) {
+    s->load_error = Join(s->dir, "") + ": cannot load the checkpoint: " + ckpt.status().message();
+    Log(s->load_error);
+    return Status::IOError(s->load_error);
+  }
+  s->ckpt = std::move(*ckpt);
+  s->reader = std::make_unique<SourceReader>(tree_.root(), &s->ckpt.files);
+  s->access = AccessOf(tree_, s->ckpt);
+  return BuildViews(i, SourceNode(s->dir, Node::Kind::kSourceDir));
+}
+
+std::vector<LoadedCheckpoint> VirtualFs::LoadAll() {
+  std::vector<LoadedCheckpoint> out;
+  for (const std::string& dir : CheckpointDirs()) {
+    int i;
+    {
+      std::shared_lock lock(mu_);
+      i = HostedBy(dir);
     }
-    if (auto npy = TensorsView(ckpt); npy.ok()) {
-      Node* tensors = AddVirtual(dir, "tensors", /*is_dir=*/true);
-      for (ViewFile& f : *npy) {
-        Node* n = AddVirtual(tensors, f.name, /*is_dir=*/false);
-        n->layout = std::move(f.layout);
-      }
-    } else {
-      Log(Join(ckpt.dir, "tensors") + ": not created: " + npy.status().message());
-    }
-    if (auto items = BytesView(ckpt); !items.empty()) {
-      Node* bytes = AddVirtual(dir, "bytes", /*is_dir=*/true);
-      for (ViewFile& f : items) AddVirtual(bytes, f.name, /*is_dir=*/false)->layout = std::move(f.layout);
-    }
-    auto rules = RulesFor(ckpt);
-    if (!rules.ok()) {
-      Log(Join(ckpt.dir, "mesh") + ": not created: " + rules.status().message());
-      continue;
-    }
-    Node* mesh = AddVirtual(dir, "mesh", /*is_dir=*/true);
-    mesh->mesh_ckpt = &ckpt - catalog_.checkpoints.data();
-    Node* readme = AddVirtual(mesh, "README", /*is_dir=*/false);
+    if (i < 0 || !EnsureLoaded(i).ok()) continue;
+    Served* s = ServedAt(i);
+    out.push_back({&s->ckpt, s->reader.get()});
+  }
+  return out;
+}
+
+namespace {
+
+// A view directory's files, built outside the node table's lock.
+struct PendingDir {
+  std::string name;
+  std::vector<ViewFile> files;
+  bool is_mesh = false;
+};
+
+}  // namespace
+
+// Builds consolidated/, tensors/, bytes/ and mesh/ of checkpoint `i` and
+// attaches them to `dir`. One bad view must not hide the others: failures
+// are logged and the view left out.
+Status VirtualFs::BuildViews(int i, Node* dir) {
+  const Checkpoint& ckpt = ServedAt(i)->ckpt;
+  std::vector<PendingDir> pending;
+  if (auto files = ConsolidatedView(ckpt, ckpt.files, options_.consolidated); files.ok())
+    pending.push_back({"consolidated", std::move(*files)});
+  else
+    Log(Join(ckpt.dir, "consolidated") + ": not created: " + files.status().message());
+  if (auto npy = TensorsView(ckpt); npy.ok()) pending.push_back({"tensors", std::move(*npy)});
+  else Log(Join(ckpt.dir, "tensors") + ": not created: " + npy.status().message());
+  if (auto items = BytesView(ckpt); !items.empty()) pending.push_back({"bytes", std::move(items)});
+  if (auto rules = RulesFor(ckpt); rules.ok()) {
     Layout text;
     text.AddLiteral(MeshReadme(*rules));
-    readme->layout = std::make_shared<const Layout>(std::move(text));
+    pending.push_back({"mesh", {{"README", std::make_shared<const Layout>(std::move(text)), ""}}, true});
+  } else {
+    Log(Join(ckpt.dir, "mesh") + ": not created: " + rules.status().message());
+  }
+  std::unique_lock lock(mu_);
+  if (served_[i]->removed) return Status::OK();  // replaced while loading: attach nothing
+  dir->ckpt = i;
+  for (PendingDir& p : pending) {
+    Node* view = AddVirtual(dir, p.name, /*is_dir=*/true, i);
+    view->is_mesh = p.is_mesh;
+    for (ViewFile& f : p.files) AddViewFile(view, std::move(f), i);
   }
   return Status::OK();
 }
 
 // The preset for the checkpoint's model family (config.json's model_type,
-// else its tensor names), with the --rules file's rules first.
+// else its tensor names) and the head counts head-aware splits need, with
+// the --rules file's rules first.
 Result<ShardingRules> VirtualFs::RulesFor(const Checkpoint& ckpt) const {
-  std::string model_type;
+  ModelFacts facts;
   if (auto it = ckpt.sidecars.find("config.json"); it != ckpt.sidecars.end()) {
-    std::ifstream f(catalog_.root + "/" + catalog_.files[it->second].path);
+    std::ifstream f(tree_.root() + "/" + ckpt.files[it->second].path);
     std::stringstream text;
     text << f.rdbuf();
-    auto j = nlohmann::json::parse(text.str(), nullptr, false);
-    if (j.is_object() && j.contains("model_type") && j["model_type"].is_string()) model_type = j["model_type"];
+    facts = ParseModelFacts(text.str());
   }
   std::vector<std::string> names;
   if (auto weights = ModelWeights(ckpt, options_.consolidated); weights.ok())
     for (const auto& w : *weights) names.push_back(w.entry_name());
-  ShardingRules rules = PresetRules(model_type, names);
+  ShardingRules rules = PresetRules(facts, names);
   if (options_.rules_json.empty()) return rules;
   return LoadRulesFile(options_.rules_json, std::move(rules));
 }
@@ -150,7 +271,7 @@ Result<ShardingRules> VirtualFs::RulesFor(const Checkpoint& ckpt) const {
 // Builds mesh/<spec>/rank-NNNNN/ on first lookup. ENOENT, with a log line
 // saying why, for a spec that is malformed or impossible for the checkpoint.
 FsResult<uint64_t> VirtualFs::OpenMesh(Node* mesh_dir, const std::string& name) {
-  const Checkpoint& ckpt = catalog_.checkpoints[mesh_dir->mesh_ckpt];
+  const Checkpoint& ckpt = ServedAt(mesh_dir->ckpt)->ckpt;
   const std::string where = Join(ckpt.dir, "mesh/" + name);
   auto fail = [&](const std::string& why) {
     Log(where + ": " + why);
@@ -161,33 +282,41 @@ FsResult<uint64_t> VirtualFs::OpenMesh(Node* mesh_dir, const std::string& name) 
   if (spec->name != name) return fail("not the canonical name; open mesh/" + spec->name);
   auto rules = RulesFor(ckpt);
   if (!rules.ok()) return fail(rules.status().message());
-  Status possible = CheckMeshSpec(ckpt, *spec, *rules);
-  if (!possible.ok()) return fail(possible.message());
-  std::vector<std::vector<ViewFile>> ranks;
-  for (uint64_t r = 0; r < spec->world(); ++r) {
-    auto files = MeshRankView(ckpt, catalog_.files, *spec, r, *rules, options_.consolidated);
-    if (!files.ok()) return fail(files.status().message());
-    ranks.push_back(std::move(*files));
-  }
+  auto mesh = MeshView(ckpt, ckpt.files, *spec, *rules, options_.consolidated);
+  if (!mesh.ok()) return fail(mesh.status().message());
+  for (const std::string& note : mesh->notes) Log(where + ": " + note);
+  std::vector<std::vector<ViewFile>>& ranks = mesh->ranks;
   std::unique_lock lock(mu_);
   if (auto it = mesh_dir->children.find(name); it != mesh_dir->children.end()) return it->second;
-  Node* dir = AddVirtual(mesh_dir, name, /*is_dir=*/true);
+  Node* dir = AddVirtual(mesh_dir, name, /*is_dir=*/true, mesh_dir->ckpt);
   for (uint64_t r = 0; r < ranks.size(); ++r) {
     char rank_name[32];
     std::snprintf(rank_name, sizeof rank_name, "rank-%05llu", static_cast<unsigned long long>(r));
-    Node* rank_dir = AddVirtual(dir, rank_name, /*is_dir=*/true);
-    for (ViewFile& f : ranks[r]) {
-      Node* n = AddVirtual(rank_dir, f.name, /*is_dir=*/false);
-      n->layout = std::move(f.layout);
-      n->problem = std::move(f.problem);
-    }
+    Node* rank_dir = AddVirtual(dir, rank_name, /*is_dir=*/true, mesh_dir->ckpt);
+    for (ViewFile& f : ranks[r]) AddViewFile(rank_dir, std::move(f), mesh_dir->ckpt);
   }
   return dir->ino;
 }
 
+// Puts a view file under `view`; a name with '/' (a sidecar folder such as
+// sentence-transformers' 1_Pooling/config.json) gets its directories.
+// REQUIRES: mu_ held exclusively.
+void VirtualFs::AddViewFile(Node* view, ViewFile f, int ckpt) {
+  Node* dir = view;
+  for (size_t at = 0, slash; (slash = f.name.find('/', at)) != std::string::npos; at = slash + 1) {
+    const std::string part = f.name.substr(at, slash - at);
+    auto it = dir->children.find(part);
+    dir = it != dir->children.end() ? nodes_[it->second - 1].get() : AddVirtual(dir, part, /*is_dir=*/true, ckpt);
+  }
+  Node* n = AddVirtual(dir, f.name.substr(f.name.rfind('/') + 1), /*is_dir=*/false, ckpt);
+  n->layout = std::move(f.layout);
+  n->problem = std::move(f.problem);
+}
+
 // REQUIRES: construction time, or mu_ held exclusively.
-VirtualFs::Node* VirtualFs::AddVirtual(Node* parent, const std::string& name, bool is_dir) {
+VirtualFs::Node* VirtualFs::AddVirtual(Node* parent, const std::string& name, bool is_dir, int ckpt) {
   auto n = std::make_unique<Node>();
+  n->ckpt = ckpt;
   n->kind = is_dir ? Node::Kind::kVirtualDir : Node::Kind::kVirtualFile;
   n->ino = nodes_.size() + 1;
   n->parent = parent->ino;
@@ -198,18 +327,22 @@ VirtualFs::Node* VirtualFs::AddVirtual(Node* parent, const std::string& name, bo
 }
 
 // Returns the node for source path `rel`, creating it (and its parents).
-VirtualFs::Node* VirtualFs::SourceNode(const std::string& rel, bool is_dir) {
+VirtualFs::Node* VirtualFs::SourceNode(const std::string& rel, NodeKind kind) {
   {
     std::shared_lock lock(mu_);
     if (auto it = source_inos_.find(rel); it != source_inos_.end()) return nodes_[it->second - 1].get();
   }
   uint64_t parent = kRootIno;
   if (auto slash = rel.rfind('/'); slash != std::string::npos)
-    parent = SourceNode(rel.substr(0, slash), true)->ino;
+    parent = SourceNode(rel.substr(0, slash), Node::Kind::kSourceDir)->ino;
   std::unique_lock lock(mu_);
-  if (auto it = source_inos_.find(rel); it != source_inos_.end()) return nodes_[it->second - 1].get();
+  if (auto it = source_inos_.find(rel); it != source_inos_.end()) {
+    // The same path may have become another kind (a file replaced by a link).
+    nodes_[it->second - 1]->kind = kind;
+    return nodes_[it->second - 1].get();
+  }
   auto n = std::make_unique<Node>();
-  n->kind = is_dir ? Node::Kind::kSourceDir : Node::Kind::kSourceFile;
+  n->kind = kind;
   n->ino = nodes_.size() + 1;
   n->parent = parent;
   n->rel = rel;
@@ -237,10 +370,8 @@ FsResult<Attr> VirtualFs::AttrOf(const Node& n) const {
   a.uid = options_.uid;
   a.gid = options_.gid;
   if (n.is_source()) {
-    struct stat st;
-    std::string abs = n.rel.empty() ? catalog_.root : catalog_.root + "/" + n.rel;
-    if (::stat(abs.c_str(), &st) != 0) return FsError(errno, n.rel + ": " + std::strerror(errno));
-    a.mode = (st.st_mode & ~0222u);
+    ASSIGN_OR_RETURN(struct stat st, tree_.Lstat(n.rel));
+    a.mode = S_ISLNK(st.st_mode) ? (S_IFLNK | 0777) : (st.st_mode & ~0222u);
     a.size = st.st_size;
     a.nlink = S_ISDIR(st.st_mode) ? 2 : 1;
     a.mtime_ns = MtimeNs(st);
@@ -249,12 +380,15 @@ FsResult<Attr> VirtualFs::AttrOf(const Node& n) const {
     return a;
   }
   a.is_virtual = true;
-  a.mtime_ns = catalog_.indexed_at_ns;
+  a.mtime_ns = mounted_at_ns_;
+  const ViewAccess& access = ServedAt(n.ckpt)->access;
+  a.uid = access.uid;
+  a.gid = access.gid;
   if (n.kind == Node::Kind::kVirtualDir) {
-    a.mode = S_IFDIR | 0555;
+    a.mode = access.dir_mode();
     a.nlink = 2;
   } else {
-    a.mode = S_IFREG | 0444;
+    a.mode = access.file_mode();
     a.size = n.layout->size();
   }
   return a;
@@ -268,22 +402,37 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name) {
   if (name == "..") return GetAttr(p->parent);
   if (p->kind == Node::Kind::kSourceDir) {
     const std::string rel = Join(p->rel, name);
-    struct stat st;
-    if (::stat((catalog_.root + "/" + rel).c_str(), &st) == 0 &&
-        (S_ISDIR(st.st_mode) || S_ISREG(st.st_mode)))
-      return AttrOf(*SourceNode(rel, S_ISDIR(st.st_mode)));
+    if (auto st = tree_.Lstat(rel); st.ok()) {
+      if (S_ISDIR(st->st_mode)) return AttrOf(*SourceNode(rel, Node::Kind::kSourceDir));
+      if (S_ISREG(st->st_mode)) return AttrOf(*SourceNode(rel, Node::Kind::kSourceFile));
+      if (S_ISLNK(st->st_mode)) return AttrOf(*SourceNode(rel, Node::Kind::kSourceLink));
+    }
   }
+  EnsureViewsOf(*p);
   uint64_t child = 0;
   {
     std::shared_lock lock(mu_);
     auto it = p->children.find(name);
     if (it != p->children.end()) child = it->second;
   }
-  if (!child && p->mesh_ckpt >= 0) {
+  if (!child && p->is_mesh) {
     ASSIGN_OR_RETURN(child, OpenMesh(p, name));
   }
   if (!child) return FsError(ENOENT, Join(PathOf(*p), name) + ": no such file or directory");
   return AttrOf(*Find(child));
+}
+
+void VirtualFs::EnsureViewsOf(const Node& dir) {
+  if (dir.kind != Node::Kind::kSourceDir) return;
+  int i;
+  {
+    std::shared_lock lock(mu_);
+    i = HostedBy(dir.rel);
+    if (i < 0 || dir.ckpt == i) return;
+  }
+  // A checkpoint that cannot be loaded shows no views (logged once); its
+  // source files stay readable.
+  (void)EnsureLoaded(i);
 }
 
 FsResult<Attr> VirtualFs::GetAttr(uint64_t ino) {
@@ -298,28 +447,22 @@ FsResult<std::vector<DirEntry>> VirtualFs::ReadDir(uint64_t ino) {
   if (!p->is_dir()) return FsError(ENOTDIR, PathOf(*p) + " is not a directory");
   std::vector<DirEntry> out;
   if (p->kind == Node::Kind::kSourceDir) {
-    std::string abs = p->rel.empty() ? catalog_.root : catalog_.root + "/" + p->rel;
-    DIR* d = ::opendir(abs.c_str());
-    if (!d) return FsError(errno, p->rel + ": " + std::strerror(errno));
-    std::vector<std::string> names;
-    while (struct dirent* e = ::readdir(d)) {
-      std::string name = e->d_name;
-      if (name != "." && name != "..") names.push_back(name);
-    }
-    ::closedir(d);
+    ASSIGN_OR_RETURN(std::vector<std::string> names, tree_.List(p->rel));
     for (const std::string& name : names) {
       auto a = Lookup(ino, name);
       if (a.ok()) out.push_back({name, *a});  // skips sockets, dangling links
     }
   }
+  EnsureViewsOf(*p);
   std::map<std::string, uint64_t> children;
   {
     std::shared_lock lock(mu_);
     children = p->children;
   }
+  std::set<std::string> real;  // a real entry shadows a virtual one of its name
+  for (const DirEntry& e : out) real.insert(e.name);
   for (const auto& [name, child] : children) {
-    bool shadowed = std::any_of(out.begin(), out.end(), [&](const DirEntry& e) { return e.name == name; });
-    if (shadowed) continue;
+    if (real.count(name)) continue;
     auto a = AttrOf(*Find(child));
     if (a.ok()) out.push_back({name, *a});
   }
@@ -333,11 +476,17 @@ FsResult<uint64_t> VirtualFs::Open(uint64_t ino, int flags) {
   if ((flags & O_ACCMODE) != O_RDONLY || (flags & (O_TRUNC | O_CREAT | O_APPEND)))
     return FsError(EROFS, PathOf(*n) + ": read-only file system");
   if (n->is_dir()) return FsError(EISDIR, PathOf(*n) + " is a directory");
+  // Refused here rather than at read: a mapped file whose pages fail to read
+  // kills its reader with SIGBUS, a failed open is an exception it can catch.
+  if (!n->problem.empty()) {
+    Log(PathOf(*n) + ": open failed (" + std::strerror(EIO) + "): " + n->problem);
+    return FsError(EIO, PathOf(*n) + ": " + n->problem);
+  }
   auto h = std::make_unique<Handle>();
   h->node = n;
+  if (n->kind == Node::Kind::kSourceLink) return FsError(ELOOP, n->rel + ": a symlink (the kernel follows it)");
   if (n->kind == Node::Kind::kSourceFile) {
-    h->fd = ::open((catalog_.root + "/" + n->rel).c_str(), O_RDONLY | O_CLOEXEC);
-    if (h->fd < 0) return FsError(errno, n->rel + ": " + std::strerror(errno));
+    ASSIGN_OR_RETURN(h->fd, tree_.OpenFile(n->rel, O_RDONLY));
   }
   return reinterpret_cast<uint64_t>(h.release());
 }
@@ -361,12 +510,81 @@ FsResult<size_t> VirtualFs::Read(uint64_t handle, char* buf, size_t size, uint64
         " failed (" + std::strerror(e.err()) + "): " + e.message());
     return e;
   };
-  if (!n.problem.empty()) return fail(FsError(EIO, "checkpoint incomplete: " + n.problem));
+  if (!n.problem.empty()) return fail(FsError(EIO, n.problem));
   auto plan = Plan(*n.layout, offset, size);
   if (!plan.ok()) return fail(FsError::From(plan.status()));
-  Status st = reader_->Execute(*plan, buf);
-  if (!st.ok()) return fail(FsError::From(st));
+  Status st = ServedAt(n.ckpt)->reader->Execute(*plan, buf);
+  if (!st.ok()) {
+    if (st.code() == Status::Code::kStale) InvalidateCheckpoint(n.ckpt);
+    return fail(FsError::From(st));
+  }
   return plan->length;
+}
+
+FsResult<std::string> VirtualFs::ReadLink(uint64_t ino) {
+  Node* n = Find(ino);
+  if (!n) return FsError(ENOENT, "unknown inode " + std::to_string(ino));
+  if (n->kind != Node::Kind::kSourceLink) return FsError(EINVAL, PathOf(*n) + " is not a symlink");
+  return tree_.ReadLink(n->rel);
+}
+
+void VirtualFs::InvalidateCheckpoint(size_t i) {
+  Served* s = ServedAt(int(i));
+  if (s->stale.exchange(true)) return;
+  Log(Join(s->dir, "") + ": a source changed since indexing; its views read as EIO until it is indexed again");
+  if (!options_.invalidate) return;
+  std::vector<uint64_t> inos;
+  {
+    std::shared_lock lock(mu_);
+    for (const auto& n : nodes_)
+      if (n->kind == Node::Kind::kVirtualFile && n->ckpt == int(i)) inos.push_back(n->ino);
+  }
+  for (uint64_t ino : inos) options_.invalidate(ino);
+}
+
+std::vector<std::string> VirtualFs::SourceDirs() const {
+  std::set<std::string> dirs;
+  std::vector<Served*> loaded;
+  {
+    std::shared_lock lock(mu_);
+    for (const auto& [dir, i] : hosted_) {
+      dirs.insert(dir);
+      loaded.push_back(served_[i].get());
+    }
+  }
+  for (Served* s : loaded) {
+    std::lock_guard<std::mutex> load(s->load_mu);
+    for (const SourceFile& f : s->ckpt.files) {
+      size_t slash = f.path.rfind('/');
+      dirs.insert(slash == std::string::npos ? "" : f.path.substr(0, slash));
+    }
+  }
+  std::vector<std::string> out;
+  for (const std::string& d : dirs) out.push_back(d.empty() ? tree_.root() : tree_.root() + "/" + d);
+  return out;
+}
+
+size_t VirtualFs::RecheckSources() {
+  std::vector<int> live;
+  {
+    std::shared_lock lock(mu_);
+    for (const auto& [dir, i] : hosted_) live.push_back(i);
+  }
+  size_t changed = 0;
+  for (int i : live) {
+    Served* s = ServedAt(i);
+    if (s->stale.load()) continue;
+    SourceReader* reader;
+    {
+      std::lock_guard<std::mutex> load(s->load_mu);
+      reader = s->reader.get();  // null until loaded: nothing served, nothing cached
+    }
+    if (reader && !reader->Recheck().ok()) {
+      InvalidateCheckpoint(i);
+      ++changed;
+    }
+  }
+  return changed;
 }
 
 void VirtualFs::Release(uint64_t handle) {

@@ -1,10 +1,16 @@
 // VirtualFs: the tree a mount shows, with no FUSE in sight.
 //
 // The source tree is mirrored read-only (entries are looked up in the real
-// directory on demand, so new files appear); next to each indexed checkpoint
-// the views are injected as virtual directories (`consolidated/`, `mesh/`).
-// Where a real entry has the same name as a virtual one, the real entry wins.
-// `mesh/<spec>/` directories are made on first lookup of a valid spec.
+// directory on demand, so new files appear); next to each checkpoint the
+// views are injected as virtual directories (`consolidated/`, `tensors/`,
+// `bytes/`, `mesh/`). Where a real entry has the same name as a virtual one,
+// the real entry wins.
+//
+// Lazy: a checkpoint is only a directory name until a path inside it is
+// first looked up or listed; then its rows are loaded (CheckpointLoader:
+// the store, or a catalog in memory) and its views built, in time linear in
+// its tensors. `mesh/<spec>/` directories are made on first lookup of a
+// valid spec. Live: checkpoints can be added and removed while mounted.
 //
 // Inode numbers are allocated on first lookup and kept for the life of the
 // mount (kernel FORGETs are ignored: the table grows with distinct paths
@@ -17,9 +23,11 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
+#include <optional>
 #include <memory>
 #include <shared_mutex>
 #include <string>
@@ -30,6 +38,7 @@
 #include "core/meta.h"
 #include "core/views.h"
 #include "fs/fs_error.h"
+#include "fs/source_tree.h"
 #include "indexer/source_reader.h"
 
 namespace ckptfs {
@@ -43,11 +52,17 @@ struct FsOptions {
   // Receives one line per served error (EIO on a read, say) and per view
   // that could not be built. Must be thread-safe.
   std::function<void(const std::string&)> log;
+  // Asks the kernel to drop what it cached of inode `ino` (pages and
+  // attributes). Called from a reader thread, never while a lock is held;
+  // the mount queues it (invalidating from inside a read of the same inode
+  // would deadlock on the page lock). May be empty (no kernel cache: cat,
+  // export, tests).
+  std::function<void(uint64_t ino)> invalidate;
 };
 
 struct Attr {
   uint64_t ino = 0;
-  uint32_t mode = 0;  // S_IFDIR/S_IFREG | permission bits (never writable)
+  uint32_t mode = 0;  // S_IFDIR/S_IFREG/S_IFLNK | permission bits (never writable)
   uint64_t size = 0;
   uint32_t nlink = 1;
   int64_t mtime_ns = 0;
@@ -62,11 +77,23 @@ struct DirEntry {
   Attr attr;
 };
 
+// Loads the rows of the checkpoint in directory `dir` (relative to the root).
+using CheckpointLoader = std::function<Result<Checkpoint>(const std::string& dir)>;
+
+// A loaded checkpoint, for the CLI's inspection commands.
+struct LoadedCheckpoint {
+  const Checkpoint* ckpt;
+  SourceReader* reader;
+};
+
 class VirtualFs {
  public:
   static constexpr uint64_t kRootIno = 1;
 
-  // Builds the views of every checkpoint in `catalog`.
+  // The checkpoints in `dirs` under `root`, loaded by `loader` on first use.
+  static Result<std::unique_ptr<VirtualFs>> Open(std::string root, const std::vector<std::string>& dirs,
+                                                 CheckpointLoader loader, FsOptions options);
+  // Every checkpoint of `catalog`, already in memory.
   static Result<std::unique_ptr<VirtualFs>> Create(Catalog catalog, FsOptions options);
   ~VirtualFs();
 
@@ -79,33 +106,93 @@ class VirtualFs {
   // Reads up to `size` bytes; fewer only at end of file.
   FsResult<size_t> Read(uint64_t handle, char* buf, size_t size, uint64_t offset);
   void Release(uint64_t handle);
+  // The target of a symlink in the source tree (never followed by us).
+  FsResult<std::string> ReadLink(uint64_t ino);
+
+  // Re-checks the sources of every checkpoint; a checkpoint with a source
+  // changed since indexing reads as EIO from now on and its virtual files
+  // are invalidated in the kernel's cache. Returns how many were found
+  // changed by this call. Called by the source watcher.
+  size_t RecheckSources();
+  // Absolute paths of the directories holding sources (for the watcher).
+  std::vector<std::string> SourceDirs() const;
+  // Replaces FsOptions::invalidate; call only while no request is served.
+  void set_invalidate(std::function<void(uint64_t)> f) { options_.invalidate = std::move(f); }
+  // Likewise for the kernel's cached name `name` in directory `parent`.
+  void set_invalidate_entry(std::function<void(uint64_t, const std::string&)> f) {
+    invalidate_entry_ = std::move(f);
+  }
 
   // "model/consolidated/model.safetensors" -> its attributes ("" is the root).
   FsResult<Attr> Resolve(const std::string& path);
 
-  const Catalog& catalog() const { return catalog_; }
-  SourceReader& reader() { return *reader_; }
+  const std::string& root() const { return tree_.root(); }
+  const SourceTree& tree() const { return tree_; }
+
+  // Live changes. AddCheckpoint registers a committed checkpoint (its views
+  // appear on the next lookup; an earlier one in `dir` is replaced and its
+  // open files keep their old rows). RemoveCheckpoint forgets one.
+  // `rows`, when given, are served instead of asking the loader.
+  void AddCheckpoint(const std::string& dir, std::optional<Checkpoint> rows = std::nullopt);
+  void RemoveCheckpoint(const std::string& dir);
+  // Directories of the checkpoints served now, sorted; with `stale_only`,
+  // just those with a source changed since they were indexed.
+  std::vector<std::string> CheckpointDirs(bool stale_only = false) const;
+
+  // Loads every checkpoint now (the CLI's ls, inspect, verify), sorted by
+  // directory. One that cannot be loaded is logged and left out.
+  std::vector<LoadedCheckpoint> LoadAll();
 
  private:
+  enum class NodeKind { kSourceDir, kSourceFile, kSourceLink, kVirtualDir, kVirtualFile };
   struct Node;
   struct Handle;
-  VirtualFs(Catalog catalog, FsOptions options);
-  Status BuildViews();
+  // One checkpoint as served: its rows, reader and views, loaded on first use.
+  // Never destroyed while the VirtualFs lives (open handles point into it).
+  struct Served {
+    std::string dir;
+    std::mutex load_mu;              // serializes Load(); never held with mu_
+    bool loaded = false;             // guarded by load_mu
+    std::string load_error;          // guarded by load_mu
+    std::optional<Checkpoint> staged;  // rows handed over by AddCheckpoint; guarded by load_mu
+    Checkpoint ckpt;                 // immutable once loaded
+    std::unique_ptr<SourceReader> reader;
+    ViewAccess access;
+    std::atomic<bool> stale{false};    // invalidated once, when first seen
+    std::atomic<bool> removed{false};  // replaced or deleted: no new lookups
+  };
+  VirtualFs(FsOptions options, SourceTree tree, CheckpointLoader loader);
+  // Loads checkpoint `i` and attaches its views to its directory, once.
+  Status EnsureLoaded(int i);
+  Status BuildViews(int i, Node* dir);
+  // For a source directory hosting a checkpoint: its views, loaded now if not yet.
+  void EnsureViewsOf(const Node& dir);
+  Served* ServedAt(int i) const;
+  // The index of the live checkpoint in `rel`, or -1. REQUIRES: mu_ held.
+  int HostedBy(const std::string& rel) const;
+  // Drops the kernel's cache of every virtual file of checkpoint `i`, once.
+  void InvalidateCheckpoint(size_t i);
   FsResult<uint64_t> OpenMesh(Node* mesh_dir, const std::string& spec_name);
   Result<ShardingRules> RulesFor(const Checkpoint& ckpt) const;
   Node* Find(uint64_t ino) const;
-  Node* SourceNode(const std::string& rel, bool is_dir);
-  Node* AddVirtual(Node* parent, const std::string& name, bool is_dir);
+  Node* SourceNode(const std::string& rel, NodeKind kind);
+  Node* AddVirtual(Node* parent, const std::string& name, bool is_dir, int ckpt);
+  void AddViewFile(Node* view, ViewFile f, int ckpt);
   FsResult<Attr> AttrOf(const Node& n) const;
   std::string PathOf(const Node& n) const;
   void Log(const std::string& line) const;
 
-  Catalog catalog_;
   FsOptions options_;
-  std::unique_ptr<SourceReader> reader_;
-  mutable std::shared_mutex mu_;                     // guards nodes_, source_inos_
+  SourceTree tree_;
+  CheckpointLoader loader_;
+  int64_t mounted_at_ns_ = 0;  // mtime of virtual entries
+  std::function<void(uint64_t, const std::string&)> invalidate_entry_;
+  // Lock order: a Served's load_mu, then mu_. mu_ is never held during I/O.
+  mutable std::shared_mutex mu_;  // guards nodes_, source_inos_, served_, hosted_
   std::vector<std::unique_ptr<Node>> nodes_;         // ino - 1 -> node
   std::unordered_map<std::string, uint64_t> source_inos_;
+  std::vector<std::unique_ptr<Served>> served_;      // append-only
+  std::unordered_map<std::string, int> hosted_;      // dir -> live entry of served_
 };
 
 }  // namespace ckptfs

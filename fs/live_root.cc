@@ -1,0 +1,95 @@
+#include "fs/live_root.h"
+
+#include <sys/stat.h>
+
+#include <deque>
+
+namespace ckptfs {
+namespace {
+
+std::string Join(const std::string& dir, const std::string& name) { return dir.empty() ? name : dir + "/" + name; }
+
+// The names, sizes and mtimes of a directory's entries: what changes when a
+// file is added, renamed into place, grown or rewritten.
+std::string Signature(const SourceTree& tree, const std::string& rel) {
+  auto names = tree.List(rel);
+  if (!names.ok()) return "";
+  std::string sig;
+  for (const std::string& name : *names) {
+    auto st = tree.Lstat(Join(rel, name));
+    if (!st.ok()) continue;
+    sig += name + ":" + std::to_string(st->st_size) + ":" + std::to_string(st->st_mtim.tv_sec) + "." +
+           std::to_string(st->st_mtim.tv_nsec) + ";";
+  }
+  return sig;
+}
+
+}  // namespace
+
+LiveRoot::LiveRoot(VirtualFs* fs, Hooks hooks) : fs_(fs), hooks_(std::move(hooks)) {}
+
+void LiveRoot::Log(const std::string& line) const {
+  if (hooks_.log) hooks_.log(line);
+}
+
+std::vector<std::string> LiveRoot::Walk(const std::set<std::string>& served) {
+  std::vector<std::string> out;
+  std::deque<std::string> pending{""};
+  while (!pending.empty()) {
+    std::string rel = pending.front();
+    pending.pop_front();
+    if (watcher_) (void)watcher_->Watch(rel.empty() ? fs_->root() : fs_->root() + "/" + rel);
+    if (served.count(rel)) continue;  // its files are the reader's business
+    out.push_back(rel);
+    auto names = fs_->tree().List(rel);
+    if (!names.ok()) continue;
+    for (const std::string& name : *names) {
+      auto st = fs_->tree().Lstat(Join(rel, name));
+      if (st.ok() && S_ISDIR(st->st_mode)) pending.push_back(Join(rel, name));
+    }
+  }
+  return out;
+}
+
+void LiveRoot::Offer(const std::string& rel, bool replacing) {
+  std::string sig = Signature(fs_->tree(), rel);
+  if (auto it = waiting_.find(rel); it != waiting_.end() && it->second == sig) return;
+  auto found = hooks_.scan(rel);
+  std::string why;
+  if (!found.ok()) why = found.status().message();
+  else if (!*found) why = "";  // not a checkpoint at all
+  else if (!(*found)->incomplete.empty()) why = (*found)->incomplete;
+  else if (!(*found)->problems.empty()) why = (*found)->problems.front();
+  if (!found.ok() || !*found || !why.empty()) {
+    if (!why.empty() && waiting_.count(rel) == 0)
+      Log(Join(rel, "") + ": not served yet (looked at again when its files change): " + why);
+    waiting_[rel] = sig;
+    return;
+  }
+  waiting_.erase(rel);
+  Checkpoint& ckpt = **found;
+  if (hooks_.commit) {
+    Status st = hooks_.commit(ckpt);
+    if (!st.ok()) return Log(Join(rel, "") + ": not served: the store refused it: " + st.message());
+  }
+  Log(Join(rel, "") + (replacing ? ": changed; indexed again (" : ": indexed (") + std::to_string(ckpt.tensors.size()) +
+      " tensors) and served");
+  fs_->AddCheckpoint(rel, std::move(ckpt));
+}
+
+void LiveRoot::Refresh() {
+  std::vector<std::string> dirs = fs_->CheckpointDirs();
+  std::set<std::string> served(dirs.begin(), dirs.end());
+  for (const std::string& rel : Walk(served)) Offer(rel, /*replacing=*/false);
+  for (const std::string& dir : dirs) {
+    auto st = fs_->tree().Lstat(dir);
+    if (st.ok() && S_ISDIR(st->st_mode)) continue;
+    fs_->RemoveCheckpoint(dir);
+    if (hooks_.remove) (void)hooks_.remove(dir);
+    Log(Join(dir, "") + ": gone; no longer served");
+  }
+  for (const std::string& dir : fs_->CheckpointDirs(/*stale_only=*/true))
+    if (hooks_.resaved && hooks_.resaved(dir)) Offer(dir, /*replacing=*/true);
+}
+
+}  // namespace ckptfs
