@@ -59,6 +59,46 @@ void Layout::AddSource(FileId file, uint64_t file_offset, uint64_t length) {
   if (length) segments_.push_back(std::move(s));
 }
 
+Shape TensorSlice::shape() const {
+  if (joined.empty()) return box.lengths;
+  Shape s = joined[0].lengths;
+  for (size_t i = 1; i < joined.size(); ++i) s[join_dim] += joined[i].lengths[join_dim];
+  return s;
+}
+
+uint64_t TensorSlice::nbytes() const {
+  uint64_t n = 1;
+  for (uint64_t d : shape()) n *= d;
+  return ByteSize(tensor->dtype, n).value_or(0);
+}
+
+std::vector<Box> TensorSlice::ByteOrder() const {
+  if (joined.empty()) return {box};
+  if (join_dim == 0) return joined;
+  // One pass per index of the leading dims (all parts share them).
+  const Box& first = joined[0];
+  Shape outer(first.lengths.begin(), first.lengths.begin() + join_dim);
+  uint64_t count = 1;
+  for (uint64_t d : outer) count *= d;
+  std::vector<Box> out;
+  out.reserve(count * joined.size());
+  std::vector<uint64_t> at(outer.size(), 0);
+  for (uint64_t i = 0; i < count; ++i) {
+    for (const Box& part : joined) {
+      Box b = part;
+      for (size_t d = 0; d < outer.size(); ++d) {
+        b.offsets[d] = part.offsets[d] + at[d];
+        b.lengths[d] = 1;
+      }
+      out.push_back(std::move(b));
+    }
+    for (size_t d = outer.size(); d-- > 0;)
+      if (++at[d] < outer[d]) break;
+      else at[d] = 0;
+  }
+  return out;
+}
+
 void SortForSafetensors(SliceList& slices) {
   std::stable_sort(slices.begin(), slices.end(), [](const TensorSlice& a, const TensorSlice& b) {
     int ra = DTypeAlignmentRank(a.tensor->dtype), rb = DTypeAlignmentRank(b.tensor->dtype);
@@ -74,7 +114,7 @@ std::vector<SafetensorsEntry> Entries(const SliceList& slices) {
   uint64_t at = 0;
   for (const TensorSlice& s : slices) {
     uint64_t n = s.nbytes();
-    entries.push_back({s.entry_name(), s.tensor->dtype, s.box.lengths, at, at + n});
+    entries.push_back({s.entry_name(), s.tensor->dtype, s.shape(), at, at + n});
     at += n;
   }
   return entries;
@@ -86,7 +126,8 @@ Result<Layout> SafetensorsFileLayout(const SliceList& slices, const std::map<std
   ASSIGN_OR_RETURN(std::string header, EncodeSafetensorsHeader(Entries(slices), metadata, kVirtualDataAlignment));
   Layout layout;
   layout.AddLiteral(std::move(header));
-  for (const TensorSlice& s : slices) RETURN_IF_ERROR(layout.AddTensor(s.tensor, s.box));
+  for (const TensorSlice& s : slices)
+    for (const Box& b : s.ByteOrder()) RETURN_IF_ERROR(layout.AddTensor(s.tensor, b));
   return layout;
 }
 

@@ -53,15 +53,26 @@ class Layout {
 };
 
 // A box of a tensor, stored in a file under `name` (the fqn when empty).
+// Or, for one rank's share of a fused tensor (Phi-3 qkv_proj: its q, k and v
+// rows), several boxes joined along `join_dim`: then `joined` holds them in
+// order and `box` is unused.
 struct TensorSlice {
   std::shared_ptr<const TensorMeta> tensor;
   Box box;
   std::string name;
+  std::vector<Box> joined;
+  int join_dim = 0;
   const std::string& entry_name() const { return name.empty() ? tensor->fqn : name; }
-  uint64_t nbytes() const { return ByteSize(tensor->dtype, box.numel()).value_or(0); }
+  // The stored entry's shape: box.lengths, or the joined boxes' sum.
+  Shape shape() const;
+  uint64_t nbytes() const;
+  // Boxes whose row-major bytes, one after another, are the entry's
+  // row-major bytes (joining along dim d > 0 interleaves the parts once per
+  // index of the dims before d).
+  std::vector<Box> ByteOrder() const;
   static TensorSlice Whole(std::shared_ptr<const TensorMeta> t) {
     Box b = Box::Whole(t->shape);
-    return {std::move(t), std::move(b), ""};
+    return {std::move(t), std::move(b), "", {}, 0};
   }
 };
 using SliceList = std::vector<TensorSlice>;

@@ -53,17 +53,6 @@ ShardingRule Rule(const std::string& pattern, SplitKind kind, int dim = 0) {
   return ShardingRule{pattern, kind, dim, std::regex(pattern)};
 }
 
-const char* KindName(SplitKind k) {
-  switch (k) {
-    case SplitKind::kReplicate: return "replicate";
-    case SplitKind::kColumn: return "column";
-    case SplitKind::kRow: return "row";
-    case SplitKind::kVocab: return "vocab";
-    case SplitKind::kDim: return "dim";
-  }
-  return "?";
-}
-
 // Number after `key.` in fqn ("layers.12.mlp" -> 12), or nullopt.
 std::optional<uint64_t> IndexAfter(const std::string& fqn, const std::string& key) {
   std::string needle = key + ".";
@@ -79,29 +68,81 @@ std::optional<uint64_t> IndexAfter(const std::string& fqn, const std::string& ke
   return std::nullopt;
 }
 
-}  // namespace
-
-uint64_t CountIndexed(const std::vector<std::string>& fqns, const std::string& key) {
-  uint64_t n = 0;
-  for (const auto& f : fqns)
-    if (auto i = IndexAfter(f, key)) n = std::max(n, *i + 1);
-  return n;
+// transformers 5 keeps a layer's experts in one tensor per projection:
+// `mlp.experts.gate_up_proj [E, 2I, H]`, `mlp.experts.down_proj [E, H, I]`
+// (no expert index in the name; dim 0 is the expert).
+bool IsFusedExperts(const std::string& fqn, const Shape& shape) {
+  if (shape.size() < 2 || IndexAfter(fqn, "experts")) return false;
+  size_t at = fqn.rfind("experts.");
+  return at != std::string::npos && (at == 0 || fqn[at - 1] == '.') &&
+         fqn.find('.', at + 8) == std::string::npos;
 }
 
-ShardingRules PresetRules(const std::string& model_type, const std::vector<std::string>& fqns) {
-  static const char* const kLlamaFamily[] = {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe",
-                                             "qwen3_moe", "gemma", "gemma2", "gemma3_text", "phi3", "olmo2"};
-  bool llama = std::find(std::begin(kLlamaFamily), std::end(kLlamaFamily), model_type) != std::end(kLlamaFamily);
-  if (model_type.empty())
+const SplitKind kAllKinds[] = {SplitKind::kReplicate, SplitKind::kColumn, SplitKind::kRow,
+                               SplitKind::kVocab,     SplitKind::kDim,    SplitKind::kQHeads,
+                               SplitKind::kKvHeads,   SplitKind::kQkv,    SplitKind::kGateUp};
+
+}  // namespace
+
+const char* SplitKindName(SplitKind k) {
+  switch (k) {
+    case SplitKind::kReplicate: return "replicate";
+    case SplitKind::kColumn: return "column";
+    case SplitKind::kRow: return "row";
+    case SplitKind::kVocab: return "vocab";
+    case SplitKind::kDim: return "dim";
+    case SplitKind::kQHeads: return "q_heads";
+    case SplitKind::kKvHeads: return "kv_heads";
+    case SplitKind::kQkv: return "qkv";
+    case SplitKind::kGateUp: return "gate_up";
+  }
+  return "?";
+}
+
+ModelFacts ParseModelFacts(const std::string& config_json) {
+  ModelFacts f;
+  nlohmann::json j = nlohmann::json::parse(config_json, nullptr, false);
+  if (!j.is_object()) return f;
+  if (j.contains("model_type") && j["model_type"].is_string()) f.model_type = j["model_type"];
+  // Multimodal configs (Gemma 3, Llava) keep the language model's numbers here.
+  const nlohmann::json& c = j.contains("text_config") && j["text_config"].is_object() ? j["text_config"] : j;
+  auto count = [&](const char* key) -> uint64_t {
+    return c.contains(key) && c[key].is_number_unsigned() ? c[key].get<uint64_t>() : 0;
+  };
+  f.num_heads = count("num_attention_heads");
+  f.num_kv_heads = count("num_key_value_heads");
+  if (f.num_kv_heads == 0) f.num_kv_heads = f.num_heads;  // transformers' default: MHA
+  return f;
+}
+
+ShardingRules PresetRules(const ModelFacts& facts, const std::vector<std::string>& fqns) {
+  static const char* const kLlamaFamily[] = {"llama",  "mistral", "mixtral", "qwen2",       "qwen3",
+                                             "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
+                                             "phi3",   "olmo2"};
+  const std::string& type = facts.model_type;
+  bool llama = std::find(std::begin(kLlamaFamily), std::end(kLlamaFamily), type) != std::end(kLlamaFamily);
+  if (type.empty())
     llama = std::any_of(fqns.begin(), fqns.end(), [](const std::string& f) {
-      return f.find("q_proj") != std::string::npos || f.find("embed_tokens") != std::string::npos;
+      return f.find("q_proj") != std::string::npos || f.find("qkv_proj") != std::string::npos ||
+             f.find("embed_tokens") != std::string::npos;
     });
   ShardingRules r;
+  r.facts = facts;
   r.preset = llama ? "llama" : "generic";
-  if (!llama) return r;  // unknown family: replicate everything unless a rules file says otherwise
+  if (!llama) {
+    // Unknown family: nothing is split unless a rules file says how.
+    r.unknown_model = "no sharding preset for " + (type.empty() ? "these tensor names" : "model_type '" + type + "'");
+    if (type == "gpt2")
+      r.unknown_model += " (its Conv1D c_attn, c_fc, c_proj weights are stored [in, out] with q, k, v fused)";
+    return r;
+  }
   r.rules = {
-      Rule(R"((^|\.)(q_proj|k_proj|v_proj|gate_proj|up_proj|w1|w3)\.(weight|bias)$)", SplitKind::kColumn),
-      Rule(R"((^|\.)(o_proj|down_proj|w2)\.weight$)", SplitKind::kRow),
+      Rule(R"((^|\.)q_proj\.(weight|bias)$)", SplitKind::kQHeads),
+      Rule(R"((^|\.)(k_proj|v_proj)\.(weight|bias)$)", SplitKind::kKvHeads),
+      Rule(R"((^|\.)qkv_proj\.(weight|bias)$)", SplitKind::kQkv),
+      Rule(R"((^|\.)gate_up_proj(\.weight|\.bias)?$)", SplitKind::kGateUp),
+      Rule(R"((^|\.)(gate_proj|up_proj|w1|w3)\.(weight|bias)$)", SplitKind::kColumn),
+      Rule(R"((^|\.)(o_proj|down_proj|w2)(\.weight)?$)", SplitKind::kRow),
       Rule(R"((^|\.)(embed_tokens|lm_head)\.weight$)", SplitKind::kVocab),
       Rule(R"(norm\.(weight|bias)$)", SplitKind::kReplicate),
   };
@@ -118,16 +159,14 @@ Result<ShardingRules> LoadRulesFile(const std::string& text, ShardingRules base)
         !r["kind"].is_string())
       return Status::InvalidArgument("rules file: each rule needs a string \"pattern\" and \"kind\"");
     std::string kind = r["kind"];
-    SplitKind k;
-    if (kind == "column") k = SplitKind::kColumn;
-    else if (kind == "row") k = SplitKind::kRow;
-    else if (kind == "vocab") k = SplitKind::kVocab;
-    else if (kind == "replicate") k = SplitKind::kReplicate;
-    else if (kind == "dim") k = SplitKind::kDim;
-    else return Status::InvalidArgument("rules file: unknown kind '" + kind + "' (column, row, vocab, replicate, dim)");
-    int dim = r.value("dim", 0);
+    auto k = std::find_if(std::begin(kAllKinds), std::end(kAllKinds),
+                          [&](SplitKind c) { return kind == SplitKindName(c); });
+    if (k == std::end(kAllKinds))
+      return Status::InvalidArgument("rules file: unknown kind '" + kind +
+                                     "' (column, row, vocab, replicate, dim, q_heads, kv_heads, qkv, gate_up)");
+    int dim = r.contains("dim") && r["dim"].is_number_integer() ? r["dim"].get<int>() : 0;
     try {
-      rules.push_back(Rule(r["pattern"].get<std::string>(), k, dim));
+      rules.push_back(Rule(r["pattern"].get<std::string>(), *k, dim));
     } catch (const std::regex_error& e) {
       return Status::InvalidArgument("rules file: bad pattern '" + r["pattern"].get<std::string>() + "': " + e.what());
     }
@@ -135,6 +174,7 @@ Result<ShardingRules> LoadRulesFile(const std::string& text, ShardingRules base)
   rules.insert(rules.end(), base.rules.begin(), base.rules.end());
   base.rules = std::move(rules);
   base.preset += "+file";
+  base.unknown_model.clear();
   return base;
 }
 
@@ -144,65 +184,209 @@ std::pair<uint64_t, uint64_t> ChunkRange(uint64_t n, uint64_t parts, uint64_t i)
   return {b, e};
 }
 
-Result<std::optional<Box>> RankBox(const TensorMeta& t, const std::string& name, const MeshSpec& spec,
-                                   uint64_t rank, const ShardingRules& rules, uint64_t num_layers,
-                                   uint64_t num_experts) {
-  const MeshCoord c = CoordOf(spec, rank);
-  Box box = Box::Whole(t.shape);
 
-  // Pipeline stage.
+namespace {
+
+std::string Where(const std::string& name, const Shape& shape) {
+  return "tensor '" + name + "' " + ShapeToString(shape);
+}
+
+// Contiguous layer ranges (torch.chunk sizes); embeddings and anything
+// outside the layer stack on the first stage, the final norm and lm_head on
+// the last.
+uint64_t StageOf(const std::string& name, uint64_t pp, uint64_t layers) {
+  if (auto layer = IndexAfter(name, "layers")) return *layer / ((layers + pp - 1) / pp);
+  static const std::regex kFinal(R"((^|\.)(lm_head|norm|final_layernorm|ln_f)\.(weight|bias)$)");
+  return std::regex_search(name, kFinal) ? pp - 1 : 0;
+}
+
+// Whether `tp` can cut `part` of dim `dim` the way vLLM's QKVParallelLinear
+// and Megatron's ColumnParallelLinear would (the reason when not).
+Status CheckPart(const TensorPlacement::Part& part, const std::string& where, int dim, uint64_t tp) {
+  const std::string t = "tp" + std::to_string(tp);
+  const std::string span = "dim " + std::to_string(dim) + " (" + std::to_string(part.size) + ")";
+  if (part.heads == 0) {
+    if (part.size < tp) return Status::InvalidArgument(where + ": " + t + " is larger than " + span);
+    return Status::OK();
+  }
+  const std::string heads = part.replicate_heads ? "num_key_value_heads " : "num_attention_heads ";
+  const std::string count = heads + std::to_string(part.heads);
+  if (part.size % part.heads != 0)
+    return Status::InvalidArgument(where + ": " + span + " is not a whole number of heads (" + count + ")");
+  if (tp <= part.heads) {
+    if (part.heads % tp == 0) return Status::OK();
+    return Status::InvalidArgument(where + ": " + t + " does not divide " + count +
+                                   " (vLLM and Megatron-LM give every rank the same number of whole heads)");
+  }
+  if (!part.replicate_heads)
+    return Status::InvalidArgument(where + ": " + t + " is larger than " + count +
+                                   " (a rank cannot hold part of a query head)");
+  if (tp % part.heads != 0)
+    return Status::InvalidArgument(where + ": " + t + " is not a multiple of " + count +
+                                   " (vLLM replicates each KV head on tp / num_key_value_heads ranks)");
+  return Status::OK();
+}
+
+// The parts of dim `n` a rule cuts separately: q, k, v of a fused qkv_proj,
+// gate and up of a fused gate_up_proj, else the whole dim.
+Result<std::vector<TensorPlacement::Part>> PartsOf(SplitKind kind, uint64_t n, const ModelFacts& f,
+                                                   const std::string& where) {
+  using Part = TensorPlacement::Part;
+  switch (kind) {
+    case SplitKind::kQHeads: return std::vector<Part>{{0, n, f.num_heads, false}};
+    case SplitKind::kKvHeads: return std::vector<Part>{{0, n, f.num_kv_heads, true}};
+    case SplitKind::kGateUp:
+      if (n % 2) return Status::InvalidArgument(where + ": a fused gate/up dim (" + std::to_string(n) + ") must be even");
+      return std::vector<Part>{{0, n / 2, 0, false}, {n / 2, n / 2, 0, false}};
+    case SplitKind::kQkv: {
+      if (f.num_heads == 0)
+        return Status::InvalidArgument(where + ": a fused qkv tensor is split by heads, and config.json states no "
+                                       "num_attention_heads");
+      const uint64_t units = f.num_heads + 2 * f.num_kv_heads;
+      if (n % units)
+        return Status::InvalidArgument(where + ": " + std::to_string(n) + " rows are not (num_attention_heads + 2 * " +
+                                       "num_key_value_heads) = " + std::to_string(units) + " heads");
+      const uint64_t q = f.num_heads * (n / units), kv = f.num_kv_heads * (n / units);
+      return std::vector<Part>{{0, q, f.num_heads, false}, {q, kv, f.num_kv_heads, true},
+                               {q + kv, kv, f.num_kv_heads, true}};
+    }
+    default: return std::vector<Part>{{0, n, 0, false}};
+  }
+}
+
+// Sets p.dim and p.parts for `rule`; leaves them unset (replicated) for a
+// rule that does not split, or a row rule on a bias.
+Status SplitByRule(TensorPlacement& p, const ShardingRule& rule, const std::string& name, const ModelFacts& facts,
+                   uint64_t tp) {
+  const size_t lead = p.fused_experts ? 1 : 0;  // rules describe the per-expert matrix
+  const std::string where = Where(name, p.shape);
+  int dim = int(lead);
+  if (rule.kind == SplitKind::kReplicate) return Status::OK();
+  if (rule.kind == SplitKind::kRow) {
+    if (p.shape.size() < lead + 2) return Status::OK();  // a row-parallel bias is added once, whole
+    dim = int(lead) + 1;
+  } else if (rule.kind == SplitKind::kDim) {
+    dim = rule.dim;
+  }
+  if (dim < 0 || size_t(dim) >= p.shape.size())
+    return Status::InvalidArgument(where + ": rule '" + rule.pattern + "' (" + SplitKindName(rule.kind) +
+                                   ") splits dim " + std::to_string(dim) + ", which it does not have");
+  ASSIGN_OR_RETURN(auto parts, PartsOf(rule.kind, p.shape[dim], facts, where));
+  for (const auto& part : parts) RETURN_IF_ERROR(CheckPart(part, where, dim, tp));
+  p.dim = dim;
+  p.parts = std::move(parts);
+  return Status::OK();
+}
+
+// [begin, end) of `part` that tp rank `r` holds.
+std::pair<uint64_t, uint64_t> PartRange(const TensorPlacement::Part& part, uint64_t tp, uint64_t r) {
+  if (part.heads == 0) return ChunkRange(part.size, tp, r);
+  const uint64_t head = part.size / part.heads;
+  if (tp <= part.heads) {
+    const uint64_t per = part.heads / tp;
+    return {r * per * head, (r + 1) * per * head};
+  }
+  const uint64_t h = r / (tp / part.heads);  // vLLM: shard_id = tp_rank // num_kv_head_replicas
+  return {h * head, (h + 1) * head};
+}
+
+}  // namespace
+
+Status CheckHeads(const MeshSpec& spec, const ShardingRules& rules) {
+  const ModelFacts& f = rules.facts;
+  if (spec.tp == 1 || f.num_heads == 0) return Status::OK();
+  auto uses = [&](std::initializer_list<SplitKind> kinds) {
+    return std::any_of(rules.rules.begin(), rules.rules.end(), [&](const ShardingRule& r) {
+      return std::find(kinds.begin(), kinds.end(), r.kind) != kinds.end();
+    });
+  };
+  const std::string where = "config.json";
+  if (uses({SplitKind::kQHeads, SplitKind::kQkv}))
+    RETURN_IF_ERROR(CheckPart({0, f.num_heads, f.num_heads, false}, where, 0, spec.tp));
+  if (uses({SplitKind::kKvHeads, SplitKind::kQkv}))
+    RETURN_IF_ERROR(CheckPart({0, f.num_kv_heads, f.num_kv_heads, true}, where, 0, spec.tp));
+  return Status::OK();
+}
+
+Shape RankSlice::shape() const {
+  Shape s = boxes.at(0).lengths;
+  for (size_t i = 1; i < boxes.size(); ++i) s[join_dim] += boxes[i].lengths[join_dim];
+  return s;
+}
+
+ModelCounts CountModel(const std::vector<std::pair<std::string, Shape>>& weights) {
+  ModelCounts c;
+  for (const auto& [name, shape] : weights) {
+    if (auto i = IndexAfter(name, "layers")) c.layers = std::max(c.layers, *i + 1);
+    if (auto e = IndexAfter(name, "experts")) c.experts = std::max(c.experts, *e + 1);
+    if (IsFusedExperts(name, shape)) c.experts = std::max(c.experts, shape[0]);
+  }
+  return c;
+}
+
+Result<TensorPlacement> PlaceTensor(const Shape& shape, const std::string& name, const MeshSpec& spec,
+                                    const ShardingRules& rules, const ModelCounts& counts) {
+  TensorPlacement p;
+  p.shape = shape;
   if (spec.pp > 1) {
-    if (num_layers < spec.pp)
+    if (counts.layers < spec.pp)
       return Status::InvalidArgument("pp" + std::to_string(spec.pp) + " needs at least " + std::to_string(spec.pp) +
-                                     " layers; the checkpoint has " + std::to_string(num_layers));
-    uint64_t stage;
-    if (auto layer = IndexAfter(name, "layers")) {
-      uint64_t step = (num_layers + spec.pp - 1) / spec.pp;
-      stage = *layer / step;
-    } else if (static const std::regex kFinal(R"((^|\.)(lm_head|norm|final_layernorm|ln_f)\.(weight|bias)$)");
-               std::regex_search(name, kFinal)) {
-      stage = spec.pp - 1;
-    } else {
-      stage = 0;  // embeddings and anything outside the layer stack
-    }
-    if (stage != c.pp) return std::optional<Box>();
+                                     " layers; the checkpoint has " + std::to_string(counts.layers));
+    p.stage = StageOf(name, spec.pp, counts.layers);
   }
-
-  // Expert group.
-  if (auto expert = IndexAfter(name, "experts")) {
-    if (spec.ep > 1) {
-      if (num_experts < spec.ep)
-        return Status::InvalidArgument("ep" + std::to_string(spec.ep) + " needs at least " + std::to_string(spec.ep) +
-                                       " experts; the checkpoint has " + std::to_string(num_experts));
-      auto [b, e] = ChunkRange(num_experts, spec.ep, c.ep);
-      if (*expert < b || *expert >= e) return std::optional<Box>();
+  p.fused_experts = IsFusedExperts(name, shape);
+  if (spec.ep > 1) {
+    const std::string ep = "ep" + std::to_string(spec.ep);
+    if (counts.experts == 0) return Status::InvalidArgument(ep + ": the checkpoint has no experts");
+    uint64_t experts = p.fused_experts ? shape[0] : counts.experts;
+    if (experts < spec.ep)
+      return Status::InvalidArgument(ep + " needs at least " + std::to_string(spec.ep) + " experts; " +
+                                     (p.fused_experts ? Where(name, shape) + " holds " : "the checkpoint has ") +
+                                     std::to_string(experts));
+    if (auto e = IndexAfter(name, "experts")) {
+      for (uint64_t g = 0; g < spec.ep && !p.ep_group; ++g) {
+        auto [b, end] = ChunkRange(counts.experts, spec.ep, g);
+        if (*e >= b && *e < end) p.ep_group = g;
+      }
     }
-  } else if (spec.ep > 1 && num_experts == 0) {
-    return Status::InvalidArgument("ep" + std::to_string(spec.ep) + ": the checkpoint has no experts");
   }
-
-  // Tensor-parallel split.
-  const ShardingRule* rule = nullptr;
+  if (spec.tp == 1) return p;
   for (const auto& r : rules.rules)
     if (std::regex_search(name, r.re)) {
-      rule = &r;
+      RETURN_IF_ERROR(SplitByRule(p, r, name, rules.facts, spec.tp));
       break;
     }
-  if (!rule || rule->kind == SplitKind::kReplicate || spec.tp == 1) return std::optional<Box>(box);
-  int dim = rule->kind == SplitKind::kRow ? 1 : rule->kind == SplitKind::kDim ? rule->dim : 0;
-  if (rule->kind == SplitKind::kRow && t.shape.size() < 2) return std::optional<Box>(box);  // row bias: replicated
-  if (dim < 0 || size_t(dim) >= t.shape.size())
-    return Status::InvalidArgument("tensor '" + name + "' " + ShapeToString(t.shape) + ": rule '" + rule->pattern +
-                                   "' (" + KindName(rule->kind) + ") splits dim " + std::to_string(dim) +
-                                   ", which it does not have");
-  if (t.shape[dim] < spec.tp)
-    return Status::InvalidArgument("tensor '" + name + "' " + ShapeToString(t.shape) + ": tp" +
-                                   std::to_string(spec.tp) + " is larger than dim " + std::to_string(dim) +
-                                   " (" + std::to_string(t.shape[dim]) + ")");
-  auto [b, e] = ChunkRange(t.shape[dim], spec.tp, c.tp);
-  box.offsets[dim] = b;
-  box.lengths[dim] = e - b;
-  return std::optional<Box>(box);
+  return p;
+}
+
+std::optional<RankSlice> SliceOf(const TensorPlacement& p, const MeshSpec& spec, uint64_t rank) {
+  const MeshCoord c = CoordOf(spec, rank);
+  if (p.stage && *p.stage != c.pp) return std::nullopt;
+  if (p.ep_group && *p.ep_group != c.ep) return std::nullopt;
+  Box base = Box::Whole(p.shape);
+  if (p.fused_experts && spec.ep > 1) {
+    auto [b, e] = ChunkRange(p.shape[0], spec.ep, c.ep);
+    if (b == e) return std::nullopt;  // more ep groups than this layer has experts for
+    base.offsets[0] = b;
+    base.lengths[0] = e - b;
+  }
+  RankSlice out;
+  if (p.dim < 0) {
+    out.boxes.push_back(std::move(base));
+    return out;
+  }
+  out.join_dim = p.dim;
+  for (const auto& part : p.parts) {
+    auto [b, e] = PartRange(part, spec.tp, c.tp);
+    Box box = base;
+    box.offsets[p.dim] = part.begin + b;
+    box.lengths[p.dim] = e - b;
+    if (e > b || out.boxes.empty()) out.boxes.push_back(std::move(box));
+  }
+  // A rank whose first part came out empty keeps that empty box only when
+  // no later part gave it anything.
+  if (out.boxes.size() > 1 && out.boxes.front().lengths[p.dim] == 0) out.boxes.erase(out.boxes.begin());
+  return out;
 }
 
 }  // namespace ckptfs

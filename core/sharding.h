@@ -7,12 +7,22 @@
 //   rank = (pp_rank * ep + ep_rank) * tp + tp_rank.
 //
 // Rules map tensor names to a kind: column/vocab (split dim 0 over tp), row
-// (split dim 1 over tp), replicate, or a custom split dim. Splits follow
-// DTensor Shard semantics: torch.chunk sizes, ceil(n / parts) per rank, the
-// last ranks smaller or empty. Experts (`experts.<e>.`) go to ep ranks in
-// contiguous blocks; layers (`layers.<i>.`) to pp stages in contiguous
-// ranges (torch.chunk sizes), embeddings on the first stage, the final norm
-// and lm_head on the last.
+// (split dim 1 over tp), replicate, a custom split dim, or one of the
+// head-aware and fused kinds the presets use (q_heads, kv_heads, qkv,
+// gate_up). Plain splits follow DTensor Shard semantics: torch.chunk sizes,
+// ceil(n / parts) per rank, the last ranks smaller or empty. Head-aware
+// splits follow vLLM's QKVParallelLinear: whole heads per rank, KV heads
+// replicated over tp / num_key_value_heads ranks when tp exceeds them, and
+// refused where vLLM refuses. Fused tensors (Phi-3 qkv_proj, gate_up_proj)
+// are split per part and the rank's pieces joined again.
+//
+// Experts: per-expert names (`experts.<e>.`) go to ep ranks in contiguous
+// blocks; fused expert tensors (`experts.gate_up_proj [E, 2I, H]`, as
+// transformers 5 saves them) are sliced on dim 0 in the same blocks, and
+// the rules apply to the per-expert matrix behind it (dims shifted by one).
+// Layers (`layers.<i>.`) go to pp stages in contiguous ranges (torch.chunk
+// sizes), embeddings on the first stage, the final norm and lm_head on the
+// last.
 #pragma once
 
 #include <cstdint>
@@ -42,7 +52,18 @@ struct MeshCoord {
 };
 MeshCoord CoordOf(const MeshSpec& spec, uint64_t rank);
 
-enum class SplitKind { kReplicate, kColumn, kRow, kVocab, kDim };
+enum class SplitKind {
+  kReplicate,
+  kColumn,   // output dim (dim 0 of a [out, in] weight, or a bias)
+  kRow,      // input dim (dim 1); a 1-d row bias is replicated
+  kVocab,    // dim 0 of an embedding or lm_head
+  kDim,      // ShardingRule::dim
+  kQHeads,   // column, in whole query heads
+  kKvHeads,  // column, in whole KV heads; replicated when tp > KV heads
+  kQkv,      // fused [q; k; v] rows, each part split by heads
+  kGateUp,   // fused [gate; up] rows, each half split
+};
+const char* SplitKindName(SplitKind k);
 
 struct ShardingRule {
   std::string pattern;  // ECMAScript regex, matched with regex_search against the fqn
@@ -51,32 +72,80 @@ struct ShardingRule {
   std::regex re;
 };
 
+// What head-aware splitting needs from config.json; 0 = not stated.
+struct ModelFacts {
+  std::string model_type;
+  uint64_t num_heads = 0;     // num_attention_heads
+  uint64_t num_kv_heads = 0;  // num_key_value_heads (num_heads when absent)
+};
+
+// Reads the facts from config.json's text (text_config for multimodal
+// configs). Anything missing or malformed stays 0.
+ModelFacts ParseModelFacts(const std::string& config_json);
+
 struct ShardingRules {
   std::string preset;               // "llama", "generic", ...
   std::vector<ShardingRule> rules;  // first match wins; no match = replicate
+  ModelFacts facts;
+  // Why nothing is split, for a model no preset knows ("" otherwise).
+  std::string unknown_model;
 };
 
-// The preset for a model family: "llama" covers Llama, Mistral, Qwen(2/3),
-// Mixtral-style MoE names. `model_type` comes from config.json ("" if none);
-// without it, the preset is chosen from the tensor names.
-ShardingRules PresetRules(const std::string& model_type, const std::vector<std::string>& fqns);
+// The preset for a model family: "llama" covers Llama, Mistral, Qwen2/3,
+// Gemma, Phi-3, OLMo-2 and the Mixtral/Qwen-MoE expert names, per-expert
+// and fused. Without facts.model_type the preset is chosen from the names.
+ShardingRules PresetRules(const ModelFacts& facts, const std::vector<std::string>& fqns);
 
-// Reads a rules file: {"rules": [{"pattern": "...", "kind": "column|row|vocab|replicate", "dim": N}]}
-// ("dim" with kind "dim"). Its rules go before `base`'s.
+// Reads a rules file: {"rules": [{"pattern": "...", "kind": KIND, "dim": N}]}
+// with KIND one of column, row, vocab, replicate, dim, q_heads, kv_heads,
+// qkv, gate_up ("dim" with kind "dim"). Its rules go before `base`'s.
 Result<ShardingRules> LoadRulesFile(const std::string& json_text, ShardingRules base);
 
 // torch.chunk sizes: the [begin, end) of part `i` of `n` split into `parts`.
 std::pair<uint64_t, uint64_t> ChunkRange(uint64_t n, uint64_t parts, uint64_t i);
 
-// The box of `t` (named `name` in the view; rules match the name) that rank
-// `rank` of `spec` holds, or nullopt when the rank holds none of it (another
-// pipeline stage or expert group). InvalidArgument when the split is
-// impossible (tp larger than the split dimension, say).
-Result<std::optional<Box>> RankBox(const TensorMeta& t, const std::string& name, const MeshSpec& spec,
-                                   uint64_t rank, const ShardingRules& rules, uint64_t num_layers,
-                                   uint64_t num_experts);
+// Layer and expert counts of a model, over its weight names and shapes.
+struct ModelCounts {
+  uint64_t layers = 0;   // highest `layers.<i>.` + 1
+  uint64_t experts = 0;  // highest `experts.<e>.` + 1, or dim 0 of fused experts
+};
 
-// Highest `layers.<i>.` index + 1, and `experts.<e>.` index + 1, over fqns.
-uint64_t CountIndexed(const std::vector<std::string>& fqns, const std::string& key);
+// Where one tensor goes under a spec: computed once per tensor (rule
+// matching is the costly part), then cut for each rank by SliceOf.
+struct TensorPlacement {
+  Shape shape;
+  std::optional<uint64_t> stage;   // pp stage holding it (always set when pp > 1)
+  std::optional<uint64_t> ep_group;  // ep group holding an `experts.<e>.` tensor
+  bool fused_experts = false;        // dim 0 indexes experts, sliced over ep
+  int dim = -1;                    // tp split dim; -1 = whole on every tp rank
+  struct Part {
+    uint64_t begin = 0, size = 0;  // along dim
+    uint64_t heads = 0;            // split in whole heads when > 0
+    bool replicate_heads = false;  // KV heads: tp > heads copies each head
+  };
+  std::vector<Part> parts;
+};
+
+// A rank's share of one tensor: boxes in the global tensor, joined along
+// join_dim in order (one box unless the tensor is fused).
+struct RankSlice {
+  std::vector<Box> boxes;
+  int join_dim = 0;
+  Shape shape() const;  // of the joined result
+};
+
+// InvalidArgument with the reason when the spec is impossible for the tensor
+// (tp larger than the split dimension, heads tp does not divide, ...).
+Result<TensorPlacement> PlaceTensor(const Shape& shape, const std::string& name, const MeshSpec& spec,
+                                    const ShardingRules& rules, const ModelCounts& counts);
+// The model-wide head check: tp must divide num_attention_heads, and divide
+// or be a multiple of num_key_value_heads (when the rules have head-aware
+// kinds and config.json states the counts). For the message when a tensor's
+// head split was refused; rules that never match a head tensor make it moot.
+Status CheckHeads(const MeshSpec& spec, const ShardingRules& rules);
+std::optional<RankSlice> SliceOf(const TensorPlacement& p, const MeshSpec& spec, uint64_t rank);
+
+// Counts over (name, shape) pairs.
+ModelCounts CountModel(const std::vector<std::pair<std::string, Shape>>& weights);
 
 }  // namespace ckptfs

@@ -65,6 +65,39 @@ std::string ShardName(size_t i, size_t n) {
   return buf;
 }
 
+// Why no byte of `s` can be read ("" when some can): the tensor's own
+// problem, or an unavailable chunk under every one of its boxes.
+std::string Unservable(const TensorSlice& s) {
+  if (!s.tensor->problem.empty()) return s.tensor->problem;
+  std::string why;
+  for (const Box& b : s.joined.empty() ? std::vector<Box>{s.box} : s.joined) {
+    if (b.empty()) continue;
+    bool readable = true;
+    for (const Chunk& c : s.tensor->chunks)
+      if (!c.unavailable.empty() && Intersect(c.shard.box, b)) {
+        readable = false;
+        if (why.empty()) why = c.unavailable;
+      }
+    if (readable) return "";
+  }
+  return why;
+}
+
+// A weight file none of whose tensors can be served is refused at open
+// (EIO): safetensors maps files, and a read error under a mapping is a bus
+// error that kills the process, where a failed open is a Python exception.
+std::string FileProblem(const SliceList& list, const Checkpoint& ckpt) {
+  if (!ckpt.incomplete.empty()) return "checkpoint incomplete: " + ckpt.incomplete;
+  std::string first;
+  for (const TensorSlice& s : list) {
+    std::string why = Unservable(s);
+    if (why.empty()) return "";
+    if (first.empty()) first = "tensor '" + s.entry_name() + "': " + why;
+  }
+  if (list.empty()) return "";
+  return "none of its " + std::to_string(list.size()) + " tensors can be served (" + first + ")";
+}
+
 // Safetensors files (+ index.json when more than one) for `groups`, then
 // the sidecars. Fills *file_of (fqn -> file name) when given.
 Result<std::vector<ViewFile>> HfFolder(const std::vector<SliceList>& groups, const Checkpoint& ckpt,
@@ -79,18 +112,22 @@ Result<std::vector<ViewFile>> HfFolder(const std::vector<SliceList>& groups, con
     ASSIGN_OR_RETURN(Layout layout, SafetensorsFileLayout(list, kHfMetadata));
     std::string name = groups.size() == 1 ? "model.safetensors" : ShardName(i, groups.size());
     for (const TensorSlice& s : list) {
-      names[s.entry_name()] = name;
+      names.emplace_hint(names.end(), s.entry_name(), name);
       total += s.nbytes();
     }
-    out.push_back({name, std::make_shared<const Layout>(std::move(layout)), ckpt.incomplete});
+    out.push_back({name, std::make_shared<const Layout>(std::move(layout)), FileProblem(list, ckpt)});
   }
   if (groups.size() > 1) {
-    nlohmann::ordered_json weight_map = nlohmann::ordered_json::object();
-    for (const auto& [fqn, file] : names) weight_map[fqn] = file;
-    nlohmann::ordered_json index = {{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}};
+    // nlohmann::json keeps keys sorted (a std::map): "metadata" before
+    // "weight_map", names in order, each insert O(log n). ordered_json would
+    // search linearly on every insert.
+    nlohmann::json weight_map = nlohmann::json::object();
+    for (const auto& [fqn, file] : names) weight_map.emplace(fqn, file);
+    nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", std::move(weight_map)}};
     Layout layout;
     layout.AddLiteral(index.dump(2) + "\n");
-    out.push_back({"model.safetensors.index.json", std::make_shared<const Layout>(std::move(layout)), ckpt.incomplete});
+    out.push_back({"model.safetensors.index.json", std::make_shared<const Layout>(std::move(layout)),
+                   ckpt.incomplete.empty() ? "" : "checkpoint incomplete: " + ckpt.incomplete});
   }
   for (const auto& [name, id] : ckpt.sidecars) {
     Layout layout;
@@ -98,12 +135,6 @@ Result<std::vector<ViewFile>> HfFolder(const std::vector<SliceList>& groups, con
     out.push_back({name, std::make_shared<const Layout>(std::move(layout)), ""});
   }
   if (file_of) *file_of = std::move(names);
-  return out;
-}
-
-std::vector<std::string> Names(const SliceList& slices) {
-  std::vector<std::string> out;
-  for (const auto& s : slices) out.push_back(s.entry_name());
   return out;
 }
 
@@ -274,50 +305,119 @@ Result<std::vector<ViewFile>> TensorsView(const Checkpoint& ckpt) {
   return out;
 }
 
-Status CheckMeshSpec(const Checkpoint& ckpt, const MeshSpec& spec, const ShardingRules& rules) {
-  ASSIGN_OR_RETURN(SliceList weights, ModelWeights(ckpt, {}));
-  const auto names = Names(weights);
-  const uint64_t layers = CountIndexed(names, "layers"), experts = CountIndexed(names, "experts");
-  for (uint64_t rank = 0; rank < spec.world(); ++rank)
-    for (const auto& w : weights) {
-      auto box = RankBox(*w.tensor, w.entry_name(), spec, rank, rules, layers, experts);
-      if (!box.ok()) return box.status();
-    }
-  return Status::OK();
+namespace {
+
+// Appends to a JSON object in O(1): ordered_json's own insert searches the
+// keys linearly (quadratic over 100k tensors). Keys here are unique.
+void Append(nlohmann::ordered_json& object, std::string key, nlohmann::ordered_json value) {
+  using Base = std::vector<std::pair<const std::string, nlohmann::ordered_json>>;
+  static_cast<Base&>(object.get_ref<nlohmann::ordered_json::object_t&>())
+      .emplace_back(std::move(key), std::move(value));
 }
 
-Result<std::vector<ViewFile>> MeshRankView(const Checkpoint& ckpt, const std::vector<SourceFile>& files,
-                                           const MeshSpec& spec, uint64_t rank, const ShardingRules& rules,
-                                           const ConsolidatedOptions& options) {
-  ASSIGN_OR_RETURN(SliceList weights, ModelWeights(ckpt, options));
-  const auto names = Names(weights);
-  const uint64_t layers = CountIndexed(names, "layers"), experts = CountIndexed(names, "experts");
-  SliceList slices;
-  nlohmann::ordered_json tensors = nlohmann::ordered_json::object();
-  for (const auto& w : weights) {
-    ASSIGN_OR_RETURN(std::optional<Box> box, RankBox(*w.tensor, w.entry_name(), spec, rank, rules, layers, experts));
-    if (!box) continue;
-    slices.push_back({w.tensor, *box, w.name});
+nlohmann::ordered_json BoxJson(const Box& b) { return {{"offsets", b.offsets}, {"lengths", b.lengths}}; }
+
+// layout.json's entry for one slice: its box, or for a fused tensor the
+// boxes joined along join_dim.
+nlohmann::ordered_json SliceJson(const TensorSlice& s, const std::string& file) {
+  nlohmann::ordered_json j = {{"dtype", std::string(DTypeName(s.tensor->dtype))},
+                              {"global_shape", s.tensor->shape}};
+  if (s.joined.empty()) {
+    j["offsets"] = s.box.offsets;
+    j["lengths"] = s.box.lengths;
+  } else {
+    j["lengths"] = s.shape();
+    j["join_dim"] = s.join_dim;
+    nlohmann::ordered_json parts = nlohmann::ordered_json::array();
+    for (const Box& b : s.joined) parts.push_back(BoxJson(b));
+    j["parts"] = std::move(parts);
   }
-  auto groups = SplitBySize(slices, options.max_file_bytes);
+  j["file"] = file;
+  return j;
+}
+
+// What a user should know about the spec as a whole (layout.json "notes",
+// and the log): a tp spec that split nothing, and why.
+std::vector<std::string> MeshNotes(const MeshSpec& spec, const ShardingRules& rules,
+                                   const std::vector<TensorPlacement>& placements) {
+  if (spec.tp == 1) return {};
+  bool split = std::any_of(placements.begin(), placements.end(), [](const TensorPlacement& p) { return p.dim >= 0; });
+  if (split) return {};
+  std::string why = !rules.unknown_model.empty()
+                        ? rules.unknown_model
+                        : "no rule of the '" + rules.preset + "' rules matched a tensor it could split";
+  return {"tp" + std::to_string(spec.tp) + " split nothing: " + why +
+          "; every rank holds whole copies. Say how to split with `ckptfs mount --rules FILE` (see mesh/README)"};
+}
+
+// One rank's folder: its slices in safetensors file(s), the sidecars, and
+// layout.json.
+Result<std::vector<ViewFile>> MeshRankFiles(const Checkpoint& ckpt, const std::vector<SourceFile>& files,
+                                            const MeshSpec& spec, uint64_t rank, const ShardingRules& rules,
+                                            const SliceList& slices, const std::vector<std::string>& notes,
+                                            const ConsolidatedOptions& options) {
   std::map<std::string, std::string> file_of;
-  ASSIGN_OR_RETURN(std::vector<ViewFile> out, HfFolder(groups, ckpt, files, &file_of));
-  for (const TensorSlice& s : slices)
-    tensors[s.entry_name()] = {{"dtype", std::string(DTypeName(s.tensor->dtype))},
-                               {"global_shape", s.tensor->shape},
-                               {"offsets", s.box.offsets},
-                               {"lengths", s.box.lengths},
-                               {"file", file_of[s.entry_name()]}};
+  ASSIGN_OR_RETURN(std::vector<ViewFile> out,
+                   HfFolder(SplitBySize(slices, options.max_file_bytes), ckpt, files, &file_of));
+  nlohmann::ordered_json tensors = nlohmann::ordered_json::object();
+  for (const TensorSlice& s : slices) Append(tensors, s.entry_name(), SliceJson(s, file_of[s.entry_name()]));
   const MeshCoord c = CoordOf(spec, rank);
   nlohmann::ordered_json layout = {{"mesh", spec.name},
                                    {"rank", rank},
                                    {"world_size", spec.world()},
                                    {"coords", {{"tp", c.tp}, {"pp", c.pp}, {"ep", c.ep}}},
                                    {"rules", rules.preset},
-                                   {"tensors", tensors}};
+                                   {"notes", notes}};
+  Append(layout, "tensors", std::move(tensors));
   Layout lj;
   lj.AddLiteral(layout.dump(2) + "\n");
   out.push_back({"layout.json", std::make_shared<const Layout>(std::move(lj)), ""});
+  return out;
+}
+
+}  // namespace
+
+Result<MeshFiles> MeshView(const Checkpoint& ckpt, const std::vector<SourceFile>& files, const MeshSpec& spec,
+                           const ShardingRules& rules, const ConsolidatedOptions& options) {
+  ASSIGN_OR_RETURN(SliceList weights, ModelWeights(ckpt, options));
+  std::vector<std::pair<std::string, Shape>> shapes;
+  shapes.reserve(weights.size());
+  for (const auto& w : weights) shapes.emplace_back(w.entry_name(), w.tensor->shape);
+  const ModelCounts counts = CountModel(shapes);
+  // Every tensor is placed (and the spec checked) before any file is built.
+  std::vector<TensorPlacement> placements;
+  placements.reserve(weights.size());
+  for (const auto& w : weights) {
+    auto p = PlaceTensor(w.tensor->shape, w.entry_name(), spec, rules, counts);
+    if (!p.ok()) {
+      // A head split refused on some tensor (k_proj sorts before q_proj) is
+      // reported for the model: "tp3 does not divide num_attention_heads 4".
+      const std::string& why = p.status().message();
+      Status model = CheckHeads(spec, rules);
+      bool heads = why.find("num_attention_heads") != std::string::npos ||
+                   why.find("num_key_value_heads") != std::string::npos;
+      return heads && !model.ok() ? model : p.status();
+    }
+    placements.push_back(std::move(*p));
+  }
+  MeshFiles out;
+  out.notes = MeshNotes(spec, rules, placements);
+  for (uint64_t rank = 0; rank < spec.world(); ++rank) {
+    SliceList slices;
+    for (size_t i = 0; i < weights.size(); ++i) {
+      std::optional<RankSlice> r = SliceOf(placements[i], spec, rank);
+      if (!r) continue;
+      TensorSlice s{weights[i].tensor, r->boxes[0], weights[i].name, {}, 0};
+      if (r->boxes.size() > 1) {
+        s.joined = std::move(r->boxes);
+        s.join_dim = r->join_dim;
+      }
+      slices.push_back(std::move(s));
+    }
+    ASSIGN_OR_RETURN(std::vector<ViewFile> rank_files, MeshRankFiles(ckpt, files, spec, rank, rules, slices,
+                                                                     out.notes, options));
+    out.ranks.push_back(std::move(rank_files));
+  }
   return out;
 }
 
@@ -333,27 +433,31 @@ std::string MeshReadme(const ShardingRules& rules) {
       "by '-': tp4, tp2-pp2, tp2-ep4. Ranks are numbered tp fastest, then ep, then pp:\n"
       "  rank = (pp_rank * ep + ep_rank) * tp + tp_rank\n"
       "\n"
-      "Splits follow DTensor Shard semantics (torch.chunk sizes: ceil(n/parts) per rank,\n"
-      "the last ranks smaller or empty). Pipeline stages take contiguous ranges of\n"
-      "layers.<i>; embeddings go to the first stage, the final norm and lm_head to the\n"
-      "last. Experts (experts.<e>.) go to ep ranks in contiguous blocks.\n"
+      "Plain splits follow DTensor Shard semantics (torch.chunk sizes: ceil(n/parts)\n"
+      "per rank, the last ranks smaller or empty). Attention heads are never cut:\n"
+      "q_heads/kv_heads/qkv split in whole heads (num_attention_heads and\n"
+      "num_key_value_heads from config.json); when tp exceeds the KV heads each KV\n"
+      "head is replicated on tp/num_key_value_heads ranks, as vLLM loads it. Fused\n"
+      "tensors (qkv, gate_up) are split per part and a rank's parts joined again.\n"
+      "Pipeline stages take contiguous ranges of layers.<i>; embeddings go to the\n"
+      "first stage, the final norm and lm_head to the last. Experts (experts.<e>.,\n"
+      "or dim 0 of fused experts.gate_up_proj / experts.down_proj) go to ep ranks in\n"
+      "contiguous blocks; tp then splits within each expert.\n"
       "\n"
       "layout.json in each rank folder gives every tensor's global shape and this\n"
-      "rank's box (offsets, lengths), so a loader can check what it got.\n"
-      "An impossible spec (tp larger than a split dimension, an unknown axis) is\n"
-      "ENOENT, with the reason in the log and in `ckptfs ls ROOT --mesh SPEC`.\n"
-      "\n"
-      "Rules in use (" + rules.preset + "; first match wins, no match = replicated):\n";
-  for (const auto& r : rules.rules) {
-    const char* kind = r.kind == SplitKind::kColumn ? "column (dim 0)"
-                       : r.kind == SplitKind::kRow  ? "row (dim 1)"
-                       : r.kind == SplitKind::kVocab ? "vocab (dim 0)"
-                       : r.kind == SplitKind::kDim  ? "dim"
-                                                    : "replicate";
-    s += "  " + r.pattern + "  ->  " + kind + (r.kind == SplitKind::kDim ? " " + std::to_string(r.dim) : "") + "\n";
-  }
-  s += "\nOverride or extend with `ckptfs mount --rules FILE` "
-       "(JSON: {\"rules\": [{\"pattern\": REGEX, \"kind\": column|row|vocab|replicate|dim, \"dim\": N}]}).\n";
+      "rank's box (offsets, lengths; for a fused tensor its parts and join_dim), so a\n"
+      "loader can check what it got; its \"notes\" say when a spec split nothing.\n"
+      "An impossible spec (tp larger than a split dimension or not dividing the\n"
+      "heads, an unknown axis) is ENOENT, with the reason in the log and in\n"
+      "`ckptfs ls ROOT --mesh SPEC`.\n"
+      "\n";
+  if (!rules.unknown_model.empty()) s += "Nothing is split over tp: " + rules.unknown_model + ".\n\n";
+  s += "Rules in use (" + rules.preset + "; first match wins, no match = replicated):\n";
+  for (const auto& r : rules.rules)
+    s += "  " + r.pattern + "  ->  " + SplitKindName(r.kind) +
+         (r.kind == SplitKind::kDim ? " " + std::to_string(r.dim) : "") + "\n";
+  s += "\nOverride or extend with `ckptfs mount --rules FILE` (JSON: {\"rules\": [{\"pattern\": REGEX,\n"
+       "\"kind\": column|row|vocab|replicate|dim|q_heads|kv_heads|qkv|gate_up, \"dim\": N}]}).\n";
   return s;
 }
 

@@ -1,4 +1,4 @@
-// Views: the virtual files made from a checkpoint (see DESIGN.md, "Virtual
+// Views: the virtual files made from a checkpoint (see ../shared/DESIGN.md, "Virtual
 // namespace"). Pure functions from the catalog to named Layouts; fs/ puts
 // them in the tree and tools/ reads them through the same planner.
 #pragma once
@@ -19,8 +19,9 @@ namespace ckptfs {
 struct ViewFile {
   std::string name;  // relative to the view directory
   std::shared_ptr<const Layout> layout;
-  // Non-empty when the file cannot be served (the checkpoint is incomplete);
-  // it is still listed so `ls` shows what would be there.
+  // Non-empty when the file cannot be served (the checkpoint is incomplete,
+  // or none of the file's tensors can be read): it is still listed so `ls`
+  // shows what would be there, but opening it fails (EIO) with this reason.
   std::string problem;
 };
 
@@ -56,14 +57,19 @@ Result<std::vector<ViewFile>> ConsolidatedView(const Checkpoint& ckpt,
                                                const std::vector<SourceFile>& files,
                                                const ConsolidatedOptions& options);
 
-// What rank `rank` of `spec` loads: its slice of every tensor it holds (in
+// Every rank's folder under `spec`: its slice of each tensor it holds (in
 // model.safetensors, or split files + index.json when large), the sidecars,
-// and layout.json giving each tensor's global shape and this rank's box.
-// InvalidArgument (with the reason) when the spec is impossible for this
-// checkpoint.
-Result<std::vector<ViewFile>> MeshRankView(const Checkpoint& ckpt, const std::vector<SourceFile>& files,
-                                           const MeshSpec& spec, uint64_t rank, const ShardingRules& rules,
-                                           const ConsolidatedOptions& options);
+// and layout.json giving each tensor's global shape and this rank's box
+// (or, for a fused tensor, the boxes joined), plus `notes` for the whole
+// spec (a tp spec that split nothing says so). InvalidArgument with the
+// reason when the spec is impossible for this checkpoint; no file is built
+// then.
+struct MeshFiles {
+  std::vector<std::vector<ViewFile>> ranks;  // by rank
+  std::vector<std::string> notes;
+};
+Result<MeshFiles> MeshView(const Checkpoint& ckpt, const std::vector<SourceFile>& files, const MeshSpec& spec,
+                           const ShardingRules& rules, const ConsolidatedOptions& options);
 
 // tensors/: one NumPy .npy file per tensor (NPY 1.0 header + C-order data),
 // named EscapeFileName(fqn) + ".npy". Dtypes NumPy lacks (BF16, F8_*, F4,
@@ -84,10 +90,6 @@ std::string UnescapeFileName(const std::string& name);
 std::string NpyHeader(const std::string& descr, const Shape& shape);
 // NumPy's descr for a dtype as stored in .npy views ('<f4' for converted ones).
 std::string NpyDescr(DType t);
-
-// Checks a spec against a checkpoint without building files (for ENOENT
-// reasons and `ckptfs ls --mesh`).
-Status CheckMeshSpec(const Checkpoint& ckpt, const MeshSpec& spec, const ShardingRules& rules);
 
 // The text of mesh/README: the grammar, rank order and rules in use.
 std::string MeshReadme(const ShardingRules& rules);

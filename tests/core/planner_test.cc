@@ -168,14 +168,13 @@ TEST_F(PlannerProperty, RandomTensorsShardingsAndRangesMatchPerElementReference)
       tensor->chunks.push_back(c);
     }
 
-    Catalog catalog;
-    catalog.root = dir_.string();
+    std::vector<SourceFile> files;
     for (int f = 0; f < nfiles; ++f) {
       std::string name = "case" + std::to_string(iter) + "_" + std::to_string(f);
       std::ofstream(dir_ / name, std::ios::binary) << contents[f];
       SourceFile sf = *StatSource((dir_ / name).string());
       sf.path = name;
-      catalog.files.push_back(sf);
+      files.push_back(sf);
     }
 
     // Target region: whole tensor, or a random sub-box.
@@ -206,7 +205,7 @@ TEST_F(PlannerProperty, RandomTensorsShardingsAndRangesMatchPerElementReference)
     expected += tail;
     ASSERT_EQ(layout.size(), expected.size());
 
-    SourceReader reader(&catalog);
+    SourceReader reader(dir_.string(), &files);
     for (int k = 0; k < 25; ++k) {
       uint64_t a = rng() % (expected.size() + 4), len = rng() % (expected.size() + 4);
       if (k == 0) a = 0, len = expected.size();

@@ -1,6 +1,8 @@
 #include "core/views.h"
 
 #include <gtest/gtest.h>
+
+#include <ctime>
 #include <nlohmann/json.hpp>
 
 #include "core/planner.h"
@@ -91,7 +93,7 @@ TEST(ConsolidatedView, IncompleteCheckpointMarksEveryWeightFile) {
   ck.incomplete = "shard-00002: header is not valid JSON";
   auto files = ConsolidatedView(ck, {}, {});
   ASSERT_TRUE(files.ok());
-  for (const auto& f : *files) EXPECT_EQ(f.problem, ck.incomplete);
+  for (const auto& f : *files) EXPECT_EQ(f.problem, "checkpoint incomplete: " + ck.incomplete);
 }
 
 TEST(ConsolidatedView, SidecarsPassThrough) {
@@ -206,6 +208,171 @@ TEST(ModelWeights, TwoTensorsWithOneNameIsAnError) {
   auto w = ModelWeights(ck, {});
   ASSERT_FALSE(w.ok());
   EXPECT_NE(w.status().message().find("would both be named 'a'"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace ckptfs
+
+namespace ckptfs {
+namespace {
+
+// Row-major flat indices of box `b` of a tensor of `shape`, in order.
+std::vector<uint64_t> FlatIndices(const Shape& shape, const Box& b) {
+  std::vector<uint64_t> out;
+  std::vector<uint64_t> at(b.rank(), 0);
+  for (uint64_t n = 0; n < b.numel(); ++n) {
+    uint64_t flat = 0;
+    for (size_t d = 0; d < shape.size(); ++d) flat = flat * shape[d] + b.offsets[d] + at[d];
+    out.push_back(flat);
+    for (size_t d = b.rank(); d-- > 0;)
+      if (++at[d] < b.lengths[d]) break;
+      else at[d] = 0;
+  }
+  return out;
+}
+
+// The joined entry's bytes must be the row-major bytes of the parts
+// concatenated along join_dim (what torch.cat gives), for every join dim.
+TEST(TensorSlice, ByteOrderIsTheRowMajorOrderOfTheJoinedTensor) {
+  auto t = Whole("experts.gate_up_proj", DType::kF32, {3, 8, 4});
+  for (int dim = 0; dim < 3; ++dim) {
+    Box a = Box::Whole(t->shape), b = Box::Whole(t->shape);
+    a.offsets[dim] = 0;
+    a.lengths[dim] = 1;
+    b.offsets[dim] = 2;
+    b.lengths[dim] = 1;
+    TensorSlice s{t, a, "", {a, b}, dim};
+    Shape joined = t->shape;
+    joined[dim] = 2;
+    EXPECT_EQ(s.shape(), joined);
+    // Independent model: walk the joined tensor in C order, map each element
+    // to its source element.
+    std::vector<uint64_t> want;
+    Box all = Box::Whole(joined);
+    std::vector<uint64_t> at(3, 0);
+    for (uint64_t n = 0; n < all.numel(); ++n) {
+      std::vector<uint64_t> src = at;
+      src[dim] = at[dim] == 0 ? 0 : 2;
+      want.push_back((src[0] * 8 + src[1]) * 4 + src[2]);
+      for (size_t d = 3; d-- > 0;)
+        if (++at[d] < joined[d]) break;
+        else at[d] = 0;
+    }
+    std::vector<uint64_t> got;
+    for (const Box& piece : s.ByteOrder())
+      for (uint64_t i : FlatIndices(t->shape, piece)) got.push_back(i);
+    EXPECT_EQ(got, want) << "join dim " << dim;
+    EXPECT_EQ(s.nbytes(), want.size() * 4);
+  }
+}
+
+std::string Literal(const ViewFile& f) { return *f.layout->segments().at(0).literal; }
+
+const ViewFile* Named(const std::vector<ViewFile>& files, const std::string& name) {
+  for (const auto& f : files)
+    if (f.name == name) return &f;
+  return nullptr;
+}
+
+TEST(MeshView, LayoutJsonDescribesFusedSlicesByParts) {
+  Checkpoint ck;
+  ck.tensors = {Whole("model.layers.0.self_attn.qkv_proj.weight", DType::kF32, {16, 3})};
+  ModelFacts facts;
+  facts.model_type = "phi3";
+  facts.num_heads = 4;
+  facts.num_kv_heads = 2;
+  auto mesh = MeshView(ck, {}, *ParseMeshSpec("tp2"), PresetRules(facts, {}), {});
+  ASSERT_TRUE(mesh.ok()) << mesh.status().message();
+  ASSERT_EQ(mesh->ranks.size(), 2u);
+  EXPECT_TRUE(mesh->notes.empty());
+  auto lj = nlohmann::json::parse(Literal(*Named(mesh->ranks[1], "layout.json")));
+  auto e = lj["tensors"]["model.layers.0.self_attn.qkv_proj.weight"];
+  EXPECT_EQ(e["lengths"], (std::vector<uint64_t>{8, 3}));
+  EXPECT_EQ(e["join_dim"], 0);
+  ASSERT_EQ(e["parts"].size(), 3u);
+  EXPECT_EQ(e["parts"][1]["offsets"], (std::vector<uint64_t>{10, 0}));
+  EXPECT_EQ(e["parts"][1]["lengths"], (std::vector<uint64_t>{2, 3}));
+  auto h = HeaderOf(*Named(mesh->ranks[1], "model.safetensors"));
+  EXPECT_EQ(h.entries.at(0).shape, (Shape{8, 3}));
+}
+
+TEST(MeshView, UnknownModelSaysTheSpecSplitNothing) {
+  Checkpoint ck;
+  ck.tensors = {Whole("transformer.h.0.attn.c_attn.weight", DType::kF32, {4, 12})};
+  ModelFacts facts;
+  facts.model_type = "gpt2";
+  auto mesh = MeshView(ck, {}, *ParseMeshSpec("tp2"), PresetRules(facts, {}), {});
+  ASSERT_TRUE(mesh.ok());
+  ASSERT_EQ(mesh->notes.size(), 1u);
+  EXPECT_NE(mesh->notes[0].find("tp2 split nothing"), std::string::npos) << mesh->notes[0];
+  EXPECT_NE(mesh->notes[0].find("gpt2"), std::string::npos);
+  auto lj = nlohmann::json::parse(Literal(*Named(mesh->ranks[0], "layout.json")));
+  EXPECT_EQ(lj["notes"][0], mesh->notes[0]);
+  // tp1 splits nothing by definition: no note.
+  EXPECT_TRUE(MeshView(ck, {}, *ParseMeshSpec("tp1"), PresetRules(facts, {}), {})->notes.empty());
+}
+
+TEST(MeshView, ImpossibleSpecBuildsNothing) {
+  Checkpoint ck;
+  ck.tensors = {Whole("model.layers.0.self_attn.q_proj.weight", DType::kF32, {16, 3})};
+  ModelFacts facts;
+  facts.model_type = "llama";
+  facts.num_heads = facts.num_kv_heads = 4;
+  auto mesh = MeshView(ck, {}, *ParseMeshSpec("tp3"), PresetRules(facts, {}), {});
+  ASSERT_FALSE(mesh.ok());
+  EXPECT_NE(mesh.status().message().find("tp3 does not divide num_attention_heads 4"), std::string::npos);
+}
+
+// Regression: ordered_json's linear key search made index.json and
+// layout.json and every safetensors header quadratic (29 s for 100k
+// tensors, 290 s for this test). Linear, it takes about 5 s of CPU; CPU
+// time, not wall time, so a loaded machine does not fail it.
+TEST(MeshView, BuildTimeIsLinearInTensors) {
+  Checkpoint ck;
+  for (int i = 0; i < 100000; ++i)
+    ck.tensors.push_back(Whole("model.layers." + std::to_string(i) + ".mlp.up_proj.weight", DType::kF32, {4, 2}));
+  ConsolidatedOptions o;
+  o.max_file_bytes = 1 << 20;  // many files: index.json holds all 100k names
+  const std::clock_t start = std::clock();
+  auto files = ConsolidatedView(ck, {}, o);
+  ASSERT_TRUE(files.ok());
+  auto mesh = MeshView(ck, {}, *ParseMeshSpec("tp2"), PresetRules(ModelFacts{"llama", 0, 0}, {}), o);
+  ASSERT_TRUE(mesh.ok()) << mesh.status().message();
+  const double cpu_seconds = double(std::clock() - start) / CLOCKS_PER_SEC;
+  EXPECT_LT(cpu_seconds, 30.0);
+}
+
+std::shared_ptr<const TensorMeta> Broken(const std::string& fqn) {
+  auto t = std::const_pointer_cast<TensorMeta>(Whole(fqn, DType::kF32, {4}));
+  t->chunks[0].unavailable = "shard.safetensors is truncated";
+  return t;
+}
+
+// safetensors maps the file: a file none of whose tensors can be read is
+// refused at open (the problem), one with some readable tensors is served.
+TEST(ConsolidatedView, FileWithNoServableTensorHasAProblem) {
+  Checkpoint ck;
+  ck.tensors = {Broken("a"), Broken("b")};
+  auto files = ConsolidatedView(ck, {}, {});
+  ASSERT_TRUE(files.ok());
+  EXPECT_NE((*files)[0].problem.find("none of its 2 tensors can be served"), std::string::npos) << (*files)[0].problem;
+  EXPECT_NE((*files)[0].problem.find("truncated"), std::string::npos);
+  ck.tensors.push_back(Whole("c", DType::kF32, {4}));
+  files = ConsolidatedView(ck, {}, {});
+  EXPECT_EQ((*files)[0].problem, "");
+}
+
+TEST(ConsolidatedView, SidecarFoldersKeepTheirPaths) {
+  Checkpoint ck = ThreeTensors();
+  SourceFile pooling;
+  pooling.path = "st/1_Pooling/config.json";
+  pooling.size = 9;
+  ck.sidecars["1_Pooling/config.json"] = 0;
+  auto files = ConsolidatedView(ck, {pooling}, {});
+  ASSERT_TRUE(files.ok());
+  const ViewFile* f = Named(*files, "1_Pooling/config.json");
+  ASSERT_NE(f, nullptr);
+  EXPECT_EQ(f->layout->size(), 9u);
 }
 
 }  // namespace

@@ -280,15 +280,17 @@ ORACLE_WORLD = 3
 def oracle(ckpts, expected, base_dir) -> dict:
     """{ckpt: [rank0 dict, rank1 dict, rank2 dict]} from mesh_oracle.py."""
     out_dir = os.path.join(base_dir, "oracle")
+    # Only "edge": its config.json states no head counts, so tp3 splits rows
+    # the DTensor way; the Llama's 4 heads refuse tp3 (IMPOSSIBLE below).
     jobs = [{"name": k, "src_dir": info["out_dir"], "expected_path": info["expected_path"],
              "placements": {fqn: placement_name(fqn, t.dim()) for fqn, t in expected[k].items()}}
-            for k, info in ckpts.items()]
+            for k, info in ckpts.items() if k == "edge"]
     mesh_oracle.run_load(jobs, ORACLE_WORLD, out_dir)
     return {k: [torch.load(os.path.join(out_dir, k, f"rank{r}.pt")) for r in range(ORACLE_WORLD)]
-            for k in ckpts}
+            for k in ["edge"]}
 
 
-@pytest.mark.parametrize("which", ["llama", "edge"])
+@pytest.mark.parametrize("which", ["edge"])
 def test_tp3_rank_files_equal_torch_dcp_load_into_dtensors(which, mounts, oracle, expected):
     m = mounts[which]
     got_ranks = sorted(os.listdir(m.p("mesh", "tp3")))
@@ -336,7 +338,9 @@ def test_tp3_rank_files_equal_torch_dcp_load_into_dtensors(which, mounts, oracle
 # 2. property: boxes tile / replicate as the rules say; reassembly
 # ---------------------------------------------------------------------------
 
-PROPERTY_CASES = [("llama", s) for s in ["tp2", "tp3", "tp4", "tp2-pp2", "pp2"]] + [
+# The Llama (4 heads, 2 KV heads) only where heads split evenly: tp4's KV
+# replication is checked against a forward in test_families.py.
+PROPERTY_CASES = [("llama", s) for s in ["tp2", "tp2-pp2", "pp2"]] + [
     ("edge", s) for s in ["tp2", "tp3", "tp4", "pp2", "pp3", "tp2-pp2", "tp3-pp2", "ep2",
                           "tp2-ep3", "tp2-pp2-ep2"]]
 
@@ -579,7 +583,8 @@ def test_tp2_forward_from_rank_views_equals_full_model(mounts):
 # ---------------------------------------------------------------------------
 
 IMPOSSIBLE = [
-    ("llama", "tp64", "tp64 is larger than dim"),
+    ("llama", "tp64", "tp64 is larger than num_attention_heads 4"),
+    ("llama", "tp3", "tp3 does not divide num_attention_heads 4"),
     ("llama", "dp2", "unknown axis"),
     ("llama", "pp2-tp2", "canonical"),
     ("llama", "tp2-ep2", "no experts"),
@@ -603,7 +608,7 @@ def test_impossible_spec_is_enoent_with_logged_reason(which, spec, reason, mount
     assert any(reason in l for l in lines), lines
 
 
-@pytest.mark.parametrize("spec,reason", [("dp2", "unknown axis"), ("tp64", "larger than dim"),
+@pytest.mark.parametrize("spec,reason", [("dp2", "unknown axis"), ("tp64", "larger than num_attention_heads"),
                                          ("pp2-tp2", "canonical")])
 def test_cli_ls_mesh_impossible_exits_3_with_reason(spec, reason, ckpts, index_env):
     r = run_cli(index_env, "ls", ckpts["llama"]["out_dir"], "--mesh", spec)
@@ -680,10 +685,12 @@ def test_rules_file_replicating_everything(ckpts, expected, index_env, base_dir)
 
 def test_rules_file_custom_split_goes_before_preset(ckpts, expected, index_env, base_dir):
     """embed_tokens split on dim 1 ("dim"), q_proj replicated, down_proj
-    column instead of row; everything else keeps the preset."""
+    column instead of row, k/v split as plain columns (so tp3, which the
+    heads refuse, opens); everything else keeps the preset."""
     rules = _write_rules(base_dir, "custom.json", [
         {"pattern": r"embed_tokens\.weight$", "kind": "dim", "dim": 1},
         {"pattern": r"q_proj\.weight$", "kind": "replicate"},
+        {"pattern": r"(k_proj|v_proj)\.weight$", "kind": "column"},
         {"pattern": r"down_proj\.weight$", "kind": "column"},
     ])
 
