@@ -1,0 +1,182 @@
+// ckptfs._writer: the writer's C++ API for Python (python/ckptfs/torch.py).
+// No torch headers: tensors arrive as data pointers, byte sizes, device
+// ordinals (-1 = host) and CUDA stream handles, all plain ints. Blocking
+// calls release the GIL so the training thread and torch's own threads run
+// while the ring drains.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "writer/commit_rows.h"
+#include "writer/copy_engine.h"
+#include "writer/crc32c.h"
+#include "writer/dcp_file_writer.h"
+#include "writer/stager.h"
+
+namespace py = pybind11;
+using namespace ckptfs;
+
+namespace {
+
+[[noreturn]] void Raise(const Status& s) {
+  switch (s.code()) {
+    case Status::Code::kIOError:
+      PyErr_SetString(PyExc_OSError, s.ToString().c_str());
+      throw py::error_already_set();
+    case Status::Code::kInvalidArgument: throw py::value_error(s.ToString());
+    case Status::Code::kNotSupported: throw py::type_error(s.ToString());
+    default: throw std::runtime_error(s.ToString());
+  }
+}
+void Check(const Status& s) {
+  if (!s.ok()) Raise(s);
+}
+template <typename T>
+T Take(Result<T> r) {
+  if (!r.ok()) Raise(r.status());
+  return std::move(r).value();
+}
+
+// A stager the Python side keeps across saves, so the ring (pinned memory
+// on GPUs, slow to allocate) is allocated once per process.
+struct PyStager {
+  std::unique_ptr<Stager> stager;
+};
+
+struct PyDcpFile {
+  std::unique_ptr<DcpFileWriter> file;
+};
+
+py::dict RowsSummary(const Checkpoint& rows) {
+  py::list tensors;
+  for (size_t t = 0; t < rows.tensors.size(); ++t) {
+    const TensorMeta& tm = *rows.tensors[t];
+    py::list chunks;
+    for (size_t c = 0; c < tm.chunks.size(); ++c) {
+      const Chunk& ch = tm.chunks[c];
+      chunks.append(py::dict(py::arg("offsets") = ch.shard.box.offsets, py::arg("sizes") = ch.shard.box.lengths,
+                             py::arg("file") = rows.files[ch.bytes.file].path, py::arg("offset") = ch.bytes.offset,
+                             py::arg("length") = ch.bytes.length, py::arg("crc32c") = ch.crc32c));
+    }
+    tensors.append(py::dict(py::arg("fqn") = tm.fqn, py::arg("path") = tm.path,
+                            py::arg("dtype") = std::string(DTypeName(tm.dtype)), py::arg("shape") = tm.shape,
+                            py::arg("chunks") = chunks));
+  }
+  py::dict bytes;
+  for (const auto& [k, b] : rows.byte_items)
+    bytes[py::str(k)] = py::make_tuple(rows.files[b.file].path, b.offset, b.length);
+  return py::dict(py::arg("dir") = rows.dir, py::arg("format") = rows.format, py::arg("tensors") = tensors,
+                  py::arg("bytes") = bytes, py::arg("problems") = rows.problems);
+}
+
+WrittenCheckpoint ToWritten(const std::string& dir, const py::list& tensors, const py::list& chunks, const py::list& bytes) {
+  WrittenCheckpoint w;
+  w.dir = dir;
+  for (auto t : tensors) {
+    auto tt = t.cast<py::tuple>();
+    w.tensors.push_back({tt[0].cast<std::string>(), tt[1].cast<std::vector<std::string>>(), tt[2].cast<std::string>(),
+                         tt[3].cast<std::vector<uint64_t>>()});
+  }
+  for (auto c : chunks) {
+    auto ct = c.cast<py::tuple>();
+    w.chunks.push_back({ct[0].cast<std::string>(), ct[1].cast<std::vector<uint64_t>>(), ct[2].cast<std::vector<uint64_t>>(),
+                        ct[3].cast<std::string>(), ct[4].cast<uint64_t>(), ct[5].cast<uint64_t>(), ct[6].cast<uint32_t>()});
+  }
+  for (auto b : bytes) {
+    auto bt = b.cast<py::tuple>();
+    w.bytes.push_back({bt[0].cast<std::string>(), bt[1].cast<std::string>(), bt[2].cast<uint64_t>(), bt[3].cast<uint64_t>()});
+  }
+  return w;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_writer, m) {
+  m.doc() = "ckptfs writer: stager, DCP rank files and commit rows (C++)";
+  m.attr("built_with_cuda") = BuiltWithCuda();
+
+  m.def("crc32c", [](py::buffer b, uint32_t crc) {
+    py::buffer_info info = b.request();
+    const uint64_t n = uint64_t(info.size) * uint64_t(info.itemsize);
+    py::gil_scoped_release nogil;
+    return Crc32c(crc, info.ptr, n);
+  }, py::arg("data"), py::arg("crc") = 0, "CRC32C of a contiguous buffer (continues `crc`).");
+
+  m.def("sync_dir", [](const std::string& d) {
+    py::gil_scoped_release nogil;
+    Status s = SyncDir(d);
+    py::gil_scoped_acquire gil;
+    Check(s);
+  }, "fsync a directory so entries made in it are durable.");
+
+  py::class_<PyStager>(m, "Stager")
+      .def(py::init([](uint64_t buffer_bytes, int buffers, int io_threads, bool zip_crc32, bool use_cuda) {
+             StagerOptions o;
+             o.buffer_bytes = buffer_bytes;
+             o.buffers = buffers;
+             o.io_threads = io_threads;
+             o.zip_crc32 = zip_crc32;
+             auto engine = use_cuda ? MakeDefaultCopyEngine(buffers) : MakeHostCopyEngine();
+             return PyStager{Take(Stager::Create(o, std::move(engine)))};
+           }),
+           py::arg("buffer_bytes") = 256ull << 20, py::arg("buffers") = 2, py::arg("io_threads") = 2,
+           py::arg("zip_crc32") = true, py::arg("use_cuda") = true)
+      .def_property_readonly("engine", [](const PyStager& s) { return std::string(s.stager->engine_name()); })
+      .def("fence_producer", [](PyStager& s, int device, uint64_t stream) { Check(s.stager->FenceProducer(device, stream)); },
+           py::arg("device"), py::arg("stream"),
+           "Make later work on a producer stream wait for the copies issued so far (non-blocking).")
+      .def("stats", [](const PyStager& s) {
+        StagerStats st = s.stager->stats();
+        return py::dict(py::arg("staged_bytes") = st.staged_bytes, py::arg("direct_bytes") = st.direct_bytes,
+                        py::arg("producer_wait_ns") = st.producer_wait_ns);
+      });
+
+  py::class_<PyDcpFile>(m, "DcpFile")
+      .def(py::init([](PyStager& s, const std::string& path) { return PyDcpFile{Take(DcpFileWriter::Create(s.stager.get(), path))}; }),
+           py::keep_alive<1, 2>(), py::arg("stager"), py::arg("path"))
+      .def("add_tensor", [](PyDcpFile& f, const std::string& dtype, const std::vector<uint64_t>& shape, uint64_t nbytes,
+                            bool force_zip64) { return Take(f.file->AddTensor(dtype, shape, nbytes, force_zip64)); },
+           py::arg("dtype"), py::arg("shape"), py::arg("nbytes"), py::arg("force_zip64") = false)
+      .def("add_bytes", [](PyDcpFile& f, uint64_t n) { return Take(f.file->AddBytes(n)); })
+      .def("write", [](PyDcpFile& f, uint32_t item, uintptr_t ptr, uint64_t nbytes, int device, uint64_t stream, bool copy_host) {
+             Status s;
+             {
+               py::gil_scoped_release nogil;
+               s = f.file->Write(item, Slice{reinterpret_cast<const void*>(ptr), nbytes, device, stream}, copy_host);
+             }
+             Check(s);
+           },
+           py::arg("item"), py::arg("ptr"), py::arg("nbytes"), py::arg("device") = kHostDevice, py::arg("stream") = 0,
+           py::arg("copy_host") = false,
+           "Queue the item's next bytes. With copy_host=False host memory must stay unchanged until finish().")
+      .def("finish", [](PyDcpFile& f) {
+        Result<std::vector<DcpItemResult>> r = Status::Incomplete("not run");
+        {
+          py::gil_scoped_release nogil;
+          r = f.file->Finish();
+        }
+        py::list out;
+        for (const DcpItemResult& i : Take(std::move(r)))
+          out.append(py::make_tuple(i.offset, i.length, i.data_offset, i.data_length, i.crc32c));
+        return out;
+      }, "Drain, write framing, fsync: [(offset, length, data_offset, data_length, crc32c)] per item.")
+      .def_property_readonly("size", [](const PyDcpFile& f) { return f.file->file_size(); });
+
+  m.def("commit_rows", [](const std::string& abs_root, const std::string& dir, const py::list& tensors,
+                          const py::list& chunks, const py::list& bytes) {
+    return RowsSummary(Take(BuildCommitRows(abs_root, ToWritten(dir, tensors, chunks, bytes))));
+  }, py::arg("abs_root"), py::arg("dir"), py::arg("tensors"), py::arg("chunks"), py::arg("bytes"),
+     "The rows a commit record would carry (a summary dict), checked like a commit.");
+
+  m.def("commit", [](const std::string& abs_root, const std::string& dir, const py::list& tensors,
+                     const py::list& chunks, const py::list& bytes) {
+    Checkpoint ckpt = Take(BuildCommitRows(abs_root, ToWritten(dir, tensors, chunks, bytes)));
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      s = WriteCommitRecordFile(abs_root, ckpt);
+    }
+    Check(s);
+    return RowsSummary(ckpt);
+  }, py::arg("abs_root"), py::arg("dir"), py::arg("tensors"), py::arg("chunks"), py::arg("bytes"),
+     "Builds the rows like commit_rows, then writes <abs_root>/<dir>/.ckptfs/commit.sst (durably, last).");
+}

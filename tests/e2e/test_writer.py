@@ -1,0 +1,169 @@
+"""ckptfs.torch.StorageWriter end to end, real torch on 2 gloo ranks (CPU).
+
+The saved state (tests/e2e/writer_gen.py): an FSDP2 model and its AdamW
+state after one step, TP DTensors sharded unevenly on dim 0 and dim 1
+(bf16, f32, int64, int32; one with an empty shard), a replicated DTensor,
+a plain tensor and non-tensor items. Oracles are torch's own: the full
+values gathered before the save (``full_tensor()``), stock ``dcp.load``
+with FileSystemReader, Python's zipfile, and a CRC32C written in the test.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import writer_util
+from harness import spawn_ranks
+
+GEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "writer_gen.py")
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    return a == b
+
+
+@pytest.fixture(scope="module", params=["sync", "async"])
+def saved(request, tmp_path_factory) -> dict:
+    """A checkpoint saved with dcp.save or dcp.async_save, its oracle and rows."""
+    base = tmp_path_factory.mktemp(f"writer_{request.param}")
+    job = {"kind": "save", "seed": 3, "mode": request.param, "dir": str(base / "step_3"),
+           "oracle": str(base / "oracle.pt"), "rows": str(base / "rows.json")}
+    spawn_ranks(GEN, 2, job, name=f"writer save ({request.param})")
+    with open(job["rows"]) as f:
+        rows = json.load(f)
+    return {**job, "root": str(base), "rows": rows, "oracle_path": job["oracle"],
+            "oracle": torch.load(job["oracle"], weights_only=False)}
+
+
+def test_files_are_standard_dcp(saved):
+    assert sorted(os.listdir(saved["dir"])) == [".ckptfs", ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert os.listdir(os.path.join(saved["dir"], ".ckptfs")) == ["commit.sst"]
+
+
+def test_stock_load_into_a_new_layout_equals_the_saved_state(saved, tmp_path):
+    out = str(tmp_path / "loaded.pt")
+    spawn_ranks(GEN, 2, {"kind": "load", "dir": saved["dir"], "oracle": saved["oracle_path"], "out": out},
+                name="stock load")
+    loaded = torch.load(out, weights_only=False)
+    assert loaded.keys() == saved["oracle"].keys()
+    bad = [k for k, v in saved["oracle"].items() if not _equal(v, loaded[k])]
+    assert not bad, f"differ after dcp.load into a new layout: {bad}"
+
+
+def test_stock_load_in_one_process_equals_the_saved_state(saved):
+    target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None)
+              for k, v in saved["oracle"].items()}
+    dcp.load(target, storage_reader=dcp.FileSystemReader(saved["dir"]), no_dist=True)
+    bad = [k for k, v in saved["oracle"].items() if not _equal(v, target[k])]
+    assert not bad, bad
+
+
+def test_state_covers_fsdp2_adamw_tp_and_non_tensors(saved):
+    o = saved["oracle"]
+    assert o["model.0.weight"].shape == (7, 6)                     # FSDP2: 7 rows over 2 ranks
+    assert o["optim.state.0.weight.exp_avg"].shape == (7, 6)       # AdamW state
+    assert o["tp.row_bf16"].dtype == torch.bfloat16 and o["tp.col_i32"].dtype == torch.int32
+    assert o["tp.col_f32"].shape == (4, 9)                         # Shard(1), 9 cols: uneven
+    assert o["step"] == 103 and o["meta.name"] == "run-3"
+
+
+def test_rows_point_at_the_saved_bytes_with_their_crc32c(saved):
+    rows, oracle = saved["rows"], saved["oracle"]
+    fqns = {t["fqn"] for t in rows["tensors"]}
+    assert fqns == {k for k, v in oracle.items() if isinstance(v, torch.Tensor)}
+    for t in rows["tensors"]:
+        full = oracle[t["fqn"]]
+        assert t["shape"] == list(full.shape), t["fqn"]
+        covered = 0
+        for c in t["chunks"]:
+            box = tuple(slice(o, o + s) for o, s in zip(c["offsets"], c["sizes"]))
+            want = full[box].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+            got = writer_util.chunk_bytes(saved["root"], c)
+            assert got == want, f"{t['fqn']} chunk {c['offsets']}: bytes differ"
+            assert c["crc32c"] == writer_util.crc32c(got), f"{t['fqn']} chunk {c['offsets']}: crc32c"
+            covered += int(np.prod(c["sizes"])) if c["sizes"] else 1
+        assert covered == full.numel(), t["fqn"]  # no replica counted twice
+    assert set(rows["bytes"]) == {k for k, v in oracle.items() if not isinstance(v, torch.Tensor)}
+    for key, (file, off, length) in rows["bytes"].items():
+        with open(os.path.join(saved["root"], file), "rb") as f:
+            f.seek(off)
+            assert torch.load(io.BytesIO(f.read(length)), weights_only=False) == oracle[key], key
+
+
+def test_tensor_items_are_zips_with_correct_crcs(saved):
+    with open(os.path.join(saved["dir"], ".metadata"), "rb") as f:
+        md = pickle.load(f)
+    n = 0
+    for idx, info in md.storage_data.items():
+        with open(os.path.join(saved["dir"], info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            blob = f.read(info.length)
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+        if not isinstance(md.state_dict_metadata[idx.fqn], TensorStorageMetadata):
+            continue  # a BYTE_IO item: torch.save's own bytes, stored as given
+        z = zipfile.ZipFile(io.BytesIO(blob))
+        assert z.testzip() is None, idx  # every entry's zip CRC-32 is right
+        assert "archive/data.pkl" in z.namelist() and "archive/data/0" in z.namelist()
+        n += 1
+    assert n >= 20
+
+
+def test_bit_rot_changes_exactly_the_flipped_chunk(saved, tmp_path):
+    root = str(tmp_path / "copy")
+    shutil.copytree(saved["root"], root)
+    rows = saved["rows"]
+    fqn, chunk = "tp.col_f32", None
+    chunk = next(c for t in rows["tensors"] if t["fqn"] == fqn for c in t["chunks"] if c["length"] > 0)
+    victim = chunk["offset"] + chunk["length"] // 2
+    with open(os.path.join(root, chunk["file"]), "r+b") as f:
+        f.seek(victim)
+        b = f.read(1)
+        f.seek(victim)
+        f.write(bytes([b[0] ^ 0x10]))
+    assert writer_util.chunk_at(rows, chunk["file"], victim) == (fqn, chunk)
+    bad = [(t["fqn"], c["offsets"]) for t in rows["tensors"] for c in t["chunks"]
+           if writer_util.crc32c(writer_util.chunk_bytes(root, c)) != c["crc32c"]]
+    assert bad == [(fqn, chunk["offsets"])]
+
+
+def test_framing_bytes_belong_to_no_chunk(saved):
+    rows = saved["rows"]
+    c = rows["tensors"][0]["chunks"][0]
+    assert writer_util.chunk_at(rows, c["file"], c["offset"] - 1) is None  # data/0's local header
+
+
+def test_mount_serves_the_saved_tensors(saved):
+    import ckptfs
+    with ckptfs.mount(saved["dir"]) as m:
+        got = np.load(os.path.join(m.path, "tensors", "tp.col_f32.npy"))
+        assert np.array_equal(got, saved["oracle"]["tp.col_f32"].numpy())
+        got = np.load(os.path.join(m.path, "tensors", "tp.row_bf16.npy"))  # bf16 shows as f32
+        assert np.array_equal(got, saved["oracle"]["tp.row_bf16"].float().numpy())
+    assert not os.path.ismount(m.path)
+
+
+def test_ckptfs_index_ingests_the_commit_record(saved, tmp_path):
+    from harness import run_ckptfs
+    assert os.path.isfile(os.path.join(saved["dir"], ".ckptfs", "commit.sst"))
+    idx = str(tmp_path / "idx")
+    p = run_ckptfs("index", saved["root"], index_dir=idx)
+    assert p.returncode == 0, p.stderr
+    # The store says when it falls back to scanning the files instead.
+    assert "commit.sst not used" not in p.stderr, p.stderr
+    p = run_ckptfs("ls", saved["root"], "--json", index_dir=idx, text_stdout=True)
+    assert p.returncode == 0, p.stderr
+    # (the root also holds the oracle, a torch.save file: checkpoint "")
+    listed = {t["name"] for t in json.loads(p.stdout) if t["checkpoint"] == "step_3"}
+    assert listed == {t["fqn"] for t in saved["rows"]["tensors"]}

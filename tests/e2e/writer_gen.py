@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Ranks that save with ckptfs.torch.StorageWriter and load with stock DCP,
+for tests/e2e/test_writer*.py. Real torch, CPU, gloo.
+
+Jobs (``spawn_ranks(__file__, world, job)``; ``job["kind"]``):
+
+- ``save``: builds ``state(seed)`` (FSDP2 model + AdamW state after one
+  step, TP DTensors sharded unevenly on dim 0 and dim 1, bf16/f32/int64/
+  int32, a replicated DTensor, a plain tensor, non-tensor items), writes
+  rank 0's oracle (every value in full, flattened: ``{fqn: value}``) to
+  ``job["oracle"]``, then saves into ``job["dir"]`` with ``dcp.save`` or
+  ``dcp.async_save`` (``job["mode"]``). For async_save every tensor is
+  overwritten in place as soon as async_save returns (staging is done),
+  before waiting for the save: the checkpoint must still hold the oracle.
+  Rank 0 writes the commit rows to ``job["rows"]`` (JSON).
+- ``load``: stock ``dcp.load`` (FileSystemReader) into a new layout: every
+  tensor a DTensor on the other dim than it was saved on (Shard(1) for
+  Shard(0) and the reverse, Shard(0) for 1-d), non-tensors as placeholders;
+  rank 0 writes the full values to ``job["out"]``.
+- ``steps``: saves ``job["steps"]`` one after another into
+  ``job["root"]/step_<n>`` (for the crash tests: the parent SIGKILLs a rank
+  at a random moment; rank 0 appends ``ready N`` before and ``done N``
+  after each save to ``job["marker"]``, with time.monotonic(); with
+  ``job["oracles"]`` it first writes ``<oracles>/<n>.pt`` like ``save``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from harness import spawn_ranks  # noqa: E402,F401
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor  # noqa: E402
+
+TENSOR_SPECS = {  # name -> (shape, dtype, placement dim or None = Replicate)
+    "tp.row_bf16": ((7, 5), torch.bfloat16, 0),
+    "tp.col_f32": ((4, 9), torch.float32, 1),
+    "tp.row_i64": ((5, 3), torch.int64, 0),
+    "tp.col_i32": ((3, 5), torch.int32, 1),
+    "tp.one_row": ((1, 4), torch.float32, 0),   # fewer rows than ranks: an empty shard
+    "tp.rep_f32": ((2, 3), torch.float32, None),
+}
+
+
+def _values(name: str, shape, dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1000 + sum(map(ord, name)))
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=g) * 10).to(dtype)
+    return torch.randint(-1000, 1000, shape, generator=g).to(dtype)
+
+
+def state(seed: int, mesh) -> dict:
+    """The saved state on this rank (deterministic in seed)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    model(torch.randn(4, 6, generator=torch.Generator().manual_seed(seed))).sum().backward()
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    tp = {}
+    for name, (shape, dtype, dim) in TENSOR_SPECS.items():
+        full = _values(name, shape, dtype, seed)
+        tp[name.split(".", 1)[1]] = distribute_tensor(full, mesh, [Replicate() if dim is None else Shard(dim)])
+    return {"model": msd, "optim": osd, "tp": tp,
+            "plain": torch.arange(10, dtype=torch.int32) * seed,
+            "step": 100 + seed, "meta": {"name": f"run-{seed}", "lrs": [0.1, 0.01]}}
+
+
+def flat_full(sd: dict) -> dict:
+    """{DCP fqn: value}, DTensors gathered to full tensors (collective)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    flat, _ = flatten_state_dict(sd)
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in flat.items()}
+
+
+def _save(sd: dict, job: dict, directory: str) -> None:
+    from ckptfs.torch import StorageWriter
+    writer = StorageWriter(directory, buffer_bytes=job.get("buffer_bytes", 4096), buffers=2)
+    if job.get("mode") == "async":
+        fut = dcp.async_save(sd, storage_writer=writer)
+        # Staging returned: the training loop may change every tensor now.
+        for v in flat_local_tensors(sd):
+            v.add_(7) if v.dtype != torch.bool else v.logical_not_()
+        fut.result()
+    else:
+        dcp.save(sd, storage_writer=writer)
+    if dist.get_rank() == 0 and job.get("rows"):
+        with open(job["rows"], "w") as f:
+            json.dump(writer.last_rows, f)
+
+
+def flat_local_tensors(sd: dict) -> list[torch.Tensor]:
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    flat, _ = flatten_state_dict(sd)
+    return [v.to_local() if isinstance(v, DTensor) else v for v in flat.values() if isinstance(v, torch.Tensor)]
+
+
+def _job_save(job: dict, mesh) -> None:
+    sd = state(job["seed"], mesh)
+    oracle = flat_full(sd)
+    if dist.get_rank() == 0:
+        torch.save(oracle, job["oracle"])
+    _save(sd, job, job["dir"])
+
+
+def _job_load(job: dict, mesh) -> None:
+    oracle = torch.load(job["oracle"], weights_only=False)
+    target = {}
+    for k, v in oracle.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 0:
+            # The other dim than any saved layout used: a new sharding.
+            dim = 1 if v.dim() > 1 and not k.startswith("tp.col") else 0
+            target[k] = distribute_tensor(torch.zeros_like(v), mesh, [Shard(dim)])
+        elif isinstance(v, torch.Tensor):
+            target[k] = torch.zeros_like(v)
+        else:
+            target[k] = None
+    dcp.load(target, checkpoint_id=job["dir"])
+    full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in target.items()}
+    if dist.get_rank() == 0:
+        torch.save(full, job["out"])
+
+
+def _mark(job: dict, what: str) -> None:
+    if dist.get_rank() == 0:
+        with open(job["marker"], "a") as f:
+            f.write(f"{what} {time.monotonic()}\n")
+
+
+def _job_steps(job: dict, mesh) -> None:
+    for n in job["steps"]:
+        sd = state(n, mesh)
+        oracle = flat_full(sd)
+        if dist.get_rank() == 0 and job.get("oracles"):
+            os.makedirs(job["oracles"], exist_ok=True)
+            torch.save(oracle, os.path.join(job["oracles"], f"{n}.pt"))
+        dist.barrier()
+        _mark(job, f"ready {n}")
+        _save(sd, job, os.path.join(job["root"], f"step_{n}"))
+        dist.barrier()
+        _mark(job, f"done {n}")
+
+
+def _worker(rank: int, world: int, init_file: str, job: dict) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (world,))
+        {"save": _job_save, "load": _job_load, "steps": _job_steps}[job["kind"]](job, mesh)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 6 and sys.argv[1] == "_worker":
+        with open(sys.argv[5]) as f:
+            _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.load(f))
+    else:
+        sys.exit("usage: writer_gen.py _worker RANK WORLD INIT_FILE JOB_FILE (see spawn_ranks)")

@@ -1,0 +1,150 @@
+// Commit rows from what the ranks wrote (what and why: commit_rows.h).
+#include "writer/commit_rows.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "core/coverage.h"
+#include "indexer/file_table.h"
+#include "indexer/index_store.h"
+#include "indexer/torch_zip.h"
+#include "writer/stager.h"
+
+namespace ckptfs {
+namespace {
+
+std::string Join(const std::string& a, const std::string& b) { return a.empty() ? b : a + "/" + b; }
+
+// The indexer's own identity (size, mtime, ctime, inode), so the store
+// sees exactly what a scan would have recorded.
+Result<SourceFile> Stat(const std::string& abs_root, const std::string& rel) {
+  ASSIGN_OR_RETURN(SourceFile f, StatSource(Join(abs_root, rel)));
+  f.path = rel;
+  return f;
+}
+
+class FileIds {
+ public:
+  FileIds(std::string abs_root, std::string dir) : root_(std::move(abs_root)), dir_(std::move(dir)) {}
+  Result<FileId> Get(const std::string& name) {
+    const std::string rel = Join(dir_, name);
+    auto it = ids_.find(rel);
+    if (it != ids_.end()) return it->second;
+    ASSIGN_OR_RETURN(SourceFile f, Stat(root_, rel));
+    files_.push_back(std::move(f));
+    return ids_[rel] = FileId(files_.size() - 1);
+  }
+  std::vector<SourceFile> Take() { return std::move(files_); }
+
+ private:
+  std::string root_, dir_;
+  std::map<std::string, FileId> ids_;
+  std::vector<SourceFile> files_;
+};
+
+}  // namespace
+
+Result<Checkpoint> BuildCommitRows(const std::string& abs_root, const WrittenCheckpoint& w) {
+  Checkpoint out;
+  out.dir = w.dir;
+  out.format = w.format;
+  FileIds ids(abs_root, w.dir);
+  std::map<std::string, std::vector<const WrittenChunk*>> by_fqn;
+  for (const WrittenChunk& c : w.chunks) by_fqn[c.fqn].push_back(&c);
+  std::vector<WrittenTensor> tensors = w.tensors;
+  std::sort(tensors.begin(), tensors.end(), [](auto& a, auto& b) { return a.fqn < b.fqn; });
+  for (const WrittenTensor& wt : tensors) {
+    auto dtype = DTypeFromTorchName(wt.dtype);
+    if (!dtype) {
+      out.problems.push_back(wt.fqn + ": dtype " + wt.dtype + " cannot be indexed; left out of the commit");
+      continue;
+    }
+    auto t = std::make_shared<TensorMeta>();
+    t->fqn = wt.fqn;
+    t->path = wt.path.empty() ? std::vector<std::string>{wt.fqn} : wt.path;
+    t->dtype = *dtype;
+    t->shape = wt.shape;
+    auto chunks = by_fqn[wt.fqn];
+    std::sort(chunks.begin(), chunks.end(), [](auto* a, auto* b) { return a->offsets < b->offsets; });
+    for (const WrittenChunk* c : chunks) {
+      Chunk ch;
+      ch.shard = {wt.fqn, Box{c->offsets, c->sizes}};
+      ASSIGN_OR_RETURN(ch.bytes.file, ids.Get(c->file));
+      ch.bytes.offset = c->offset;
+      ch.bytes.length = c->length;
+      ch.basic.dtype = *dtype;
+      ch.has_crc32c = true;
+      ch.crc32c = c->crc32c;
+      t->chunks.push_back(std::move(ch));
+    }
+    auto problems = CheckCoverage(*t);
+    if (!problems.empty())
+      return Status::InvalidArgument("refusing to commit " + (w.dir.empty() ? std::string(".") : w.dir) + ": " + problems.front());
+    out.tensors.push_back(std::move(t));
+  }
+  for (const WrittenBytes& b : w.bytes) {
+    ASSIGN_OR_RETURN(FileId id, ids.Get(b.file));
+    out.byte_items[b.key] = ByteMeta{id, b.offset, b.length};
+  }
+  std::set<std::string> known;
+  for (const auto& t : w.tensors) known.insert(t.fqn);
+  for (const auto& [fqn, cs] : by_fqn)
+    if (!known.count(fqn)) return Status::InvalidArgument("chunk of '" + fqn + "' names no tensor of the checkpoint");
+  out.files = ids.Take();
+  return out;
+}
+
+Status WriteCommitRecordFile(const std::string& abs_root, const Checkpoint& ckpt) {
+  const std::string dir = Join(Join(abs_root, ckpt.dir), ".ckptfs");
+  if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return Status::IOError("mkdir " + dir + ": " + std::strerror(errno));
+  const std::string tmp = dir + "/commit.sst.tmp", final_path = dir + "/commit.sst";
+  ::unlink(tmp.c_str());  // a crashed save's leftover
+  RETURN_IF_ERROR(WriteCommitRecord(abs_root, ckpt, tmp));
+  int fd = ::open(tmp.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::IOError("open " + tmp + ": " + std::strerror(errno));
+  const bool synced = ::fsync(fd) == 0;
+  ::close(fd);
+  if (!synced) return Status::IOError("fsync " + tmp + ": " + std::strerror(errno));
+  if (::rename(tmp.c_str(), final_path.c_str()) != 0)
+    return Status::IOError("rename " + tmp + " to commit.sst: " + std::strerror(errno));
+  return SyncDir(dir);
+}
+
+Result<std::vector<WrittenChunk>> GatherWritten(Collective& c, const std::vector<WrittenChunk>& mine) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const WrittenChunk& w : mine)
+    j.push_back({{"fqn", w.fqn}, {"offsets", w.offsets}, {"sizes", w.sizes}, {"file", w.file},
+                 {"offset", w.offset}, {"length", w.length}, {"crc32c", w.crc32c}});
+  ASSIGN_OR_RETURN(auto all, c.AllGather(j.dump()));
+  std::vector<WrittenChunk> out;
+  try {
+  for (size_t r = 0; r < all.size(); ++r) {
+    auto parsed = nlohmann::json::parse(all[r], nullptr, false);
+    if (parsed.is_discarded() || !parsed.is_array())
+      return Status::Corruption("rank " + std::to_string(r) + " sent chunks that are not a JSON array");
+    for (const auto& e : parsed) {
+      WrittenChunk w;
+      w.fqn = e.at("fqn");
+      w.offsets = e.at("offsets").get<std::vector<uint64_t>>();
+      w.sizes = e.at("sizes").get<std::vector<uint64_t>>();
+      w.file = e.at("file");
+      w.offset = e.at("offset");
+      w.length = e.at("length");
+      w.crc32c = e.at("crc32c");
+      out.push_back(std::move(w));
+    }
+  }
+  } catch (const nlohmann::json::exception& e) {
+    return Status::Corruption(std::string("chunks from a rank lack a field: ") + e.what());
+  }
+  return out;
+}
+
+}  // namespace ckptfs
