@@ -1,15 +1,16 @@
 #!/usr/bin/env python3
-"""The ckptfs demo: mount a real sharded checkpoint and load it with transformers.
+"""The ckptfs demo: train, save, and evaluate each step through a live mount.
 
-1. Real torch saves a small random Llama-style model as DTensors over 2 gloo
-   ranks on CPU with torch's HuggingFaceStorageWriter (sharded safetensors,
-   shard-0000R-model-00001-of-00001.safetensors, some weights split on dim 0,
-   some on dim 1).
-2. `ckptfs index` builds the RocksDB index; `ckptfs mount` serves the tree.
-3. transformers loads MNT/consolidated/ and its logits are compared with the
-   original model's.
+1. ckptfs mounts an empty training root; the mount watches it.
+2. A small Llama trains data-parallel on 2 gloo ranks (tools/demo_train.py)
+   and saves a checkpoint every few steps with torch.distributed.checkpoint:
+   weights as DTensors sharded tensor-parallel style, plus AdamW state.
+3. As soon as each step's save commits (its .metadata lands), the mount
+   shows MNT/step_N/consolidated/; the eval loop here loads it with
+   transformers and checks its logits equal the trained model's at that
+   step, bit for bit. No conversion, no second copy.
 
-    python3 tools/demo.py [--workdir DIR] [--keep-mounted]
+    python3 tools/demo.py [--workdir DIR] [--steps N] [--save-every K] [--keep-mounted]
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,58 +48,90 @@ def unmount(mnt: Path) -> None:
     subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
 
 
+def train_in_background(work: Path, root: Path, refs: Path, steps: int, save_every: int) -> threading.Thread:
+    import harness  # tests/e2e/harness.py: the rank spawner
+    job = {"root": str(root), "refs": str(refs), "steps": steps, "save_every": save_every}
+    errors: list[BaseException] = []
+
+    def run_ranks() -> None:
+        try:
+            harness.spawn_ranks(str(ROOT / "tools" / "demo_train.py"), 2, job, name="demo-train",
+                                env={"HF_HUB_OFFLINE": "1"}, timeout=900)
+        except BaseException as e:  # reported by the eval loop
+            errors.append(e)
+
+    t = threading.Thread(target=run_ranks, daemon=True)
+    t.errors = errors
+    t.start()
+    return t
+
+
+def evaluate(mnt: Path, refs: Path, step_no: int) -> bool:
+    """Loads MNT/step_N/consolidated/ with transformers; compares logits."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    ref = torch.load(refs / f"step_{step_no}.pt")
+    model = AutoModelForCausalLM.from_pretrained(str(mnt / f"step_{step_no}" / "consolidated"))
+    with torch.no_grad():
+        logits = model(input_ids=ref["input_ids"]).logits
+    del model  # releases its mmaps of the mounted files
+    return torch.equal(logits, ref["logits"])
+
+
+def eval_loop(mnt: Path, refs: Path, trainer: threading.Thread, wanted: list[int]) -> int:
+    failures = 0
+    for n in wanted:
+        view = mnt / f"step_{n}" / "consolidated" / "model.safetensors"
+        waited = False
+        while not view.exists():
+            waited = True
+            if not trainer.is_alive() and not view.exists():
+                print(f"   step_{n}: the trainer stopped before it appeared: {trainer.errors}", file=sys.stderr)
+                return failures + 1
+            time.sleep(0.02)
+        seen = time.time()
+        saved_file = refs / f"step_{n}.saved"
+        when = "was already there when the eval got to it"
+        if waited and saved_file.exists():
+            when = f"appeared {max(0.0, seen - float(saved_file.read_text())):.2f} s after its save returned"
+        same = evaluate(mnt, refs, n)
+        failures += not same
+        print(f"   eval: step_{n}/consolidated/ {when}; transformers logits equal the trained model's: {same}",
+              flush=True)
+    return failures
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--workdir", help="where to write the demo checkpoint (default: a new temp dir)")
+    ap.add_argument("--workdir", help="where the training root goes (default: a new temp dir)")
+    ap.add_argument("--steps", type=int, default=9, help="training steps (default 9)")
+    ap.add_argument("--save-every", type=int, default=3, help="save a checkpoint every K steps (default 3)")
     ap.add_argument("--keep-mounted", action="store_true", help="leave the mount up for exploring")
     args = ap.parse_args()
 
     ckptfs = os.environ.get("CKPTFS_BIN", str(ROOT / "build" / "ckptfs"))
     work = Path(args.workdir or tempfile.mkdtemp(prefix="ckptfs-demo-"))
-    work.mkdir(parents=True, exist_ok=True)
-    ckpt, mnt = work / "step_100", work / "mnt"
+    root, mnt, refs = work / "run1", work / "mnt", work / "refs"
+    for d in (root, mnt, refs):
+        d.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("CKPTFS_INDEX_DIR", str(work / "index"))
 
-    import ckpt_gen  # noqa: E402  (tests/e2e/ckpt_gen.py)
-    import torch
-    from safetensors import safe_open
-    from transformers import AutoModelForCausalLM
-
-    step("1. real torch writes a sharded checkpoint (2 gloo ranks, HuggingFaceStorageWriter)")
-    if not any(ckpt.glob("*.safetensors")):
-        ckpt_gen.write_llama_sharded(str(ckpt), world_size=2)
-    for f in sorted(ckpt.iterdir()):
-        print(f"   {f.name:50s} {f.stat().st_size:>10,d} bytes")
-
-    step("2. ckptfs index + mount")
-    t0 = time.perf_counter()
-    run(ckptfs, "index", str(ckpt))
-    mnt.mkdir(exist_ok=True)
+    step("1. ckptfs mounts the (empty) training root; it watches for new steps")
     subprocess.run(["fusermount3", "-u", "-q", str(mnt)], check=False)
-    t1 = time.perf_counter()
-    run(ckptfs, "mount", str(ckpt), str(mnt), "--log-file", str(work / "ckptfs.log"))
-    print(f"   indexed + mounted in {time.perf_counter() - t0:.2f} s (mount alone {time.perf_counter() - t1:.2f} s)")
+    run(ckptfs, "mount", str(root), str(mnt), "--log-file", str(work / "ckptfs.log"))
     try:
-        run("ls", "-l", str(mnt / "consolidated"))
-
-        step("3. transformers loads MNT/consolidated/ and reproduces the logits")
-        ref = torch.load(ckpt.parent / f"{ckpt.name}-logits.pt")
-        expected = torch.load(ckpt.parent / f"{ckpt.name}-expected.pt")
-        model = AutoModelForCausalLM.from_pretrained(str(mnt / "consolidated"))
-        with torch.no_grad():
-            logits = model(ref["input_ids"]).logits
-        same_logits = torch.equal(logits, ref["logits"])
-        print(f"   logits {tuple(logits.shape)} equal to the original model's: {same_logits}")
-
-        checked = 0
-        with safe_open(str(mnt / "consolidated" / "model.safetensors"), "pt") as f:
-            meta = f.metadata()
-            for name in f.keys():
-                assert torch.equal(f.get_tensor(name), expected[name]), name
-                checked += 1
-        print(f"   {checked} tensors read with safetensors equal the originals; __metadata__ = {meta}")
-        del model  # releases its mmaps of the mounted files
-        if not same_logits or checked != len(expected):
+        step(f"2. training on 2 gloo ranks, a checkpoint every {args.save_every} steps into {root}")
+        trainer = train_in_background(work, root, refs, args.steps, args.save_every)
+        step("3. eval loads each new step from MNT/step_N/consolidated/ as it appears")
+        wanted = list(range(args.save_every, args.steps + 1, args.save_every))
+        failures = eval_loop(mnt, refs, trainer, wanted)
+        trainer.join()
+        if trainer.errors:
+            print(f"training failed: {trainer.errors[0]}", file=sys.stderr)
+            failures += 1
+        run("ls", "-l", str(mnt / f"step_{wanted[-1]}" / "consolidated"))
+        print(f"\n   the mount's log: {work / 'ckptfs.log'}")
+        if failures:
             print("DEMO FAILED", file=sys.stderr)
             return 1
         print("\nDemo passed." + (f" Mounted at {mnt}; unmount with: fusermount3 -u {mnt}" if args.keep_mounted else ""))

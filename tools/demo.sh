@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Installs what is needed, builds, then runs the main job on a built-in demo:
-# real torch writes a small Llama-style model as a sharded checkpoint (2 gloo
-# ranks, torch's Hugging Face storage writer), ckptfs indexes and mounts it,
-# and transformers loads MNT/consolidated/ and reproduces the logits.
+# a small Llama trains on 2 gloo ranks and saves a checkpoint every few steps
+# (torch.distributed.checkpoint) into a root that ckptfs has mounted live; an
+# eval loop loads each new step from MNT/step_N/consolidated/ with
+# transformers as soon as it appears and checks the logits bit for bit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh

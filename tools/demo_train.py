@@ -1,0 +1,116 @@
+#!/usr/bin/env python3
+"""The training half of the ckptfs demo: a tiny Llama trained data-parallel
+on 2 gloo ranks (CPU), saving a checkpoint every few steps with
+torch.distributed.checkpoint into ROOT/step_N/.
+
+Weights are saved as DTensors sharded the way tensor-parallel training
+shards them (q/k/v/gate/up/embed/lm_head on dim 0, o/down on dim 1, norms
+replicated), plus the AdamW state: each rank writes its own shard files.
+config.json goes into step_N/ before the save, so the step's consolidated/
+view is a complete Hugging Face folder the moment the save commits.
+
+For each step, rank 0 also writes REFS/step_N.pt (the model's logits on a
+fixed input, computed before the save) and REFS/step_N.saved (the time the
+save returned): the eval half compares what it loads from the mount with
+these.
+
+Run by tools/demo.py through tests/e2e/harness.spawn_ranks:
+    python3 tools/demo_train.py _worker RANK WORLD INIT_FILE JOB_FILE
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
+
+CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+              tie_word_embeddings=False, rms_norm_eps=1e-5, rope_theta=10000.0)
+EVAL_IDS = [[1, 17, 42, 99, 200, 3, 7, 128, 255, 0, 64, 33]]
+
+
+def placement(fqn: str):
+    from torch.distributed.tensor import Replicate, Shard
+    if fqn.endswith(("o_proj.weight", "down_proj.weight")):
+        return Shard(1)
+    if fqn.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight",
+                     "up_proj.weight", "embed_tokens.weight", "lm_head.weight")):
+        return Shard(0)
+    return Replicate()
+
+
+def train_step(model, opt, rank: int, step: int) -> float:
+    import torch.distributed as dist
+    g = torch.Generator().manual_seed(1000 * step + rank)  # each rank its own batch
+    ids = torch.randint(0, CONFIG["vocab_size"], (4, 16), generator=g)
+    loss = model(input_ids=ids, labels=ids).loss
+    opt.zero_grad()
+    loss.backward()
+    for p in model.parameters():  # data parallel: average the gradients
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+    opt.step()
+    return loss.item()
+
+
+def state_dict(model, opt, mesh) -> dict:
+    """Weights as sharded DTensors (every rank holds the same replica, so no
+    communication is needed), plus the optimizer state as plain tensors."""
+    from torch.distributed.tensor import distribute_tensor
+    weights = {k: distribute_tensor(v.detach(), mesh, [placement(k)], src_data_rank=None)
+               for k, v in model.state_dict().items()}
+    return {"model": weights, "optim": opt.state_dict()}
+
+
+def save_step(model, opt, mesh, job: dict, step: int) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    rank = dist.get_rank()
+    out = os.path.join(job["root"], f"step_{step}")
+    if rank == 0:
+        os.makedirs(out, exist_ok=True)
+        model.config.save_pretrained(out)
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor(EVAL_IDS)).logits
+        torch.save({"input_ids": torch.tensor(EVAL_IDS), "logits": logits},
+                   os.path.join(job["refs"], f"step_{step}.pt"))
+    dist.barrier()
+    dcp.save(state_dict(model, opt, mesh), checkpoint_id=out)
+    if rank == 0:
+        with open(os.path.join(job["refs"], f"step_{step}.saved"), "w") as f:
+            f.write(repr(time.time()))
+
+
+def _worker(rank: int, world_size: int, init_file: str, job: dict) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        mesh = init_device_mesh("cpu", (world_size,))
+        torch.manual_seed(0)  # the same initial replica on every rank
+        model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for step in range(1, job["steps"] + 1):
+            loss = train_step(model, opt, rank, step)
+            if rank == 0:
+                print(f"train: step {step} loss {loss:.4f}", flush=True)
+            if step % job["save_every"] == 0:
+                save_step(model, opt, mesh, job, step)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 6 and sys.argv[1] == "_worker":
+        with open(sys.argv[5]) as f:
+            _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.load(f))
+    else:
+        sys.exit(__doc__)
