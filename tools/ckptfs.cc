@@ -5,7 +5,6 @@
 // Exit codes are named below and documented in docs/CLI.md.
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <syslog.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -30,9 +29,12 @@
 #include "tools/progress.h"
 
 #include "tools/cli.h"
+#include "tools/log.h"
 
 namespace ckptfs {
 namespace {
+
+const char kVersion[] = "ckptfs " CKPTFS_VERSION;
 
 const char kExamples[] = R"(
 Examples:
@@ -60,242 +62,329 @@ void AddCommon(CLI::App* cmd, Common& c, bool view_flags) {
   }
 }
 
-int Main(int argc, char** argv) {
-  CLI::App app{"ckptfs: mount sharded training checkpoints as Hugging Face folders, computed on read."};
-  app.footer(kExamples);
-  app.require_subcommand(1);
-  app.set_version_flag("--version", "ckptfs 0.1.0");
+// Every flag of every subcommand; CLI11 writes into it.
+struct Flags {
   Common c;
-  bool quiet = false, foreground = false, debug = false, allow_other = false, json = false;
+  bool quiet = false, foreground = false, debug = false, allow_other = false, allow_non_empty = false;
+  bool no_watch = false, json = false, dump = false;
   unsigned threads = 16;
-  std::string mountpoint, vpath, dest, log_file;
+  unsigned rescan_ms = 2000;
+  std::string mountpoint, vpath, dest, log_file, log_level = "info";
+  std::string mesh_spec, pattern, tensor_name, against;
+};
 
-  auto* index = app.add_subcommand("index", "Build the index of a checkpoint tree (RocksDB)");
-  index->add_option("ROOT", c.root, "Checkpoint directory (or a tree of them)")->required();
-  index->add_option("--mapping", c.mapping, "JSON {fqn: 1-based file index} deciding consolidated/ file split");
-  index->add_flag("-q,--quiet", quiet, "Print only problems");
-  AddCommon(index, c, false);
-  index->footer("\nExample:\n  ckptfs index /ckpts/step_100\n\nExit status 5 when the checkpoint has problems (holes, truncated or corrupt files):\nthey are listed, and reads of the affected tensors fail with EIO.\n");
+struct Commands {
+  CLI::App *index, *mount, *ls, *inspect, *check, *verify, *cat, *exp, *version, *help;
+};
 
-  auto* mount = app.add_subcommand("mount", "Mount a checkpoint tree read-only (indexes it first if needed)");
-  mount->add_option("ROOT", c.root, "Checkpoint directory")->required();
-  mount->add_option("MOUNTPOINT", mountpoint, "Empty directory to mount on")->required();
-  mount->add_flag("-f,--foreground", foreground, "Stay in the foreground (logs to stderr)");
-  mount->add_flag("-d,--debug", debug, "Log every FUSE request (implies -f)");
-  mount->add_flag("--allow-other", allow_other, "Let other users read the mount (needs user_allow_other in /etc/fuse.conf)");
-  mount->add_option("--threads", threads, "Maximum FUSE worker threads (default 16)");
-  mount->add_option("--log-file", log_file, "Append log lines here (default: stderr with -f, syslog otherwise)");
-  AddCommon(mount, c, true);
-  mount->footer("\nExamples:\n  ckptfs mount /ckpts/step_100 /mnt/s100\n  ckptfs mount -f --max-file-size 2GB /ckpts/step_100 /mnt/s100\n  fusermount3 -u /mnt/s100     # unmount\n");
+void AddIndexAndMount(CLI::App& app, Flags& f, Commands& cmd) {
+  cmd.index = app.add_subcommand("index", "Build the index of a checkpoint tree (RocksDB)");
+  cmd.index->add_option("ROOT", f.c.root, "Checkpoint directory (or a tree of them)")->required();
+  cmd.index->add_option("--mapping", f.c.mapping, "JSON {fqn: 1-based file index} deciding consolidated/ file split");
+  cmd.index->add_flag("-q,--quiet", f.quiet, "Print only problems");
+  cmd.index->add_flag("--dump", f.dump, "Print every row of the index as JSON lines ({key, value}) and exit");
+  AddCommon(cmd.index, f.c, false);
+  cmd.index->footer("\nExample:\n  ckptfs index /ckpts/step_100\n\nExit status 5 when the checkpoint has problems (holes, truncated or corrupt files):\nthey are listed, and reads of the affected tensors fail with EIO.\n");
 
-  auto* ls = app.add_subcommand("ls", "List tensors (no PATH) or a directory of the virtual tree (PATH), without mounting");
-  ls->add_option("ROOT", c.root, "Checkpoint directory")->required();
-  ls->add_option("PATH", vpath, "Path inside the tree: list its entries instead of the tensors");
-  ls->add_flag("--json", json, "Print JSON (tensors: name, dtype, shape, chunks, bytes, files; entries: name, type, size)");
-  std::string mesh_spec, pattern;
-  ls->add_option("--filter", pattern, "Only tensors whose name matches this glob (e.g. '*.q_proj.weight')");
-  ls->add_option("--mesh", mesh_spec, "Show the per-rank views of a layout spec (tp4, tp2-pp2, ...), or why it is impossible");
-  AddCommon(ls, c, true);
-  ls->footer("\nExamples:\n  ckptfs ls /ckpts/step_100                        # table of tensors\n"
-             "  ckptfs ls /ckpts/step_100 --filter '*embed*' --json\n"
-             "  ckptfs ls /ckpts/step_100 model/consolidated     # files of a view\n"
-             "  ckptfs ls /ckpts/step_100 --mesh tp4\n");
+  auto* m = cmd.mount = app.add_subcommand("mount", "Mount a checkpoint tree read-only (indexes it first if needed)");
+  m->add_option("ROOT", f.c.root, "Checkpoint directory")->required();
+  m->add_option("MOUNTPOINT", f.mountpoint, "Empty directory to mount on")->required();
+  m->add_flag("-f,--foreground", f.foreground, "Stay in the foreground (logs to stderr)");
+  m->add_flag("-d,--debug", f.debug, "Log every FUSE request (implies -f)");
+  m->add_flag("--allow-other", f.allow_other,
+              "Let other users read the mount, each only what the sources let them read (needs user_allow_other in "
+              "/etc/fuse.conf unless root)");
+  m->add_flag("--allow-non-empty", f.allow_non_empty, "Mount over a directory that has files (they are hidden)");
+  m->add_flag("--no-watch", f.no_watch, "Do not watch the sources for changes (no inotify, no rescan)");
+  m->add_option("--rescan-ms", f.rescan_ms,
+                "Re-check the sources this often, for filesystems without inotify (default 2000; 0 = never)");
+  m->add_option("--threads", f.threads, "Maximum FUSE worker threads (default 16)")->check(CLI::Range(1u, 1024u));
+  m->add_option("--log-file", f.log_file,
+                "Append log lines here (default: stderr with -f, else <index>.log next to the index)");
+  m->add_option("--log-level", f.log_level, "error, warn, info (default) or debug")
+      ->check(CLI::IsMember({"error", "warn", "info", "debug"}));
+  AddCommon(m, f.c, true);
+  m->footer("\nExamples:\n  ckptfs mount /ckpts/step_100 /mnt/s100\n  ckptfs mount -f --max-file-size 2GB /ckpts/step_100 /mnt/s100\n  fusermount3 -u /mnt/s100     # unmount\n\nExit status 7 when the mountpoint is missing, not a directory, not empty or already mounted.\n");
+}
 
-  std::string tensor_name, against;
-  auto* inspect = app.add_subcommand("inspect", "Show one tensor: chunks, files, byte ranges, and statistics read from it");
-  inspect->add_option("ROOT", c.root, "Checkpoint directory")->required();
-  inspect->add_option("NAME", tensor_name, "Tensor name (fqn), as `ckptfs ls` prints it")->required();
-  inspect->add_flag("--json", json, "Print JSON");
-  AddCommon(inspect, c, true);
-  inspect->footer("\nExample:\n  ckptfs inspect /ckpts/step_100 model.embed_tokens.weight\n");
+void AddReadCommands(CLI::App& app, Flags& f, Commands& cmd) {
+  cmd.ls = app.add_subcommand("ls", "List tensors (no PATH) or a directory of the virtual tree (PATH), without mounting");
+  cmd.ls->add_option("ROOT", f.c.root, "Checkpoint directory")->required();
+  cmd.ls->add_option("PATH", f.vpath, "Path inside the tree: list its entries instead of the tensors");
+  cmd.ls->add_flag("--json", f.json, "Print JSON (tensors: checkpoint, name, dtype, shape, chunks, bytes, files; entries: name, type, size)");
+  cmd.ls->add_option("--filter", f.pattern, "Only tensors whose name matches this glob (e.g. '*.q_proj.weight')");
+  cmd.ls->add_option("--mesh", f.mesh_spec, "Show the per-rank views of a layout spec (tp4, tp2-pp2, ...), or why it is impossible");
+  AddCommon(cmd.ls, f.c, true);
+  cmd.ls->footer("\nExamples:\n  ckptfs ls /ckpts/step_100                        # table of tensors\n"
+                 "  ckptfs ls /ckpts/step_100 --filter '*embed*' --json\n"
+                 "  ckptfs ls /ckpts/step_100 model/consolidated     # files of a view\n"
+                 "  ckptfs ls /ckpts/step_100 --mesh tp4\n");
 
-  auto* check = app.add_subcommand("check", "Report holes, overlaps, changed sources and unreadable items; prints only problems");
-  check->add_option("ROOT", c.root, "Checkpoint directory")->required();
-  AddCommon(check, c, false);
-  check->footer("\nExample:\n  ckptfs check /ckpts/step_100 && echo clean\n\nExit status 0 when clean, 5 when there are problems.\n");
+  cmd.inspect = app.add_subcommand("inspect", "Show one tensor: chunks, files, byte ranges, and statistics read from it");
+  cmd.inspect->add_option("ROOT", f.c.root, "Checkpoint directory")->required();
+  cmd.inspect->add_option("NAME", f.tensor_name, "Tensor name (fqn), as `ckptfs ls` prints it")->required();
+  cmd.inspect->add_flag("--json", f.json, "Print JSON");
+  AddCommon(cmd.inspect, f.c, true);
+  cmd.inspect->footer("\nExample:\n  ckptfs inspect /ckpts/step_100 model.embed_tokens.weight\n");
 
-  auto* verify = app.add_subcommand("verify", "Read every byte of every virtual file and validate each safetensors file");
-  verify->add_option("ROOT", c.root, "Checkpoint directory")->required();
-  verify->add_option("--against", against, "Compare consolidated/ tensor by tensor with this Hugging Face folder");
-  verify->add_flag("--json", json, "Print JSON");
-  AddCommon(verify, c, true);
-  verify->footer("\nExamples:\n  ckptfs verify /ckpts/step_100\n  ckptfs verify /ckpts/step_100 --against /models/reference-hf\n\n"
-                 "Prints only problems; exit status 0 when clean, 5 when there are problems.\n");
+  cmd.cat = app.add_subcommand("cat", "Write a file of the virtual tree to stdout, without mounting");
+  cmd.cat->add_option("ROOT", f.c.root, "Checkpoint directory")->required();
+  cmd.cat->add_option("PATH", f.vpath, "File inside the tree")->required();
+  AddCommon(cmd.cat, f.c, true);
+  cmd.cat->footer("\nExample:\n  ckptfs cat /ckpts/step_100 model/consolidated/model-00001-of-00002.safetensors > out.safetensors\n");
 
-  auto* cat = app.add_subcommand("cat", "Write a file of the virtual tree to stdout, without mounting");
-  cat->add_option("ROOT", c.root, "Checkpoint directory")->required();
-  cat->add_option("PATH", vpath, "File inside the tree")->required();
-  AddCommon(cat, c, true);
-  cat->footer("\nExample:\n  ckptfs cat /ckpts/step_100 model/consolidated/model-00001-of-00002.safetensors > out.safetensors\n");
+  cmd.exp = app.add_subcommand("export", "Copy a file or directory of the virtual tree to real files");
+  cmd.exp->add_option("ROOT", f.c.root, "Checkpoint directory")->required();
+  cmd.exp->add_option("PATH", f.vpath, "File or directory inside the tree")->required();
+  cmd.exp->add_option("DEST", f.dest, "Destination directory (created)")->required();
+  AddCommon(cmd.exp, f.c, true);
+  cmd.exp->footer("\nExample:\n  ckptfs export /ckpts/step_100 model/consolidated /tmp/hf\n");
+}
 
-  auto* exp = app.add_subcommand("export", "Copy a file or directory of the virtual tree to real files");
-  exp->add_option("ROOT", c.root, "Checkpoint directory")->required();
-  exp->add_option("PATH", vpath, "File or directory inside the tree")->required();
-  exp->add_option("DEST", dest, "Destination directory (created)")->required();
-  AddCommon(exp, c, true);
-  exp->footer("\nExample:\n  ckptfs export /ckpts/step_100 model/consolidated /tmp/hf\n");
+void AddCheckCommands(CLI::App& app, Flags& f, Commands& cmd) {
+  cmd.check = app.add_subcommand("check", "Report holes, overlaps, changed sources and unreadable items");
+  cmd.check->add_option("ROOT", f.c.root, "Checkpoint directory")->required();
+  AddCommon(cmd.check, f.c, false);
+  cmd.check->footer("\nExample:\n  ckptfs check /ckpts/step_100 && echo clean\n\nPrints each problem, then one summary line; exit status 0 when clean, 5 when there are problems.\n");
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    int rc = app.exit(e);
-    return rc == 0 ? kExitOk : kExitUsage;
+  cmd.verify = app.add_subcommand("verify", "Read every byte of every virtual file and validate each safetensors file");
+  cmd.verify->add_option("ROOT", f.c.root, "Checkpoint directory")->required();
+  cmd.verify->add_option("--against", f.against, "Compare consolidated/ tensor by tensor with this Hugging Face folder");
+  cmd.verify->add_flag("--json", f.json, "Print JSON");
+  AddCommon(cmd.verify, f.c, true);
+  cmd.verify->footer("\nExamples:\n  ckptfs verify /ckpts/step_100\n  ckptfs verify /ckpts/step_100 --against /models/reference-hf\n\n"
+                     "Prints each problem, then one summary line; exit status 0 when clean, 5 when there are problems.\n");
+
+  cmd.version = app.add_subcommand("version", "Print the version");
+  cmd.help = app.add_subcommand("help", "Print this help");
+}
+
+// The log a mount writes to: stderr in the foreground, else a file next to
+// its index, said before the daemon detaches.
+std::optional<Log> OpenMountLog(const Flags& f, int* rc) {
+  const bool foreground = f.foreground || f.debug;
+  std::string path = f.log_file;
+  if (path.empty() && !foreground) path = IndexPath(f.c) + ".log";
+  if (!path.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(std::filesystem::path(path).parent_path(), ec);
   }
-  auto size = ParseSize(c.max_file_size);
-  if (!size) {
-    Error("--max-file-size: cannot read '" + c.max_file_size + "' as a size (try 5GB or 512MiB)");
-    return kExitUsage;
+  std::string error;
+  auto log = Log::Open(path, *ParseLogLevel(f.log_level), &error);
+  if (!log) {
+    Error("--log-file " + error);
+    *rc = kExitUsage;
+    return std::nullopt;
   }
-  c.max_file_bytes = *size;
+  if (!path.empty() && !foreground) std::fprintf(stderr, "ckptfs: logging to %s\n", path.c_str());
+  return log;
+}
 
-  if (*index) return BuildIndex(c, quiet);
-  if (*check) return RunCheck(c);
-
+int RunMount(Flags& f) {
+  auto mountpoint = CheckMountpoint(f.mountpoint, f.allow_non_empty);
+  if (!mountpoint.ok()) {
+    Error(mountpoint.status().message());
+    return kExitMountFailed;
+  }
   int rc = kExitOk;
-  if (*mount) {
-    std::mutex log_mu;
-    std::FILE* log = nullptr;
-    if (!log_file.empty() && !(log = std::fopen(log_file.c_str(), "a"))) {
-      Error(log_file + ": " + std::strerror(errno));
-      return kExitUsage;
-    }
-    const bool to_stderr = (foreground || debug) && !log;
-    if (!log && !to_stderr) ::openlog("ckptfs", LOG_PID, LOG_USER);
-    auto fs = OpenFs(c, &rc, [&log_mu, log, to_stderr](const std::string& line) {
-      std::lock_guard<std::mutex> lock(log_mu);
-      if (log) std::fprintf(log, "ckptfs: %s\n", line.c_str()), std::fflush(log);
-      else if (to_stderr) std::fprintf(stderr, "ckptfs: %s\n", line.c_str());
-      else ::syslog(LOG_WARNING, "%s", line.c_str());
-    });
-    if (!fs) return rc;
-    MountOptions mo;
-    mo.foreground = foreground;
-    mo.debug = debug;
-    mo.allow_other = allow_other;
-    mo.max_threads = threads;
-    Status st = MountAndServe(std::move(fs), mountpoint, mo);
-    if (!st.ok()) {
-      Error(st.message());
-      return kExitMountFailed;
-    }
-    return kExitOk;
-  }
-
-  auto fs = OpenFs(c, &rc);
+  auto log = OpenMountLog(f, &rc);
+  if (!log) return rc;
+  Log* out = &*log;
+  auto fs = OpenFs(f.c, &rc, [out](const std::string& line) { out->Write(LogLevel::kWarn, line); });
   if (!fs) return rc;
-  if (*inspect) return RunInspect(*fs, tensor_name, json);
-  if (*verify) return RunVerify(*fs, against, json);
-  if (*ls && vpath.empty() && mesh_spec.empty()) return RunTensorTable(fs->catalog(), pattern, json);
-  if (*ls && !mesh_spec.empty()) {
-    // Each checkpoint's mesh/<spec>/: opening it builds the views or says why not.
-    int status = kExitOk;
-    for (const Checkpoint& ck : fs->catalog().checkpoints) {
-      std::string dir = (ck.dir.empty() ? "" : ck.dir + "/") + "mesh/" + mesh_spec;
-      auto spec_dir = fs->Resolve(dir);
-      if (!spec_dir.ok()) {  // the reason was logged by the lookup
-        status = kExitNoSource;
-        continue;
-      }
-      std::printf("%s/\n", dir.c_str());
-      auto ranks = fs->ReadDir(spec_dir->ino);
-      for (const auto& rank : ranks.value()) {
-        std::printf("  %s/\n", rank.name.c_str());
-        auto files = fs->ReadDir(rank.attr.ino);
-        for (const auto& f : files.value())
-          std::printf("    %14llu  %s\n", static_cast<unsigned long long>(f.attr.size), f.name.c_str());
-      }
-    }
-    return status;
+  out->Write(LogLevel::kInfo, "mounting " + AbsRoot(f.c.root) + " at " + *mountpoint + " (index " + IndexPath(f.c) + ")");
+  MountOptions mo;
+  mo.foreground = f.foreground;
+  mo.debug = f.debug;
+  mo.allow_other = f.allow_other;
+  mo.max_threads = f.threads;
+  mo.fsname = AbsRoot(f.c.root);
+  mo.watch = !f.no_watch;
+  mo.rescan_ms = f.rescan_ms;
+  mo.log = [out](const std::string& line) { out->Write(LogLevel::kWarn, line); };
+  mo.live.log = [out](const std::string& line) { out->Write(LogLevel::kInfo, line); };
+  mo.live.scan = [root = fs->root()](const std::string& rel) { return ScanCheckpointDir(root, rel); };
+  mo.live.resaved = [root = fs->root()](const std::string& rel) { return CommitPointIsNewest(root, rel); };
+  Status st = MountAndServe(std::move(fs), *mountpoint, mo);
+  if (!st.ok()) {
+    Error(st.message());
+    out->Write(LogLevel::kError, st.message());
+    return kExitMountFailed;
   }
-  auto attr = fs->Resolve(vpath);
-  if (!attr.ok()) {
-    Error(vpath + ": " + attr.status().message());
-    return kExitNoSource;
-  }
+  out->Write(LogLevel::kInfo, "unmounted " + *mountpoint);
+  return kExitOk;
+}
 
-  if (*ls) {
-    std::vector<DirEntry> entries;
-    if (attr->is_dir()) {
-      auto e = fs->ReadDir(attr->ino);
-      if (!e.ok()) {
-        Error(e.status().message());
-        return kExitNoSource;
-      }
-      entries = std::move(*e);
-    } else {
-      entries.push_back({std::filesystem::path(vpath).filename().string(), *attr});
+// Each checkpoint's mesh/<spec>/: opening it builds the views or says why not.
+int RunMeshListing(VirtualFs& fs, const std::string& spec) {
+  int status = kExitOk;
+  for (const std::string& ck : fs.CheckpointDirs()) {
+    std::string dir = (ck.empty() ? "" : ck + "/") + "mesh/" + spec;
+    auto spec_dir = fs.Resolve(dir);
+    if (!spec_dir.ok()) {  // the reason was logged by the lookup
+      status = kExitNoSource;
+      continue;
     }
-    if (json) {
-      nlohmann::json out = nlohmann::json::array();
-      for (const auto& e : entries)
-        out.push_back({{"name", e.name}, {"type", e.attr.is_dir() ? "dir" : "file"}, {"size", e.attr.size},
-                       {"virtual", e.attr.is_virtual}});
-      std::cout << out.dump(2) << "\n";
-    } else {
-      for (const auto& e : entries)
-        std::printf("%s %14llu  %s%s\n", e.attr.is_dir() ? "dr-xr-xr-x" : "-r--r--r--",
-                    static_cast<unsigned long long>(e.attr.size), e.name.c_str(), e.attr.is_dir() ? "/" : "");
+    std::printf("%s/\n", dir.c_str());
+    auto ranks = fs.ReadDir(spec_dir->ino);
+    for (const auto& rank : ranks.value()) {
+      std::printf("  %s/\n", rank.name.c_str());
+      auto files = fs.ReadDir(rank.attr.ino);
+      for (const auto& file : files.value())
+        std::printf("    %14llu  %s\n", static_cast<unsigned long long>(file.attr.size), file.name.c_str());
     }
+  }
+  return status;
+}
+
+const char* ModeString(const Attr& a) {
+  if (a.is_dir()) return "dr-xr-xr-x";
+  if ((a.mode & S_IFMT) == S_IFLNK) return "lrwxrwxrwx";
+  return "-r--r--r--";
+}
+
+int RunListing(VirtualFs& fs, const Attr& attr, const std::string& vpath, bool as_json) {
+  std::vector<DirEntry> entries;
+  if (attr.is_dir()) {
+    auto e = fs.ReadDir(attr.ino);
+    if (!e.ok()) {
+      Error(e.status().message());
+      return kExitNoSource;
+    }
+    entries = std::move(*e);
+  } else {
+    entries.push_back({std::filesystem::path(vpath).filename().string(), attr});
+  }
+  if (as_json) {
+    nlohmann::json out = nlohmann::json::array();
+    for (const auto& e : entries)
+      out.push_back({{"name", e.name}, {"type", e.attr.is_dir() ? "dir" : "file"}, {"size", e.attr.size},
+                     {"virtual", e.attr.is_virtual}});
+    std::cout << out.dump(2) << "\n";
     return kExitOk;
   }
+  for (const auto& e : entries)
+    std::printf("%s %14llu  %s%s\n", ModeString(e.attr), static_cast<unsigned long long>(e.attr.size), e.name.c_str(),
+                e.attr.is_dir() ? "/" : "");
+  return kExitOk;
+}
 
-  if (*cat) {
-    if (attr->is_dir()) {
-      Error(vpath + " is a directory (use `ckptfs ls` or `ckptfs export`)");
-      return kExitUsage;
-    }
-    uint64_t done = 0;
-    return CopyOut(*fs, *attr, vpath, stdout, nullptr, &done);
+// Writes one virtual file to `out` through a partial file, never leaving a
+// partial file under the real name.
+int ExportFile(VirtualFs& fs, const Attr& a, const std::string& src, const std::filesystem::path& out,
+               Progress* progress, uint64_t* done) {
+  std::error_code ec;
+  std::filesystem::create_directories(out.parent_path(), ec);
+  std::string tmp = out.string() + ".ckptfs-partial";
+  std::FILE* file = std::fopen(tmp.c_str(), "wb");
+  if (!file) {
+    Error(tmp + ": " + std::strerror(errno));
+    return kExitWriteError;
   }
+  int r = CopyOut(fs, a, src, file, progress, done);
+  if (std::fclose(file) != 0 && r == kExitOk) {
+    Error(tmp + ": " + std::strerror(errno));
+    r = kExitWriteError;
+  }
+  if (r != kExitOk) {
+    std::filesystem::remove(tmp, ec);
+    return r;
+  }
+  std::filesystem::rename(tmp, out, ec);
+  if (ec) {
+    Error(out.string() + ": " + ec.message());
+    return kExitWriteError;
+  }
+  return kExitOk;
+}
 
-  // export
+int RunExport(VirtualFs& fs, const Attr& attr, const std::string& vpath, const std::string& dest) {
   std::vector<std::pair<std::string, Attr>> files;  // relative name, attr
   std::function<bool(const std::string&, const Attr&)> walk = [&](const std::string& rel, const Attr& a) {
     if (!a.is_dir()) {
       files.push_back({rel, a});
       return true;
     }
-    auto entries = fs->ReadDir(a.ino);
+    auto entries = fs.ReadDir(a.ino);
     if (!entries.ok()) return false;
     for (const auto& e : *entries)
       if (!walk(rel.empty() ? e.name : rel + "/" + e.name, e.attr)) return false;
     return true;
   };
-  std::string base = attr->is_dir() ? "" : std::filesystem::path(vpath).filename().string();
-  if (!walk(base, *attr)) {
+  std::string base = attr.is_dir() ? "" : std::filesystem::path(vpath).filename().string();
+  if (!walk(base, attr)) {
     Error("cannot list " + vpath);
     return kExitNoSource;
   }
   uint64_t total = 0, done = 0;
-  for (const auto& f : files) total += f.second.size;
+  for (const auto& file : files) total += file.second.size;
   Progress progress("export " + vpath, total, "bytes");
   for (const auto& [rel, a] : files) {
-    std::filesystem::path out = std::filesystem::path(dest) / rel;
-    std::error_code ec;
-    std::filesystem::create_directories(out.parent_path(), ec);
-    std::string tmp = out.string() + ".ckptfs-partial";
-    std::FILE* f = std::fopen(tmp.c_str(), "wb");
-    if (!f) {
-      Error(tmp + ": " + std::strerror(errno));
-      return kExitReadError;
-    }
-    std::string src = vpath.empty() ? rel : (attr->is_dir() ? vpath + "/" + rel : vpath);
-    int r = CopyOut(*fs, a, src, f, &progress, &done);
-    if (std::fclose(f) != 0 && r == kExitOk) {
-      Error(tmp + ": " + std::strerror(errno));
-      r = kExitReadError;
-    }
-    if (r != kExitOk) {
-      std::filesystem::remove(tmp, ec);  // never leave a partial file under the real name
-      return r;
-    }
-    std::filesystem::rename(tmp, out, ec);
-    if (ec) {
-      Error(out.string() + ": " + ec.message());
-      return kExitReadError;
-    }
+    std::string src = vpath.empty() ? rel : (attr.is_dir() ? vpath + "/" + rel : vpath);
+    int r = ExportFile(fs, a, src, std::filesystem::path(dest) / rel, &progress, &done);
+    if (r != kExitOk) return r;
   }
   return kExitOk;
+}
+
+// ls PATH, cat and export: commands on one path of the virtual tree.
+int RunPathCommand(VirtualFs& fs, const Flags& f, const Commands& cmd) {
+  auto attr = fs.Resolve(f.vpath);
+  if (!attr.ok()) {
+    Error(attr.status().message());
+    return kExitNoSource;
+  }
+  if (*cmd.ls) return RunListing(fs, *attr, f.vpath, f.json);
+  if (*cmd.cat) {
+    if (attr->is_dir()) {
+      Error(f.vpath + " is a directory (use `ckptfs ls` or `ckptfs export`)");
+      return kExitUsage;
+    }
+    uint64_t done = 0;
+    return CopyOut(fs, *attr, f.vpath, stdout, nullptr, &done);
+  }
+  return RunExport(fs, *attr, f.vpath, f.dest);
+}
+
+int Dispatch(CLI::App& app, Flags& f, const Commands& cmd) {
+  if (*cmd.version) return std::printf("%s\n", kVersion), kExitOk;
+  if (*cmd.help) return std::printf("%s", app.help().c_str()), kExitOk;
+  if (*cmd.index) return f.dump ? DumpIndex(f.c, std::cout) : BuildIndex(f.c, f.quiet);
+  if (*cmd.check) return RunCheck(f.c);
+  if (*cmd.mount) return RunMount(f);
+  int rc = kExitOk;
+  auto fs = OpenFs(f.c, &rc);
+  if (!fs) return rc;
+  if (*cmd.inspect) return RunInspect(*fs, f.tensor_name, f.json);
+  if (*cmd.verify) return RunVerify(*fs, f.against, f.json);
+  if (*cmd.ls && f.vpath.empty() && f.mesh_spec.empty()) return RunTensorTable(fs->LoadAll(), f.pattern, f.json);
+  if (*cmd.ls && !f.mesh_spec.empty()) return RunMeshListing(*fs, f.mesh_spec);
+  return RunPathCommand(*fs, f, cmd);
+}
+
+int Main(int argc, char** argv) {
+  CLI::App app{"ckptfs: mount sharded training checkpoints as Hugging Face folders, computed on read."};
+  app.footer(kExamples);
+  app.require_subcommand(1);
+  app.set_version_flag("--version", kVersion);
+  Flags f;
+  Commands cmd;
+  AddIndexAndMount(app, f, cmd);
+  AddReadCommands(app, f, cmd);
+  AddCheckCommands(app, f, cmd);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int rc = app.exit(e);
+    return rc == 0 ? kExitOk : kExitUsage;
+  }
+  auto size = ParseSize(f.c.max_file_size);
+  if (!size) {
+    Error("--max-file-size: cannot read '" + f.c.max_file_size + "' as a size (try 5GB or 512MiB)");
+    return kExitUsage;
+  }
+  f.c.max_file_bytes = *size;
+  return Dispatch(app, f, cmd);
 }
 
 }  // namespace

@@ -20,6 +20,7 @@
 #include "core/planner.h"
 #include "core/safetensors.h"
 #include "indexer/file_table.h"
+#include "indexer/scan.h"
 #include "indexer/posix_io.h"
 #include "indexer/source_reader.h"
 #include "tools/cli.h"
@@ -29,7 +30,8 @@ namespace {
 
 using nlohmann::json;
 
-std::string Where(const Checkpoint& ck) { return ck.dir.empty() ? "." : ck.dir; }
+std::string Where(const std::string& dir) { return dir.empty() ? "." : dir; }
+std::string Where(const Checkpoint& ck) { return Where(ck.dir); }
 
 // What makes a tensor unservable: its coverage problem, else the first
 // unavailable chunk; "" when it reads fine.
@@ -40,9 +42,9 @@ std::string TensorProblem(const TensorMeta& t) {
   return "";
 }
 
-std::set<std::string> FilesOf(const TensorMeta& t, const Catalog& catalog) {
+std::set<std::string> FilesOf(const TensorMeta& t, const Checkpoint& ckpt) {
   std::set<std::string> out;
-  for (const Chunk& c : t.chunks) out.insert(std::filesystem::path(catalog.files[c.bytes.file].path).filename());
+  for (const Chunk& c : t.chunks) out.insert(std::filesystem::path(ckpt.files[c.bytes.file].path).filename());
   return out;
 }
 
@@ -90,14 +92,40 @@ Result<SafetensorsHeader> VirtualHeader(VirtualFs& fs, const Attr& a) {
   return ParseSafetensorsHeader(text, n);
 }
 
+// "; did you mean 'a' or 'b'?" for the names closest to `name` by edit
+// distance (at most 3), or "".
+std::string NearestNames(const std::string& name, const std::vector<std::string>& names) {
+  auto distance = [](const std::string& a, const std::string& b) {
+    std::vector<size_t> row(b.size() + 1);
+    for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+    for (size_t i = 1; i <= a.size(); ++i) {
+      size_t diag = row[0];
+      row[0] = i;
+      for (size_t j = 1; j <= b.size(); ++j) {
+        size_t up = row[j];
+        row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] != b[j - 1])});
+        diag = up;
+      }
+    }
+    return row[b.size()];
+  };
+  std::vector<std::pair<size_t, std::string>> scored;
+  for (const std::string& n : names) scored.push_back({distance(name, n), n});
+  std::sort(scored.begin(), scored.end());
+  std::string out;
+  for (size_t k = 0; k < scored.size() && k < 3 && scored[k].first <= std::max<size_t>(3, name.size() / 4); ++k)
+    out += (out.empty() ? "; did you mean '" : "' or '") + scored[k].second;
+  return out.empty() ? "" : out + "'?";
+}
+
 }  // namespace
 
-int RunTensorTable(const Catalog& catalog, const std::string& pattern, bool as_json) {
+int RunTensorTable(const std::vector<LoadedCheckpoint>& checkpoints, const std::string& pattern, bool as_json) {
   json rows = json::array();
-  for (const Checkpoint& ck : catalog.checkpoints)
-    for (const auto& t : ck.tensors) {
+  for (const LoadedCheckpoint& loaded : checkpoints)
+    for (const Checkpoint& ck = *loaded.ckpt; const auto& t : ck.tensors) {
       if (!pattern.empty() && ::fnmatch(pattern.c_str(), t->fqn.c_str(), 0) != 0) continue;
-      auto files = FilesOf(*t, catalog);
+      auto files = FilesOf(*t, ck);
       rows.push_back({{"checkpoint", ck.dir},
                       {"name", t->fqn},
                       {"dtype", std::string(DTypeName(t->dtype))},
@@ -111,12 +139,19 @@ int RunTensorTable(const Catalog& catalog, const std::string& pattern, bool as_j
     std::cout << rows.dump(2) << "\n";
     return kExitOk;
   }
-  size_t w = 4;
-  for (const auto& r : rows) w = std::max(w, r["name"].get<std::string>().size());
+  // A root of several checkpoints (steps of a run) gets a checkpoint column.
+  const bool several = checkpoints.size() > 1;
+  size_t w = 4, cw = 10;
+  for (const auto& r : rows) {
+    w = std::max(w, r["name"].get<std::string>().size());
+    cw = std::max(cw, Where(r["checkpoint"].get<std::string>()).size());
+  }
+  if (several) std::printf("%-*s  ", int(cw), "checkpoint");
   std::printf("%-*s  %-8s %-20s %6s %12s  %s\n", int(w), "name", "dtype", "shape", "chunks", "bytes", "files");
   for (const auto& r : rows) {
     std::string files;
     for (const auto& f : r["files"]) files += (files.empty() ? "" : ",") + f.get<std::string>();
+    if (several) std::printf("%-*s  ", int(cw), Where(r["checkpoint"].get<std::string>()).c_str());
     std::printf("%-*s  %-8s %-20s %6zu %12llu  %s%s\n", int(w), r["name"].get<std::string>().c_str(),
                 r["dtype"].get<std::string>().c_str(), ShapeToString(r["shape"].get<Shape>()).c_str(),
                 r["chunks"].get<size_t>(), static_cast<unsigned long long>(r["bytes"].get<uint64_t>()), files.c_str(),
@@ -126,20 +161,23 @@ int RunTensorTable(const Catalog& catalog, const std::string& pattern, bool as_j
 }
 
 int RunInspect(VirtualFs& fs, const std::string& name, bool as_json) {
-  const Catalog& catalog = fs.catalog();
   std::shared_ptr<const TensorMeta> t;
   const Checkpoint* owner = nullptr;
-  for (const Checkpoint& ck : catalog.checkpoints)
-    for (const auto& x : ck.tensors)
-      if (x->fqn == name) t = x, owner = &ck;
+  SourceReader* reader = nullptr;
+  std::vector<std::string> names;
+  for (const LoadedCheckpoint& loaded : fs.LoadAll())
+    for (const auto& x : loaded.ckpt->tensors) {
+      names.push_back(x->fqn);
+      if (x->fqn == name) t = x, owner = loaded.ckpt, reader = loaded.reader;
+    }
   if (!t) {
-    Error("no tensor named '" + name + "' (list them with `ckptfs ls ROOT`)");
+    Error("no tensor named '" + name + "'" + NearestNames(name, names) + " (list them with `ckptfs ls ROOT`)");
     return kExitNoSource;
   }
   json chunks = json::array();
   for (const Chunk& c : t->chunks)
     chunks.push_back({{"box", ToString(c.shard.box)},
-                      {"file", catalog.files[c.bytes.file].path},
+                      {"file", owner->files[c.bytes.file].path},
                       {"bytes", {c.bytes.offset, c.bytes.offset + c.bytes.length}},
                       {"strides", c.basic.strides},
                       {"unavailable", c.unavailable}});
@@ -163,7 +201,7 @@ int RunInspect(VirtualFs& fs, const std::string& name, bool as_json) {
         st = plan.status();
         break;
       }
-      st = fs.reader().Execute(*plan, buf.data());
+      st = reader->Execute(*plan, buf.data());
       const uint64_t elems = plan->length / pb * g;
       for (uint64_t k = 0; st.ok() && k < elems; ++k) {
         double v = DecodeElement(t->dtype, reinterpret_cast<const uint8_t*>(buf.data()), k);
@@ -215,47 +253,67 @@ int RunInspect(VirtualFs& fs, const std::string& name, bool as_json) {
   return rc;
 }
 
+namespace {
+
+// Sources of `ck` that changed since indexing, as problems; marks them in *changed.
+void ChangedSources(const std::string& root, const Checkpoint& ck, std::vector<bool>* changed,
+                    std::vector<std::string>* problems) {
+  changed->assign(ck.files.size(), false);
+  for (size_t i = 0; i < ck.files.size(); ++i) {
+    const SourceFile& f = ck.files[i];
+    if (f.derived()) {  // a decoded item: as fresh as its file (listed before it)
+      (*changed)[i] = (*changed)[f.base];
+      continue;
+    }
+    auto now = StatSource(root + "/" + f.path);
+    std::string what = now.ok() ? DescribeChange(f, *now) : now.status().message();
+    if (what.empty()) continue;
+    (*changed)[i] = true;
+    problems->push_back(f.path + ": " + what + " since indexing (re-run `ckptfs index`)");
+  }
+}
+
+// Chunks of `ck` whose bytes cannot be read: the last byte of every chunk is
+// read through the read path.
+void UnreadableChunks(const std::string& root, const Checkpoint& ck, const std::vector<bool>& changed,
+                      std::vector<std::string>* problems) {
+  SourceReader reader(root, &ck.files);
+  for (const auto& t : ck.tensors)
+    for (const Chunk& ch : t->chunks) {
+      const std::string where = Where(ck) + ": tensor '" + t->fqn + "' chunk " + ToString(ch.shard.box);
+      if (!ch.unavailable.empty()) {
+        problems->push_back(where + " is unreadable: " + ch.unavailable);
+        continue;
+      }
+      if (ch.bytes.length == 0 || changed[ch.bytes.file]) continue;
+      ReadPlan plan;
+      plan.length = 1;
+      plan.copies.push_back({ch.bytes.file, ch.bytes.offset + ch.bytes.length - 1, 0, 1});
+      char byte;
+      Status st = reader.Execute(plan, &byte);
+      if (!st.ok()) problems->push_back(where + " is unreadable: " + st.message());
+    }
+}
+
+}  // namespace
+
 int RunCheck(const Common& c) {
   int rc = kExitOk;
   auto catalog = LoadCatalog(c, /*allow_stale=*/true, &rc);
   if (!catalog) return rc;
-  std::vector<std::string> problems;
-  for (const Checkpoint& ck : catalog->checkpoints)
+  std::vector<std::string> problems = FindInterruptedSaves(catalog->root);
+  for (const Checkpoint& ck : catalog->checkpoints) {
     for (const std::string& p : ck.problems) problems.push_back(Where(ck) + ": " + p);
-  std::vector<bool> changed(catalog->files.size(), false);
-  for (size_t i = 0; i < catalog->files.size(); ++i) {
-    const SourceFile& f = catalog->files[i];
-    if (f.derived()) {  // a decoded item: as fresh as its file (listed before it)
-      changed[i] = changed[f.base];
-      continue;
-    }
-    auto now = StatSource(catalog->root + "/" + f.path);
-    std::string what = now.ok() ? DescribeChange(f, *now) : now.status().message();
-    if (what.empty()) continue;
-    changed[i] = true;
-    problems.push_back(f.path + ": " + what + " since indexing (re-run `ckptfs index`)");
+    std::vector<bool> changed;
+    ChangedSources(catalog->root, ck, &changed, &problems);
+    UnreadableChunks(catalog->root, ck, changed, &problems);
   }
-  // Unreadable items: read the last byte of every chunk through the read path.
-  SourceReader reader(&*catalog);
-  for (const Checkpoint& ck : catalog->checkpoints)
-    for (const auto& t : ck.tensors)
-      for (const Chunk& ch : t->chunks) {
-        if (!ch.unavailable.empty()) {
-          problems.push_back(Where(ck) + ": tensor '" + t->fqn + "' chunk " + ToString(ch.shard.box) +
-                             " is unreadable: " + ch.unavailable);
-          continue;
-        }
-        if (ch.bytes.length == 0 || changed[ch.bytes.file]) continue;
-        ReadPlan plan;
-        plan.length = 1;
-        plan.copies.push_back({ch.bytes.file, ch.bytes.offset + ch.bytes.length - 1, 0, 1});
-        char byte;
-        Status st = reader.Execute(plan, &byte);
-        if (!st.ok())
-          problems.push_back(Where(ck) + ": tensor '" + t->fqn + "' chunk " + ToString(ch.shard.box) +
-                             " is unreadable: " + st.message());
-      }
   for (const std::string& p : problems) std::printf("%s\n", p.c_str());
+  size_t files = 0;
+  for (const Checkpoint& ck : catalog->checkpoints) files += ck.files.size();
+  // The summary goes to stderr: stdout stays "one problem per line".
+  std::fprintf(stderr, "ckptfs check: %zu checkpoint(s), %zu source file(s): %s\n", catalog->checkpoints.size(), files,
+               problems.empty() ? "no problems" : (std::to_string(problems.size()) + " problem(s)").c_str());
   return problems.empty() ? kExitOk : kExitProblems;
 }
 
@@ -293,14 +351,13 @@ Result<std::map<std::string, RefTensor>> ReadReference(const std::string& dir) {
 }  // namespace
 
 int RunVerify(VirtualFs& fs, const std::string& against, bool as_json) {
-  const Catalog& catalog = fs.catalog();
   struct VFile {
     std::string path;
     Attr attr;
   };
   std::vector<VFile> files;
-  for (const Checkpoint& ck : catalog.checkpoints)
-    for (const char* view : {"consolidated", "tensors"}) {
+  for (const LoadedCheckpoint& loaded : fs.LoadAll())
+    for (const Checkpoint& ck = *loaded.ckpt; const char* view : {"consolidated", "tensors"}) {
       std::string dir = (ck.dir.empty() ? "" : ck.dir + "/") + view;
       auto d = fs.Resolve(dir);
       if (!d.ok() || !d->is_virtual) continue;
@@ -396,6 +453,8 @@ int RunVerify(VirtualFs& fs, const std::string& against, bool as_json) {
     std::cout << json({{"files", files.size()}, {"bytes", total}, {"problems", problems}}).dump(2) << "\n";
   } else {
     for (const auto& p : problems) std::printf("%s\n", p.c_str());
+    std::fprintf(stderr, "ckptfs verify: %zu file(s), %s read: %s\n", files.size(), HumanBytes(total).c_str(),
+                 problems.empty() ? "no problems" : (std::to_string(problems.size()) + " problem(s)").c_str());
   }
   return problems.empty() ? kExitOk : kExitProblems;
 }

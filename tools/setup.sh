@@ -40,7 +40,7 @@ if [ -z "${CKPTFS_SKIP_PYTHON:-}" ]; then
       $PY -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
     fi
   fi
-  if ! $PY -c 'import safetensors, numpy, transformers, pytest, ml_dtypes, zstandard, psutil' 2>/dev/null; then
+  if ! $PY -c 'import safetensors, numpy, transformers, pytest, ml_dtypes, zstandard, psutil, sentence_transformers' 2>/dev/null; then
     log "installing Python packages from tools/requirements.txt"
     $PY -m pip install -q -r tools/requirements.txt
   fi
@@ -66,3 +66,37 @@ fi
 log "building ckptfs into build/"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 ninja -C build
+
+# --- Packaging ---------------------------------------------------------------------
+# dpkg-shlibdeps (dpkg-dev) computes the .deb's dependencies at cpack time;
+# tests/e2e/test_packaging.py installs the .deb into a clean root made by
+# debootstrap and reads the man page with man-db.
+pkg_missing=()
+for p in dpkg-dev debootstrap man-db; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || pkg_missing+=("$p")
+done
+if [ ${#pkg_missing[@]} -gt 0 ]; then
+  log "installing Debian packages for packaging: ${pkg_missing[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${pkg_missing[@]}" >/dev/null
+fi
+
+# --- The writer's NCCL headers and the Python package ------------------------------
+# NCCL comes from the nvidia-nccl wheel (a copy on disk when there is one): its
+# headers and library are all the NCCL collective needs to build; no GPU is used.
+# `pip install .` reuses build/ (pyproject.toml: build-dir), so it relinks the
+# Python module and installs it with the CLI instead of compiling the tree again.
+if [ -z "${CKPTFS_SKIP_PYTHON:-}" ]; then
+  if ! $PY -c 'import nvidia.nccl' 2>/dev/null; then
+    wheel=$(ls /opt/pypi-more/files/nvidia_nccl_cu13-*.whl 2>/dev/null | head -n 1 || true)
+    log "installing NCCL headers (${wheel:-nvidia-nccl-cu13 from PyPI})"
+    $PY -m pip install -q "${wheel:-nvidia-nccl-cu13}"
+    # Configure again so CMake finds the NCCL just installed.
+    cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null && ninja -C build
+  fi
+  $PY -c 'import scikit_build_core, pybind11' 2>/dev/null || $PY -m pip install -q scikit-build-core pybind11
+  log "installing the ckptfs Python package (pip install ., reusing build/)"
+  start=$(date +%s)
+  $PY -m pip install -q --no-build-isolation .
+  log "pip install . took $(( $(date +%s) - start )) s"
+fi

@@ -19,3 +19,9 @@ printf '\n== end-to-end tests (pytest)\n'
 export CKPTFS_BIN="$PWD/build/ckptfs"
 export BYTECHECKPOINT_SITE=${BYTECHECKPOINT_SITE:-$PWD/build/bcp-site}
 python3 -m pytest tests/e2e -q -p no:cacheprovider -ra
+
+# --- fuzzing -------------------------------------------------------------------
+# Every libFuzzer target of tests/fuzz/ for a short bounded run (FUZZ_SECONDS
+# each, default 20); clang is installed by tools/fuzz.sh when missing.
+printf '\n== fuzzing (tools/fuzz.sh)\n'
+bash tools/fuzz.sh

@@ -79,11 +79,14 @@ MAIN_EXTRA_FILES: dict[str, tuple[int, bytes]] = {
     "notes/deep/data.bin": (0o444, bytes(range(256)) * 50),
 }
 MAIN_EXTRA_DIRS: dict[str, int] = {"empty_dir": 0o750}
-# sidecar name in consolidated/ -> source relpath
+# sidecar name in consolidated/ -> source relpath: every non-weight file of
+# the model folder; notes/ holds a .bin (a weight file), so it stays out.
 MAIN_SIDECARS = {
     "config.json": "config.json",
     "tokenizer_config.json": "tokenizer_config.json",
     "generation_config.json": ".hf_metadata/generation_config.json",
+    "README.md": "README.md",
+    "scripts/run.sh": "scripts/run.sh",
 }
 
 # The mapping checkpoint: BASE + INT tensors, written with a round-robin

@@ -172,10 +172,23 @@ class Expected:
         self.files, self.index = reference_consolidated(tensors, groups)
         self.sidecars = {name: read_file(os.path.join(root, rel))
                          for name, rel in sidecars.items()}
+        # A view is readable by a class only when every source file grants
+        # read and every directory below the checkpoint grants search
+        # (SEMANTICS "Permissions"); all files of this fixture are sources.
+        bits = 0o444
+        for dirpath, dirnames, filenames in os.walk(root):
+            for d in dirnames:
+                bits &= (os.lstat(os.path.join(dirpath, d)).st_mode & 0o111) << 2
+            for f in filenames:
+                bits &= os.lstat(os.path.join(dirpath, f)).st_mode & 0o444
+        self.vfile, self.vdir = stat.S_IFREG | bits, stat.S_IFDIR | bits | (bits >> 2)
+        VFILE_MODE, VDIR_MODE = self.vfile, self.vdir
         tree = source_tree(root)
         tree["consolidated"] = (VDIR_MODE, None, None)
         for name, data in {**self.files, **self.sidecars}.items():
             tree["consolidated/" + name] = (VFILE_MODE, len(data), sha(data))
+            for d in range(name.count("/")):  # a sidecar folder's directories
+                tree["consolidated/" + name.rsplit("/", d + 1)[0]] = (VDIR_MODE, None, None)
         if self.index is not None:
             tree["consolidated/model.safetensors.index.json"] = (VFILE_MODE, "json", "json")
         self.tree = tree
@@ -268,12 +281,21 @@ def test_generated_checkpoint_is_really_sharded(main_ckpt, mapping_ckpt):
 def test_tree_matches_expected(view):
     mount, exp = view
     got = mount_tree(mount.path)
-    want = dict(exp.tree)
+    # The views' read bits follow the sources' (SEMANTICS "Permissions",
+    # tested class by class in test_access.py): here the owner may read, no
+    # class may write, and every view entry has the bits consolidated/ has.
+    bits = got["consolidated"][0] & 0o444
+    assert got["consolidated"][0] == stat.S_IFDIR | bits | (bits >> 2) and bits & 0o400, oct(got["consolidated"][0])
+    vfile, vdir = stat.S_IFREG | bits, stat.S_IFDIR | bits | (bits >> 2)
+    swap = {exp.vfile: vfile, exp.vdir: vdir}
+    want = {k: (swap.get(m, m) if k.split("/")[0] == "consolidated" else m, size, h)
+            for k, (m, size, h) in exp.tree.items()}
+    exp.vfile, exp.vdir = vfile, vdir
     index_rel = "consolidated/model.safetensors.index.json"
     if exp.index is not None:
         assert index_rel in got, sorted(got)
         mode, size, _ = got[index_rel]
-        assert mode == VFILE_MODE
+        assert mode == exp.vfile
         index_data = read_file(mount.p(index_rel))
         assert size == len(index_data)
         assert json.loads(index_data) == exp.index
@@ -282,7 +304,7 @@ def test_tree_matches_expected(view):
     # that they are virtual and read-only, then leave them out
     for rel in [k for k in got if k.split("/")[0] in OTHER_VIEWS and k not in want]:
         mode = got.pop(rel)[0]
-        assert mode in (VFILE_MODE, VDIR_MODE), (rel, oct(mode))
+        assert mode in (exp.vfile, exp.vdir), (rel, oct(mode))
     assert sorted(got) == sorted(want)
     diffs = {k: (oct(got[k][0]), got[k][1], oct(want[k][0]), want[k][1])
              for k in want if got[k] != want[k]}

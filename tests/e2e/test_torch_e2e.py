@@ -199,12 +199,17 @@ def test_llama_from_pretrained_split(llama_ckpt, mount_factory):
 VIEW_ARGS = {"main": ("main_mount", ()), "split": ("main_split_mount", ("--max-file-size", SPLIT_SIZE))}
 
 
+def files_under(d: str) -> list[str]:
+    """Relative paths of the regular files below d, sorted."""
+    return sorted(os.path.relpath(os.path.join(p, f), d) for p, _, fs in os.walk(d) for f in fs)
+
+
 @pytest.mark.parametrize("which", list(VIEW_ARGS))
 def test_cat_matches_mount(request, ckptfs, main_ckpt, which):
     mount = request.getfixturevalue(VIEW_ARGS[which][0])
     args = VIEW_ARGS[which][1]
-    names = sorted(os.listdir(mount.p("consolidated")))
-    assert "config.json" in names
+    names = files_under(mount.p("consolidated"))
+    assert "config.json" in names and "scripts/run.sh" in names  # sidecar folders come along
     for name in names:
         r = ckptfs("cat", main_ckpt["out_dir"], "consolidated/" + name, *args)
         assert r.returncode == 0, r.stderr.decode()
@@ -221,8 +226,8 @@ def test_export_matches_mount(request, ckptfs, main_ckpt, tmp_path, which):
     dest = tmp_path / "hf"
     r = ckptfs("export", main_ckpt["out_dir"], "consolidated", str(dest), *args)
     assert r.returncode == 0, r.stderr.decode()
-    got = sorted(os.listdir(dest))
-    want = sorted(os.listdir(mount.p("consolidated")))
+    got = files_under(str(dest))
+    want = files_under(mount.p("consolidated"))
     assert got == want
     for name in want:
         assert read_file(str(dest / name)) == read_file(mount.p("consolidated", name)), name
@@ -251,11 +256,14 @@ def test_ls_json(request, ckptfs, main_ckpt, which):
     r = ckptfs("ls", main_ckpt["out_dir"], "consolidated", "--json", *args)
     assert r.returncode == 0, r.stderr.decode()
     entries = json.loads(r.stdout)
+    names = os.listdir(mount.p("consolidated"))
     want = {n: os.stat(mount.p("consolidated", n)).st_size
-            for n in os.listdir(mount.p("consolidated"))}
-    assert {e["name"]: e["size"] for e in entries} == want
-    assert all(e["type"] == "file" and e["virtual"] is True for e in entries)
-    assert [e["name"] for e in entries] == sorted(want)
+            for n in names if os.path.isfile(mount.p("consolidated", n))}
+    assert {e["name"]: e["size"] for e in entries if e["type"] == "file"} == want
+    # the one sidecar folder (scripts/ of the model folder) is a virtual dir
+    assert {e["name"] for e in entries if e["type"] == "dir"} == set(names) - set(want) == {"scripts"}
+    assert all(e["virtual"] is True for e in entries)
+    assert [e["name"] for e in entries] == sorted(names)
     # the top level ("." = the root of the tree): source entries and the
     # virtual consolidated/ dir
     r = ckptfs("ls", main_ckpt["out_dir"], ".", "--json", *args)
