@@ -68,13 +68,17 @@ void LiveRoot::Offer(const std::string& rel, bool replacing) {
   }
   waiting_.erase(rel);
   Checkpoint& ckpt = **found;
-  if (hooks_.commit) {
-    Status st = hooks_.commit(ckpt);
-    if (!st.ok()) return Log(Join(rel, "") + ": not served: the store refused it: " + st.message());
-  }
   Log(Join(rel, "") + (replacing ? ": changed; indexed again (" : ": indexed (") + std::to_string(ckpt.tensors.size()) +
       " tensors) and served");
+  // Served first (the rows are handed over), persisted after: a store held
+  // by another process delays no view; the next index or mount adds it.
+  std::optional<Checkpoint> copy;
+  if (hooks_.commit) copy = ckpt;
   fs_->AddCheckpoint(rel, std::move(ckpt));
+  if (!copy) return;
+  if (Status st = hooks_.commit(*copy); !st.ok())
+    Log(Join(rel, "") + ": served, but not recorded in the index (" + st.message() +
+        "); the next `ckptfs index` or mount records it");
 }
 
 void LiveRoot::Refresh() {

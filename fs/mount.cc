@@ -310,7 +310,8 @@ fuse_lowlevel_ops MakeOps() {
 
 // Sends the kernel the invalidations VirtualFs asks for, from a thread of
 // its own: a reader that finds a source changed must not invalidate the
-// inode it is reading (the kernel would wait on the page lock that read holds).
+// inode it is reading (the kernel would wait on the page lock that read
+// holds), nor a lookup that unloads a checkpoint the entries it is under.
 class Invalidator {
  public:
   explicit Invalidator(struct fuse_session* se) : se_(se), thread_([this] { Run(); }) {}
@@ -322,25 +323,34 @@ class Invalidator {
     cv_.notify_one();
     thread_.join();
   }
-  void Push(uint64_t ino) {
+  // Pages and attributes of inode `ino`.
+  void Push(uint64_t ino) { Enqueue({ino, ""}); }
+  // The name `name` in directory `parent`.
+  void PushEntry(uint64_t parent, const std::string& name) { Enqueue({parent, name}); }
+
+ private:
+  struct Item {
+    uint64_t ino;
+    std::string name;  // empty: the inode itself
+  };
+  void Enqueue(Item item) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(ino);
+      queue_.push_back(std::move(item));
     }
     cv_.notify_one();
   }
-
- private:
   void Run() {
     std::unique_lock<std::mutex> lock(mu_);
     for (;;) {
       cv_.wait(lock, [this] { return stop_ || !queue_.empty(); });
       if (stop_) return;
-      uint64_t ino = queue_.front();
+      Item item = std::move(queue_.front());
       queue_.pop_front();
       lock.unlock();
-      // -ENOENT: the kernel has forgotten the inode already; nothing cached.
-      fuse_lowlevel_notify_inval_inode(se_, ino, 0, 0);
+      // -ENOENT: the kernel has forgotten it already; nothing cached.
+      if (item.name.empty()) fuse_lowlevel_notify_inval_inode(se_, item.ino, 0, 0);
+      else fuse_lowlevel_notify_inval_entry(se_, item.ino, item.name.c_str(), item.name.size());
       lock.lock();
     }
   }
@@ -348,7 +358,7 @@ class Invalidator {
   struct fuse_session* se_;
   std::mutex mu_;  // guards queue_, stop_
   std::condition_variable cv_;
-  std::deque<uint64_t> queue_;
+  std::deque<Item> queue_;
   bool stop_ = false;
   std::thread thread_;
 };
@@ -462,19 +472,13 @@ Status MountAndServe(std::unique_ptr<VirtualFs> fs, const std::string& mountpoin
   }
   if (std::string why = TuneReadahead(mountpoint); !why.empty())
     LogLine("readahead stays at the kernel default (128 KiB): " + why);
-  if (fuse_daemonize(options.foreground || options.debug) != 0) {
-    fuse_session_unmount(se);
-    fuse_remove_signal_handlers(se);
-    fuse_session_destroy(se);
-    return Status::IOError("could not daemonize");
-  }
+  if (options.mounted) options.mounted();
   int rc;
   {
     Invalidator invalidator(se);
     fs->set_invalidate([&invalidator](uint64_t ino) { invalidator.Push(ino); });
-    fs->set_invalidate_entry([se](uint64_t parent, const std::string& name) {
-      fuse_lowlevel_notify_inval_entry(se, parent, name.c_str(), name.size());
-    });
+    fs->set_invalidate_entry(
+        [&invalidator](uint64_t parent, const std::string& name) { invalidator.PushEntry(parent, name); });
     Watching watching;
     if (options.watch) StartWatcher(fs.get(), options, &watching);
     struct fuse_loop_config* cfg = fuse_loop_cfg_create();

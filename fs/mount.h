@@ -13,8 +13,10 @@
 namespace ckptfs {
 
 struct MountOptions {
-  bool foreground = false;  // else daemonize once the mount is up
-  bool debug = false;       // libfuse's request log (implies foreground)
+  bool debug = false;       // libfuse's request log
+  // Called once the filesystem is mounted, before serving (a background
+  // mount detaches from the terminal there: tools/daemon.h). May be empty.
+  std::function<void()> mounted;
   bool allow_other = false; // let other users in (needs user_allow_other)
   unsigned max_threads = 16;
   std::string fsname;       // shown in /proc/mounts, df, mount (the source root)
@@ -35,8 +37,8 @@ Result<std::string> CheckMountpoint(const std::string& mountpoint, bool allow_no
 
 // Mounts `fs` at `mountpoint` (absolute: see CheckMountpoint) and serves
 // until unmounted (fusermount3 -u) or signalled. Returns once the filesystem
-// is unmounted; in background mode the calling process forks and the parent
-// exits(0) when the mount is up.
+// is unmounted. It never forks: threads and RocksDB started before it keep
+// working.
 Status MountAndServe(std::unique_ptr<VirtualFs> fs, const std::string& mountpoint,
                      const MountOptions& options);
 

@@ -38,7 +38,8 @@ struct VirtualFs::Node {
   uint64_t parent = 0;
   std::string name;
   std::string rel;                              // source kinds
-  std::shared_ptr<const Layout> layout;         // virtual file
+  std::shared_ptr<const Layout> layout;         // virtual file (freed when its checkpoint is unloaded)
+  uint64_t size = 0;                            // virtual file: layout->size(), kept
   std::string problem;                          // virtual file that cannot be served
   std::map<std::string, uint64_t> children;     // virtual entries (in any dir)
   int ckpt = -1;                                // virtual kinds: the checkpoint they show;
@@ -51,7 +52,8 @@ struct VirtualFs::Node {
 
 struct VirtualFs::Handle {
   const Node* node;
-  int fd = -1;  // source files
+  int fd = -1;             // source files
+  Served* served = nullptr;  // virtual files: holds it loaded (Served::handles)
 };
 
 namespace {
@@ -113,6 +115,10 @@ void VirtualFs::Log(const std::string& line) const {
   if (options_.log) options_.log(line);
 }
 
+void VirtualFs::Info(const std::string& line) const {
+  if (options_.info) options_.info(line);
+}
+
 VirtualFs::Served* VirtualFs::ServedAt(int i) const {
   std::shared_lock lock(mu_);
   return served_[i].get();
@@ -128,25 +134,44 @@ void VirtualFs::AddCheckpoint(const std::string& dir, std::optional<Checkpoint> 
   s->dir = dir;
   s->staged = std::move(rows);
   const bool eager = s->staged.has_value();
-  std::unique_lock lock(mu_);
-  if (int old = HostedBy(dir); old >= 0) served_[old]->removed = true;
-  hosted_[dir] = int(served_.size());
-  served_.push_back(std::move(s));
-  const int i = hosted_[dir];
-  if (auto it = source_inos_.find(dir); it != source_inos_.end()) {
-    Node* n = nodes_[it->second - 1].get();
-    n->children.clear();  // the old views stay reachable from open handles only
-    n->ckpt = -1;
+  Detached old;
+  int i;
+  {
+    std::unique_lock lock(mu_);
+    i = HostLocked(std::move(s), &old);
   }
-  lock.unlock();
+  DropKernelEntries(old);
   // Rows handed over (a live checkpoint) are loaded now, so the watcher
   // checks their sources from the start.
   if (eager) (void)EnsureLoaded(i);
 }
 
+// Makes `s` the checkpoint served in its directory; the views of the one it
+// replaces are detached (they stay reachable from open handles only).
+// REQUIRES: mu_ held exclusively.
+int VirtualFs::HostLocked(std::unique_ptr<Served> s, Detached* old) {
+  const std::string dir = s->dir;
+  if (int prev = HostedBy(dir); prev >= 0) served_[prev]->removed = true;
+  const int i = int(served_.size());
+  hosted_[dir] = i;
+  served_.push_back(std::move(s));
+  if (auto it = source_inos_.find(dir); it != source_inos_.end()) {
+    Node* n = nodes_[it->second - 1].get();
+    for (const auto& [name, ino] : n->children) old->names.push_back(name);
+    n->children.clear();
+    n->ckpt = -1;
+    old->dir_ino = n->ino;
+  }
+  return i;
+}
+
+void VirtualFs::DropKernelEntries(const Detached& old) const {
+  if (!old.dir_ino || !invalidate_entry_) return;
+  for (const std::string& name : old.names) invalidate_entry_(old.dir_ino, name);
+}
+
 void VirtualFs::RemoveCheckpoint(const std::string& dir) {
-  uint64_t dir_ino = 0;
-  std::vector<std::string> names;
+  Detached old;
   {
     std::unique_lock lock(mu_);
     int i = HostedBy(dir);
@@ -155,14 +180,13 @@ void VirtualFs::RemoveCheckpoint(const std::string& dir) {
     hosted_.erase(dir);
     if (auto it = source_inos_.find(dir); it != source_inos_.end()) {
       Node* n = nodes_[it->second - 1].get();
-      for (const auto& [name, ino] : n->children) names.push_back(name);
+      for (const auto& [name, ino] : n->children) old.names.push_back(name);
       n->children.clear();
       n->ckpt = -1;
-      dir_ino = n->ino;
+      old.dir_ino = n->ino;
     }
   }
-  if (dir_ino && invalidate_entry_)
-    for (const std::string& name : names) invalidate_entry_(dir_ino, name);
+  DropKernelEntries(old);
 }
 
 std::vector<std::string> VirtualFs::CheckpointDirs(bool stale_only) const {
@@ -176,20 +200,72 @@ std::vector<std::string> VirtualFs::CheckpointDirs(bool stale_only) const {
 
 Status VirtualFs::EnsureLoaded(int i) {
   Served* s = ServedAt(i);
-  std::lock_guard<std::mutex> load(s->load_mu);
-  if (s->loaded) return s->load_error.empty() ? Status::OK() : Status::IOError(s->load_error);
-  s->loaded = true;
-  auto ckpt = s->staged ? Result<Checkpoint>(std::move(*s->staged)) : loader_(s->dir);
-  s->staged.reset();
-  if (!ckpt.ok()) {
-    s->load_error = Join(s->dir, "") + ": cannot load the checkpoint: " + ckpt.status().message();
-    Log(s->load_error);
-    return Status::IOError(s->load_error);
+  if (!s->resident) EvictBeyondLimit(i);  // room first: at most max_loaded at any time
+  {
+    std::lock_guard<std::mutex> load(s->load_mu);
+    if (s->loaded) return s->load_error.empty() ? Status::OK() : Status::IOError(s->load_error);
+    s->loaded = true;
+    auto ckpt = s->staged ? Result<Checkpoint>(std::move(*s->staged)) : loader_(s->dir);
+    s->staged.reset();
+    if (!ckpt.ok()) {
+      s->load_error = Join(s->dir, "") + ": cannot load the checkpoint: " + ckpt.status().message();
+      Log(s->load_error);
+      return Status::IOError(s->load_error);
+    }
+    s->ckpt = std::move(*ckpt);
+    s->reader = std::make_unique<SourceReader>(tree_.root(), &s->ckpt.files);
+    s->access = AccessOf(tree_, s->ckpt);
+    RETURN_IF_ERROR(BuildViews(i, SourceNode(s->dir, Node::Kind::kSourceDir)));
+    s->resident = true;
+    Info(Join(s->dir, "") + ": loaded (" + std::to_string(s->ckpt.tensors.size()) + " tensors)");
   }
-  s->ckpt = std::move(*ckpt);
-  s->reader = std::make_unique<SourceReader>(tree_.root(), &s->ckpt.files);
-  s->access = AccessOf(tree_, s->ckpt);
-  return BuildViews(i, SourceNode(s->dir, Node::Kind::kSourceDir));
+  Touch(i);
+  return Status::OK();
+}
+
+void VirtualFs::Touch(int i) const {
+  if (i >= 0) ServedAt(i)->last_used = ++use_clock_;
+}
+
+void VirtualFs::EvictBeyondLimit(int keep) {
+  if (options_.max_loaded == 0) return;
+  std::vector<std::pair<uint64_t, int>> loaded;  // (last used, index)
+  {
+    std::shared_lock lock(mu_);
+    for (const auto& [dir, i] : hosted_)
+      if (i != keep && served_[i]->resident) loaded.push_back({served_[i]->last_used.load(), i});
+  }
+  if (loaded.size() + 1 <= options_.max_loaded) return;
+  std::sort(loaded.begin(), loaded.end());
+  size_t excess = loaded.size() + 1 - options_.max_loaded;
+  for (const auto& [used, i] : loaded) {
+    if (excess == 0) break;
+    if (Evict(i)) --excess;
+  }
+}
+
+bool VirtualFs::Evict(int i) {
+  Served* victim;
+  Detached old;
+  std::vector<std::shared_ptr<const Layout>> layouts;  // freed outside the lock
+  {
+    std::unique_lock lock(mu_);
+    victim = served_[i].get();
+    if (victim->removed || !victim->resident || victim->handles > 0) return false;
+    victim->evicted = true;
+    auto fresh = std::make_unique<Served>();
+    fresh->dir = victim->dir;
+    HostLocked(std::move(fresh), &old);
+    for (const auto& n : nodes_)
+      if (n->ckpt == i && n->layout) layouts.push_back(std::move(n->layout));
+  }
+  DropKernelEntries(old);
+  layouts.clear();
+  std::lock_guard<std::mutex> load(victim->load_mu);
+  victim->reader.reset();
+  victim->ckpt = Checkpoint();
+  Info(Join(victim->dir, "") + ": unloaded (least recently used beyond --max-loaded); loaded again on next use");
+  return true;
 }
 
 std::vector<LoadedCheckpoint> VirtualFs::LoadAll() {
@@ -271,7 +347,10 @@ Result<ShardingRules> VirtualFs::RulesFor(const Checkpoint& ckpt) const {
 // Builds mesh/<spec>/rank-NNNNN/ on first lookup. ENOENT, with a log line
 // saying why, for a spec that is malformed or impossible for the checkpoint.
 FsResult<uint64_t> VirtualFs::OpenMesh(Node* mesh_dir, const std::string& name) {
-  const Checkpoint& ckpt = ServedAt(mesh_dir->ckpt)->ckpt;
+  Served* served = ServedAt(mesh_dir->ckpt);
+  std::lock_guard<std::mutex> load(served->load_mu);  // its rows stay while in use
+  if (served->evicted) return FsError(ESTALE, served->dir + ": unloaded; look it up again");
+  const Checkpoint& ckpt = served->ckpt;
   const std::string where = Join(ckpt.dir, "mesh/" + name);
   auto fail = [&](const std::string& why) {
     Log(where + ": " + why);
@@ -309,6 +388,7 @@ void VirtualFs::AddViewFile(Node* view, ViewFile f, int ckpt) {
     dir = it != dir->children.end() ? nodes_[it->second - 1].get() : AddVirtual(dir, part, /*is_dir=*/true, ckpt);
   }
   Node* n = AddVirtual(dir, f.name.substr(f.name.rfind('/') + 1), /*is_dir=*/false, ckpt);
+  n->size = f.layout->size();
   n->layout = std::move(f.layout);
   n->problem = std::move(f.problem);
 }
@@ -389,7 +469,7 @@ FsResult<Attr> VirtualFs::AttrOf(const Node& n) const {
     a.nlink = 2;
   } else {
     a.mode = access.file_mode();
-    a.size = n.layout->size();
+    a.size = n.size;
   }
   return a;
 }
@@ -409,6 +489,7 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name) {
     }
   }
   EnsureViewsOf(*p);
+  Touch(p->ckpt);
   uint64_t child = 0;
   {
     std::shared_lock lock(mu_);
@@ -488,6 +569,14 @@ FsResult<uint64_t> VirtualFs::Open(uint64_t ino, int flags) {
   if (n->kind == Node::Kind::kSourceFile) {
     ASSIGN_OR_RETURN(h->fd, tree_.OpenFile(n->rel, O_RDONLY));
   }
+  if (n->kind == Node::Kind::kVirtualFile) {
+    std::shared_lock lock(mu_);  // Evict() checks handles under it exclusively
+    Served* s = served_[n->ckpt].get();
+    if (s->evicted) return FsError(ESTALE, PathOf(*n) + ": its checkpoint was unloaded; look it up again");
+    ++s->handles;
+    h->served = s;
+  }
+  Touch(n->ckpt);
   return reinterpret_cast<uint64_t>(h.release());
 }
 
@@ -574,12 +663,13 @@ size_t VirtualFs::RecheckSources() {
   for (int i : live) {
     Served* s = ServedAt(i);
     if (s->stale.load()) continue;
-    SourceReader* reader;
+    bool changed_now;
     {
-      std::lock_guard<std::mutex> load(s->load_mu);
-      reader = s->reader.get();  // null until loaded: nothing served, nothing cached
+      std::lock_guard<std::mutex> load(s->load_mu);  // the reader is not unloaded meanwhile
+      // Null until loaded (nothing served, nothing cached) and once unloaded.
+      changed_now = s->reader && !s->reader->Recheck().ok();
     }
-    if (reader && !reader->Recheck().ok()) {
+    if (changed_now) {
       InvalidateCheckpoint(i);
       ++changed;
     }
@@ -590,6 +680,7 @@ size_t VirtualFs::RecheckSources() {
 void VirtualFs::Release(uint64_t handle) {
   std::unique_ptr<Handle> h(reinterpret_cast<Handle*>(handle));
   if (h->fd >= 0) ::close(h->fd);
+  if (h->served) --h->served->handles;
 }
 
 FsResult<Attr> VirtualFs::Resolve(const std::string& path) {

@@ -9,7 +9,9 @@
 // Lazy: a checkpoint is only a directory name until a path inside it is
 // first looked up or listed; then its rows are loaded (CheckpointLoader:
 // the store, or a catalog in memory) and its views built, in time linear in
-// its tensors. `mesh/<spec>/` directories are made on first lookup of a
+// its tensors. With FsOptions::max_loaded, the least recently used loaded
+// checkpoint with no open file is unloaded (its rows and plans freed, the
+// kernel's entries of its views dropped) and loaded again on next use. `mesh/<spec>/` directories are made on first lookup of a
 // valid spec. Live: checkpoints can be added and removed while mounted.
 //
 // Inode numbers are allocated on first lookup and kept for the life of the
@@ -49,9 +51,15 @@ struct FsOptions {
   std::string rules_json;
   uid_t uid = 0;
   gid_t gid = 0;
+  // Checkpoints kept loaded (rows, plans, views); beyond it the least
+  // recently used one with no open file is unloaded and loaded again on its
+  // next use. 0 = no limit (the CLI's one-shot commands).
+  size_t max_loaded = 0;
   // Receives one line per served error (EIO on a read, say) and per view
   // that could not be built. Must be thread-safe.
   std::function<void(const std::string&)> log;
+  // Receives one line per checkpoint loaded or unloaded. May be empty.
+  std::function<void(const std::string&)> info;
   // Asks the kernel to drop what it cached of inode `ino` (pages and
   // attributes). Called from a reader thread, never while a lock is held;
   // the mount queues it (invalidating from inside a read of the same inode
@@ -116,6 +124,8 @@ class VirtualFs {
   size_t RecheckSources();
   // Absolute paths of the directories holding sources (for the watcher).
   std::vector<std::string> SourceDirs() const;
+  // Replaces FsOptions::info; call only while no request is served.
+  void set_info(std::function<void(const std::string&)> f) { options_.info = std::move(f); }
   // Replaces FsOptions::invalidate; call only while no request is served.
   void set_invalidate(std::function<void(uint64_t)> f) { options_.invalidate = std::move(f); }
   // Likewise for the kernel's cached name `name` in directory `parent`.
@@ -160,13 +170,32 @@ class VirtualFs {
     ViewAccess access;
     std::atomic<bool> stale{false};    // invalidated once, when first seen
     std::atomic<bool> removed{false};  // replaced or deleted: no new lookups
+    std::atomic<bool> resident{false}; // loaded with its views attached
+    std::atomic<bool> evicted{false};  // unloaded: rows freed (set under mu_)
+    std::atomic<int> handles{0};       // open virtual files; changed under mu_ (shared)
+    std::atomic<uint64_t> last_used{0};
   };
   VirtualFs(FsOptions options, SourceTree tree, CheckpointLoader loader);
+  // A replaced checkpoint's directory and the names of its views in it,
+  // whose kernel entries are dropped once the lock is released.
+  struct Detached {
+    uint64_t dir_ino = 0;
+    std::vector<std::string> names;
+  };
+  int HostLocked(std::unique_ptr<Served> s, Detached* old);
+  void DropKernelEntries(const Detached& old) const;
   // Loads checkpoint `i` and attaches its views to its directory, once.
   Status EnsureLoaded(int i);
   Status BuildViews(int i, Node* dir);
   // For a source directory hosting a checkpoint: its views, loaded now if not yet.
   void EnsureViewsOf(const Node& dir);
+  void Touch(int i) const;
+  // Unloads least recently used checkpoints (never `keep`, never one with an
+  // open file) until at most max_loaded are loaded.
+  void EvictBeyondLimit(int keep);
+  // Replaces hosted checkpoint `i` by an unloaded entry and frees its rows,
+  // or does nothing when a file of it is open. False when nothing was done.
+  bool Evict(int i);
   Served* ServedAt(int i) const;
   // The index of the live checkpoint in `rel`, or -1. REQUIRES: mu_ held.
   int HostedBy(const std::string& rel) const;
@@ -181,6 +210,7 @@ class VirtualFs {
   FsResult<Attr> AttrOf(const Node& n) const;
   std::string PathOf(const Node& n) const;
   void Log(const std::string& line) const;
+  void Info(const std::string& line) const;
 
   FsOptions options_;
   SourceTree tree_;
@@ -189,6 +219,7 @@ class VirtualFs {
   std::function<void(uint64_t, const std::string&)> invalidate_entry_;
   // Lock order: a Served's load_mu, then mu_. mu_ is never held during I/O.
   mutable std::shared_mutex mu_;  // guards nodes_, source_inos_, served_, hosted_
+  mutable std::atomic<uint64_t> use_clock_{0};
   std::vector<std::unique_ptr<Node>> nodes_;         // ino - 1 -> node
   std::unordered_map<std::string, uint64_t> source_inos_;
   std::vector<std::unique_ptr<Served>> served_;      // append-only

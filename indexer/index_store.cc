@@ -364,6 +364,24 @@ Result<Checkpoint> Store::Load(const std::string& dir) const {
   return ckpt;
 }
 
+Result<std::vector<SourceFile>> Store::LoadFiles(const std::string& dir) const {
+  std::shared_lock lock(mu_);
+  std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
+  const std::string key = rows::CommitKey(dir);
+  it->Seek(key);
+  if (!it->Valid() || it->key() != key) {
+    RETURN_IF_ERROR(FromRocks(it->status(), "read index " + path_));
+    return Status::NotFound("checkpoint '" + dir + "' is not in index " + path_);
+  }
+  ASSIGN_OR_RETURN(CheckpointEntry entry, rows::DecodeCommitRecord(key, it->value().ToStringView()));
+  rows::CheckpointDecoder decoder(entry, /*strict=*/false);
+  const std::string prefix = rows::FilesPrefix(dir);
+  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next())
+    RETURN_IF_ERROR(decoder.Add(it->key().ToStringView(), it->value().ToStringView()).WithContext("index " + path_));
+  RETURN_IF_ERROR(FromRocks(it->status(), "read index " + path_));
+  return decoder.TakeFiles();
+}
+
 Status Store::WriteRows(const std::vector<rows::Row>& rows, const std::string& dir, bool replace) {
   if (access_ != Access::kReadWrite) return Status::InvalidArgument("index " + path_ + " is open read-only");
   rocksdb::WriteBatch batch;
@@ -529,21 +547,26 @@ Status WriteCommitRecord(const std::string& abs_root, const Checkpoint& ckpt, co
   return FromRocks(writer.Finish(), "finish commit record " + sst_path);
 }
 
-Status CheckSources(const Catalog& catalog) {
+Status CheckSources(const std::string& root, const std::vector<SourceFile>& files) {
   std::string changed;
   int count = 0;
-  for (const Checkpoint& c : catalog.checkpoints)
-    for (const SourceFile& f : c.files) {
-      if (f.derived()) continue;  // its base file is checked
-      auto now = StatSource(catalog.root + "/" + f.path);
-      std::string what = now.ok() ? DescribeChange(f, *now) : now.status().message();
-      if (what.empty()) continue;
-      if (++count <= 3) changed += (changed.empty() ? "" : "; ") + f.path + ": " + what;
-    }
+  for (const SourceFile& f : files) {
+    if (f.derived()) continue;  // its base file is checked
+    auto now = StatSource(root + "/" + f.path);
+    std::string what = now.ok() ? DescribeChange(f, *now) : now.status().message();
+    if (what.empty()) continue;
+    if (++count <= 3) changed += (changed.empty() ? "" : "; ") + f.path + ": " + what;
+  }
   if (count == 0) return Status::OK();
   if (count > 3) changed += "; and " + std::to_string(count - 3) + " more";
   return Status::Stale(std::to_string(count) + " source file(s) changed since indexing (" + changed +
                        "); run `ckptfs index` again");
+}
+
+Status CheckSources(const Catalog& catalog) {
+  std::vector<SourceFile> files;
+  for (const Checkpoint& c : catalog.checkpoints) files.insert(files.end(), c.files.begin(), c.files.end());
+  return CheckSources(catalog.root, files);
 }
 
 }  // namespace ckptfs

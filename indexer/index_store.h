@@ -74,6 +74,9 @@ class Store {
   std::vector<CheckpointEntry> List() const;
   // All rows of one committed checkpoint; NotFound without a commit record.
   Result<Checkpoint> Load(const std::string& dir) const;
+  // Only the source files of one committed checkpoint (their identity when
+  // indexed): what a staleness check needs, without reading its tensors.
+  Result<std::vector<SourceFile>> LoadFiles(const std::string& dir) const;
   // Replaces the rows of ckpt.dir (one WriteBatch, commit record last).
   // Rows reach SST files when the memtable fills and when the store closes.
   Status Commit(const Checkpoint& ckpt);
@@ -125,5 +128,7 @@ Status WriteCommitRecord(const std::string& abs_root, const Checkpoint& ckpt, co
 // Stats every source file and compares it with the indexed identity; Stale
 // naming the first few changed files, or OK.
 Status CheckSources(const Catalog& catalog);
+// The same for files of one root (`files` as Store::LoadFiles returns them).
+Status CheckSources(const std::string& root, const std::vector<SourceFile>& files);
 
 }  // namespace ckptfs

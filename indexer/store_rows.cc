@@ -242,6 +242,8 @@ std::string DataBegin(const std::string& dir) {
 
 std::string DataEnd(const std::string& dir) { return kDataPrefix + dir + "\x01"; }
 
+std::string FilesPrefix(const std::string& dir) { return DataBegin(dir) + kFileTag; }
+
 Result<std::vector<Row>> EncodeCheckpoint(const Checkpoint& ckpt, const std::string& source,
                                           int64_t committed_at_ns) {
   if (ckpt.dir.find('\0') != std::string::npos) return Status::InvalidArgument("checkpoint directory holds a NUL");

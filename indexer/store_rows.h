@@ -49,6 +49,8 @@ std::string CommitKey(const std::string& dir);
 // [DataBegin, DataEnd) holds every data row of `dir` and nothing else.
 std::string DataBegin(const std::string& dir);
 std::string DataEnd(const std::string& dir);
+// Every file row of `dir` starts with this (they come first among its rows).
+std::string FilesPrefix(const std::string& dir);
 
 // The checkpoint's data rows, then its commit record (always last). Fails
 // when the checkpoint cannot be stored faithfully (a chunk naming a file
@@ -70,6 +72,9 @@ class CheckpointDecoder {
   Status Add(std::string_view key, std::string_view value);
   // Checks the rows against the commit record's counts and the file table.
   Result<Checkpoint> Finish();
+  // The files added so far, unchecked: for a staleness check that reads
+  // only the file rows (Store::LoadFiles).
+  std::vector<SourceFile> TakeFiles() { return std::move(ckpt_.files); }
 
  private:
   Status AddFile(std::string_view path, std::string_view value);

@@ -29,6 +29,8 @@
 #include "tools/progress.h"
 
 #include "tools/cli.h"
+#include "tools/daemon.h"
+#include "tools/store_loader.h"
 #include "tools/log.h"
 
 namespace ckptfs {
@@ -69,6 +71,7 @@ struct Flags {
   bool no_watch = false, json = false, dump = false;
   unsigned threads = 16;
   unsigned rescan_ms = 2000;
+  size_t max_loaded = 32;  // mount only: the one-shot commands load what they need
   std::string mountpoint, vpath, dest, log_file, log_level = "info";
   std::string mesh_spec, pattern, tensor_name, against;
 };
@@ -99,6 +102,9 @@ void AddIndexAndMount(CLI::App& app, Flags& f, Commands& cmd) {
   m->add_option("--rescan-ms", f.rescan_ms,
                 "Re-check the sources this often, for filesystems without inotify (default 2000; 0 = never)");
   m->add_option("--threads", f.threads, "Maximum FUSE worker threads (default 16)")->check(CLI::Range(1u, 1024u));
+  m->add_option("--max-loaded", f.max_loaded,
+                "Checkpoints kept loaded in memory (rows and views); beyond it the least recently used one with no "
+                "open file is unloaded and loaded again on next use (default 32; 0 = no limit)");
   m->add_option("--log-file", f.log_file,
                 "Append log lines here (default: stderr with -f, else <index>.log next to the index)");
   m->add_option("--log-level", f.log_level, "error, warn, info (default) or debug")
@@ -180,6 +186,40 @@ std::optional<Log> OpenMountLog(const Flags& f, int* rc) {
   return log;
 }
 
+// The mount's work, in the foreground or in the background child
+// (tools/daemon.h); `detach`, when set, is called once the mount is up.
+int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::function<void()> detach) {
+  int rc = kExitOk;
+  f.c.max_loaded = f.max_loaded;
+  std::shared_ptr<StoreLoader> store;
+  auto fs = OpenFs(f.c, &rc, [out](const std::string& line) { out->Write(LogLevel::kWarn, line); }, &store);
+  if (!fs) return rc;
+  fs->set_info([out](const std::string& line) { out->Write(LogLevel::kInfo, line); });
+  out->Write(LogLevel::kInfo, "mounting " + AbsRoot(f.c.root) + " at " + mountpoint + " (index " + IndexPath(f.c) + ")");
+  MountOptions mo;
+  mo.debug = f.debug;
+  mo.mounted = std::move(detach);
+  mo.allow_other = f.allow_other;
+  mo.max_threads = f.threads;
+  mo.fsname = AbsRoot(f.c.root);
+  mo.watch = !f.no_watch;
+  mo.rescan_ms = f.rescan_ms;
+  mo.log = [out](const std::string& line) { out->Write(LogLevel::kWarn, line); };
+  mo.live.log = [out](const std::string& line) { out->Write(LogLevel::kInfo, line); };
+  mo.live.scan = [root = fs->root()](const std::string& rel) { return ScanCheckpointDir(root, rel); };
+  mo.live.resaved = [root = fs->root()](const std::string& rel) { return CommitPointIsNewest(root, rel); };
+  mo.live.commit = [store](const Checkpoint& ckpt) { return store->Commit(ckpt); };
+  mo.live.remove = [store](const std::string& dir) { return store->Remove(dir); };
+  Status st = MountAndServe(std::move(fs), mountpoint, mo);
+  if (!st.ok()) {
+    Error(st.message());
+    out->Write(LogLevel::kError, st.message());
+    return kExitMountFailed;
+  }
+  out->Write(LogLevel::kInfo, "unmounted " + mountpoint);
+  return kExitOk;
+}
+
 int RunMount(Flags& f) {
   auto mountpoint = CheckMountpoint(f.mountpoint, f.allow_non_empty);
   if (!mountpoint.ok()) {
@@ -190,29 +230,8 @@ int RunMount(Flags& f) {
   auto log = OpenMountLog(f, &rc);
   if (!log) return rc;
   Log* out = &*log;
-  auto fs = OpenFs(f.c, &rc, [out](const std::string& line) { out->Write(LogLevel::kWarn, line); });
-  if (!fs) return rc;
-  out->Write(LogLevel::kInfo, "mounting " + AbsRoot(f.c.root) + " at " + *mountpoint + " (index " + IndexPath(f.c) + ")");
-  MountOptions mo;
-  mo.foreground = f.foreground;
-  mo.debug = f.debug;
-  mo.allow_other = f.allow_other;
-  mo.max_threads = f.threads;
-  mo.fsname = AbsRoot(f.c.root);
-  mo.watch = !f.no_watch;
-  mo.rescan_ms = f.rescan_ms;
-  mo.log = [out](const std::string& line) { out->Write(LogLevel::kWarn, line); };
-  mo.live.log = [out](const std::string& line) { out->Write(LogLevel::kInfo, line); };
-  mo.live.scan = [root = fs->root()](const std::string& rel) { return ScanCheckpointDir(root, rel); };
-  mo.live.resaved = [root = fs->root()](const std::string& rel) { return CommitPointIsNewest(root, rel); };
-  Status st = MountAndServe(std::move(fs), *mountpoint, mo);
-  if (!st.ok()) {
-    Error(st.message());
-    out->Write(LogLevel::kError, st.message());
-    return kExitMountFailed;
-  }
-  out->Write(LogLevel::kInfo, "unmounted " + *mountpoint);
-  return kExitOk;
+  if (f.foreground || f.debug) return MountAndServeFlags(f, *mountpoint, out, {});
+  return RunInBackground([&](std::function<void()> detach) { return MountAndServeFlags(f, *mountpoint, out, detach); });
 }
 
 // Each checkpoint's mesh/<spec>/: opening it builds the views or says why not.

@@ -25,6 +25,7 @@
 #include "indexer/index_store.h"
 #include "indexer/scan.h"
 #include "tools/progress.h"
+#include "tools/store_loader.h"
 
 #include "indexer/posix_io.h"
 #include "tools/cli.h"
@@ -267,17 +268,35 @@ std::optional<Catalog> LoadCatalog(const Common& c, bool allow_stale, int* exit_
   return std::move(*catalog);
 }
 
-std::unique_ptr<VirtualFs> OpenFs(const Common& c, int* exit_code, std::function<void(const std::string&)> log) {
-  auto catalog = LoadCatalog(c, /*allow_stale=*/false, exit_code);
-  if (!catalog) return nullptr;
+// The directories of the index's checkpoints, each checked against its
+// sources (their file rows only: no tensor is read). nullopt with
+// *exit_code set when one changed or cannot be read.
+static std::optional<std::vector<std::string>> FreshCheckpoints(const Store& store, int* exit_code) {
+  std::vector<std::string> dirs;
+  for (const CheckpointEntry& e : store.List()) {
+    auto files = store.LoadFiles(e.dir);
+    Status st = files.ok() ? CheckSources(store.root(), *files) : files.status();
+    if (!st.ok()) {
+      Error(files.ok() ? st.message() : st.message() + "; run `ckptfs index` again");
+      *exit_code = files.ok() ? kExitStale : kExitIndexError;
+      return std::nullopt;
+    }
+    dirs.push_back(e.dir);
+  }
+  return dirs;
+}
+
+static std::optional<FsOptions> MakeFsOptions(const Common& c, int* exit_code,
+                                              std::function<void(const std::string&)> log) {
   FsOptions fo;
   fo.consolidated.max_file_bytes = c.max_file_bytes;
+  fo.max_loaded = c.max_loaded;
   if (!c.rules.empty()) {
     std::ifstream f(c.rules);
     if (!f) {
       Error(c.rules + ": cannot read the rules file");
       *exit_code = kExitUsage;
-      return nullptr;
+      return std::nullopt;
     }
     std::stringstream text;
     text << f.rdbuf();
@@ -292,14 +311,33 @@ std::unique_ptr<VirtualFs> OpenFs(const Common& c, int* exit_code, std::function
       Error(c.names + ": expected a JSON object {fqn: name} (" +
             (text.ok() ? "not an object of strings" : text.status().message()) + ")");
       *exit_code = kExitUsage;
-      return nullptr;
+      return std::nullopt;
     }
     for (auto& [fqn, name] : j.items()) fo.consolidated.names[fqn] = name.get<std::string>();
   }
   fo.uid = ::getuid();
   fo.gid = ::getgid();
   fo.log = log ? log : [](const std::string& line) { std::fprintf(stderr, "ckptfs: %s\n", line.c_str()); };
-  auto fs = VirtualFs::Create(std::move(*catalog), fo);
+  return fo;
+}
+
+std::unique_ptr<VirtualFs> OpenFs(const Common& c, int* exit_code, std::function<void(const std::string&)> log,
+                                  std::shared_ptr<StoreLoader>* loader_out) {
+  if (!CheckRootIsDir(c, exit_code)) return nullptr;
+  auto fo = MakeFsOptions(c, exit_code, std::move(log));
+  if (!fo) return nullptr;
+  std::optional<std::vector<std::string>> dirs;
+  {
+    auto store = OpenOrBuild(c, exit_code);  // closed again before a mount forks
+    if (!store) return nullptr;
+    dirs = FreshCheckpoints(*store, exit_code);
+    if (!dirs) return nullptr;
+  }
+  // Absolute: a background mount opens it after its chdir("/").
+  auto loader = std::make_shared<StoreLoader>(std::filesystem::absolute(IndexPath(c)).string(), AbsRoot(c.root));
+  if (loader_out) *loader_out = loader;
+  auto fs = VirtualFs::Open(AbsRoot(c.root), *dirs, [loader](const std::string& dir) { return loader->Load(dir); },
+                            std::move(*fo));
   if (!fs.ok()) {
     Error(fs.status().message());
     *exit_code = kExitIndexError;

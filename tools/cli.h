@@ -15,6 +15,8 @@
 
 namespace ckptfs {
 
+class StoreLoader;
+
 // Exit codes (docs/CLI.md).
 enum Exit : int {
   kExitOk = 0,
@@ -39,6 +41,7 @@ struct Common {
   std::string rules;  // --rules FILE
   std::string names;  // --names FILE
   bool reindex = false;
+  size_t max_loaded = 0;  // mount --max-loaded (FsOptions::max_loaded)
 };
 
 
@@ -62,8 +65,12 @@ int DumpIndex(const Common& c, std::ostream& out);
 // `check`, which reports them). Sets *exit_code on failure.
 std::optional<Catalog> LoadCatalog(const Common& c, bool allow_stale, int* exit_code);
 
-// LoadCatalog + the tree. Sets *exit_code on failure.
-std::unique_ptr<VirtualFs> OpenFs(const Common& c, int* exit_code, std::function<void(const std::string&)> log = {});
+// The tree of the index's checkpoints (building the index when missing or
+// when --reindex), each checked against its sources now and loaded from the
+// store on first use. *loader_out, when given, receives the store's loader
+// (a mount commits live checkpoints through it). Sets *exit_code on failure.
+std::unique_ptr<VirtualFs> OpenFs(const Common& c, int* exit_code, std::function<void(const std::string&)> log = {},
+                                  std::shared_ptr<StoreLoader>* loader_out = nullptr);
 
 // Streams a virtual file to `out`, counting into *done; returns an exit code.
 int CopyOut(VirtualFs& fs, const Attr& a, const std::string& vpath, std::FILE* out, Progress* progress,

@@ -574,9 +574,6 @@ def _judge_kills(m: Mounted, runs: list[KillRun], watch: ViewWatch,
 # ---------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known bug (issue 9): a re-save into a served step is replaced as soon as .metadata looks newest, "
-    "then a shard changes again and the step stays EIO; never a mix, but the new values are never served"))
 def test_resave_serves_new_values_or_eio_never_a_mix(live):
     rs = live.resave
     kinds = [k for _, k, _ in rs.outcomes]

@@ -15,6 +15,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import struct
@@ -27,7 +28,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import describe, require_bin, run_ckptfs  # noqa: E402
+from harness import Mounted, describe, require_bin, run_ckptfs  # noqa: E402
 
 V1_FIXTURE = Path(__file__).resolve().parents[1] / "indexer" / "testdata" / "v1_index"
 EXIT_INDEX_ERROR = 8
@@ -259,3 +260,80 @@ def test_unreadable_writer_commit_record_falls_back_to_the_files(tmp_path):
     assert p.returncode == 0, describe(p)
     assert "commit.sst not used" in p.stderr and "indexed from the files instead" in p.stderr, describe(p)
     np.testing.assert_array_equal(npy(root, index, "step_001/tensors/layer.3.w.npy"), full_tensor(1, 3))
+
+
+# --- mounts read the store lazily, bounded by --max-loaded, and record live steps ---
+
+def loads_in(log: str) -> list[tuple[str, str]]:
+    """[(step dir, "loaded" | "unloaded")] in log order."""
+    return re.findall(r"(step_\d+)/: (loaded|unloaded)", log)
+
+
+def npy_file(mnt: str, step: int, k: int) -> str:
+    return os.path.join(mnt, f"step_{step:03d}", "tensors", f"layer.{k}.w.npy")
+
+
+def test_mount_loads_a_checkpoint_on_its_first_use_only(tmp_path):
+    root = make_root(tmp_path, steps=4)
+    with Mounted(root, base_dir=tmp_path, index_dir=tmp_path / "idx") as m:
+        assert sorted(os.listdir(m.path)) == [f"step_{s:03d}" for s in range(4)]
+        assert loads_in(m.log()) == [], "listing the root loaded checkpoints\n" + m.log()
+        assert np.array_equal(np.load(npy_file(m.path, 2, 1)), full_tensor(2, 1))
+        assert loads_in(m.log()) == [("step_002", "loaded")], m.log()
+
+
+def test_max_loaded_unloads_the_least_recently_used_never_an_open_one(tmp_path):
+    root = make_root(tmp_path, steps=5)
+    with Mounted(root, "--max-loaded", "2", base_dir=tmp_path, index_dir=tmp_path / "idx") as m:
+        held_path = npy_file(m.path, 0, 3)
+        want_held = Path(held_path).read_bytes()
+        assert np.array_equal(np.load(held_path), full_tensor(0, 3))
+        with open(held_path, "rb") as held:
+            first = held.read(64)
+            for s in range(1, 5):
+                for k in range(4):
+                    assert np.array_equal(np.load(npy_file(m.path, s, k)), full_tensor(s, k)), (s, k)
+            assert first + held.read() == want_held  # still served while others came and went
+        events = loads_in(m.log())
+        assert ("step_000", "unloaded") not in events, "an open file's checkpoint was unloaded\n" + m.log()
+        unloaded = {d for d, e in events if e == "unloaded"}
+        assert unloaded == {"step_001", "step_002", "step_003"}, m.log()
+        resident = 0
+        for _, e in events:
+            resident += 1 if e == "loaded" else -1
+            assert resident <= 2, "more than --max-loaded checkpoints loaded at once\n" + m.log()
+        # An unloaded checkpoint is loaded again, with the same values.
+        assert np.array_equal(np.load(npy_file(m.path, 1, 2)), full_tensor(1, 2))
+        assert loads_in(m.log()).count(("step_001", "loaded")) == 2, m.log()
+
+
+def test_checkpoints_found_by_a_live_mount_are_recorded_in_the_store(tmp_path):
+    root = make_root(tmp_path, steps=1)
+    index = tmp_path / "index"
+    with Mounted(root, "--index", index, base_dir=tmp_path) as m:
+        make_checkpoint(root / "step_007", 7, 4)
+        deadline = time.time() + 20
+        while time.time() < deadline and not os.path.isdir(m.p("step_007", "tensors")):
+            time.sleep(0.1)
+        assert np.array_equal(np.load(npy_file(m.path, 7, 0)), full_tensor(7, 0)), m.log()
+    p = ckptfs("index", root, "--index", index, "--dump")  # reads the store, indexes nothing
+    assert p.returncode == 0, describe(p)
+    commits = {json.loads(line)["key"]: json.loads(line)["value"] for line in p.stdout.splitlines()
+               if line.startswith('{"key":"c/')}
+    assert set(commits) == {"c/step_000", "c/step_007"}, p.stdout[:2000]
+    assert commits["c/step_007"]["source"] == "scan" and commits["c/step_007"]["tensors"] == 4
+
+
+def test_background_mount_with_a_relative_index_path(tmp_path):
+    # The daemon changes directory to / once mounted, and loads lazily after.
+    root = make_root(tmp_path, steps=2)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    p = run_ckptfs("mount", "root", "mnt", "--index", "rel-index", "--log-file", "mnt.log", cwd=tmp_path)
+    try:
+        assert p.returncode == 0, describe(p)
+        assert np.array_equal(np.load(npy_file(str(mnt), 1, 2)), full_tensor(1, 2)), \
+            (tmp_path / "mnt.log").read_text()
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
+    assert (tmp_path / "rel-index" / "CKPTFS_STORE").exists()
