@@ -11,6 +11,9 @@ DCP_SHARDING_INFO, PER_FILE tensors per file. Then reports:
   load`): time and RSS;
 - the store alone, without parsing any file (`store_bench synth`): commit,
   size, List + Load of a synthetic checkpoint of the same shape;
+- `ckptfs mount -f` of the indexed root: time until the mountpoint answers,
+  the first `ls` of the checkpoint (its rows loaded, views built), `ls` of
+  its consolidated/ and tensors/, and the daemon's RSS before and after;
 - with --v1-bin (a ckptfs of schema 1): its `ckptfs index` time and index size
   on the same root, for comparison.
 
@@ -75,6 +78,52 @@ def run_one(cmd: list[str]) -> tuple[float, float, str, str, int]:
         return wall, usage.ru_maxrss / 1024, out.read().decode(), err.read().decode(), proc.returncode
 
 
+def rss_mib(pid: int, field: str) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def is_mounted(mnt: str) -> bool:
+    with open("/proc/self/mounts") as f:
+        return any(line.split()[1] == mnt for line in f)
+
+
+def timed(fn) -> float:
+    t0 = time.monotonic()
+    fn()
+    return round(time.monotonic() - t0, 3)
+
+
+def bench_mount(binary: str, root: str, index: str, mnt: str) -> dict:
+    """The already indexed root mounted in the foreground (our child, so its
+    pid is known): mount until answering, then the first listings."""
+    os.makedirs(mnt, exist_ok=True)
+    log = mnt + ".log"
+    t0 = time.monotonic()
+    proc = subprocess.Popen([binary, "mount", "-f", root, mnt, "--index", index, "--log-file", log],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while not is_mounted(mnt):
+            if proc.poll() is not None or time.monotonic() - t0 > 120:
+                return {"error": f"mount did not come up (exit {proc.poll()})"}
+            time.sleep(0.005)
+        os.listdir(mnt)
+        out = {"mount_answers_s": round(time.monotonic() - t0, 3), "rss_mounted_mib": rss_mib(proc.pid, "VmRSS")}
+        ckpt = os.path.join(mnt, "step_1000")
+        out["first_ls_checkpoint_s"] = timed(lambda: os.listdir(ckpt))
+        out["ls_consolidated_s"] = timed(lambda: os.listdir(os.path.join(ckpt, "consolidated")))
+        out["ls_tensors_s"] = timed(lambda: os.listdir(os.path.join(ckpt, "tensors")))
+        out["rss_loaded_mib"] = round(rss_mib(proc.pid, "VmRSS"), 1)
+        out["peak_rss_mib"] = round(rss_mib(proc.pid, "VmHWM"), 1)
+        return out
+    finally:
+        subprocess.run(["fusermount3", "-u", mnt], check=False)
+        proc.wait(timeout=60)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tensors", type=int, default=100_000)
@@ -108,6 +157,7 @@ def main() -> int:
         report["synthetic_commit"] = json.loads(out) if rc == 0 else err
         _, _, out, err, rc = run_one([args.store_bench, "load", "/bench-root", synth])
         report["synthetic_load"] = json.loads(out) if rc == 0 else err
+        report["mount"] = bench_mount(args.bin, root, index, os.path.join(base, "mnt"))
         if args.v1_bin:
             v1 = os.path.join(base, "v1-index")
             shutil.rmtree(v1, ignore_errors=True)

@@ -23,6 +23,7 @@
 #include "indexer/scan.h"
 #include "indexer/posix_io.h"
 #include "indexer/source_reader.h"
+#include "indexer/checksums.h"
 #include "tools/cli.h"
 
 namespace ckptfs {
@@ -348,16 +349,46 @@ Result<std::map<std::string, RefTensor>> ReadReference(const std::string& dir) {
   return out;
 }
 
+// Compares a tensor's bytes at `at` in virtual file `vf` with the reference
+// copy, in blocks; "" when equal, else what differs.
+std::string CompareTensorBytes(VirtualFs& fs, const Attr& vf, uint64_t at, const RefTensor& r) {
+  ScopedFd fd(::open(r.path.c_str(), O_RDONLY | O_CLOEXEC));
+  auto h = fs.Open(vf.ino, O_RDONLY);
+  if (fd.get() < 0 || !h.ok()) {
+    if (h.ok()) fs.Release(*h);
+    return "cannot open both copies";
+  }
+  const uint64_t block = 8 << 20;
+  std::vector<char> a(block), b(block);
+  std::string why;
+  for (uint64_t off = 0; off < r.length && why.empty(); off += block) {
+    uint64_t n = std::min(block, r.length - off);
+    auto got = fs.Read(*h, a.data(), n, at + off);
+    Status rs = PreadFull(fd.get(), b.data(), n, r.offset + off, r.path);
+    if (!got.ok() || *got != n || !rs.ok()) {
+      why = "read failed: " + (got.ok() ? rs.message() : got.status().message());
+    } else if (auto mm = std::mismatch(a.begin(), a.begin() + n, b.begin()); mm.first != a.begin() + n) {
+      why = "differs from " + r.path + " at byte " + std::to_string(off + (mm.first - a.begin())) + " of the tensor";
+    }
+  }
+  fs.Release(*h);
+  return why;
+}
+
 }  // namespace
 
-int RunVerify(VirtualFs& fs, const std::string& against, bool as_json) {
-  struct VFile {
-    std::string path;
-    Attr attr;
-  };
+namespace {
+
+struct VFile {
+  std::string path;
+  Attr attr;
+};
+
+// The files of every checkpoint's consolidated/ and tensors/.
+std::vector<VFile> ViewFiles(VirtualFs& fs, const std::vector<LoadedCheckpoint>& loaded) {
   std::vector<VFile> files;
-  for (const LoadedCheckpoint& loaded : fs.LoadAll())
-    for (const Checkpoint& ck = *loaded.ckpt; const char* view : {"consolidated", "tensors"}) {
+  for (const LoadedCheckpoint& l : loaded)
+    for (const Checkpoint& ck = *l.ckpt; const char* view : {"consolidated", "tensors"}) {
       std::string dir = (ck.dir.empty() ? "" : ck.dir + "/") + view;
       auto d = fs.Resolve(dir);
       if (!d.ok() || !d->is_virtual) continue;
@@ -366,95 +397,114 @@ int RunVerify(VirtualFs& fs, const std::string& against, bool as_json) {
       for (const auto& e : *entries)
         if (!e.attr.is_dir() && e.attr.is_virtual) files.push_back({dir + "/" + e.name, e.attr});
     }
-  uint64_t total = 0, done = 0;
+  return files;
+}
+
+// Reads every byte of `files` and validates each safetensors file.
+void ReadEveryByte(VirtualFs& fs, const std::vector<VFile>& files, uint64_t total, std::vector<std::string>* problems) {
+  uint64_t done = 0;
+  Progress progress("verify", total, "bytes");
+  for (const auto& f : files) {
+    Status st = ForEachBlock(fs, f.attr.ino, f.attr.size, 8 << 20, [&](uint64_t, const char*, size_t n) {
+      progress.Update(done += n);
+      return Status::OK();
+    });
+    if (!st.ok()) {
+      problems->push_back(f.path + ": " + st.message());
+      continue;
+    }
+    if (f.path.ends_with(".safetensors")) {
+      auto h = VirtualHeader(fs, f.attr);
+      Status valid = h.ok() ? CheckSafetensorsFileSize(*h, f.attr.size) : h.status();
+      if (!valid.ok()) problems->push_back(f.path + ": not a valid safetensors file: " + valid.message());
+    }
+  }
+}
+
+// The chunks whose writer recorded a CRC32C, read again and compared.
+ChecksumReport CheckChunkChecksums(const std::vector<LoadedCheckpoint>& loaded, std::vector<std::string>* problems) {
+  ChecksumReport all;
+  uint64_t total = 0;
+  for (const LoadedCheckpoint& l : loaded)
+    for (const auto& t : l.ckpt->tensors)
+      for (const Chunk& c : t->chunks)
+        if (c.has_crc32c) total += c.bytes.length;
+  if (total == 0) return all;
+  Progress progress("checksums", total, "bytes");
+  for (const LoadedCheckpoint& l : loaded) {
+    const uint64_t before = all.bytes;
+    ChecksumReport r = VerifyChunkChecksums(*l.ckpt, *l.reader, [&](uint64_t n) { progress.Update(before + n); });
+    all.chunks += r.chunks;
+    all.bytes += r.bytes;
+    for (std::string& p : r.problems) problems->push_back((l.ckpt->dir.empty() ? "" : l.ckpt->dir + ": ") + p);
+  }
+  return all;
+}
+
+// Compares consolidated/ tensor by tensor with the Hugging Face folder
+// `against`. False (after printing why) when the folder cannot be read.
+bool CompareAgainst(VirtualFs& fs, const std::vector<VFile>& files, const std::string& against,
+                    std::vector<std::string>* problems_out) {
+  std::vector<std::string>& problems = *problems_out;
+  auto ref = ReadReference(against);
+  if (!ref.ok()) {
+    Error(ref.status().message());
+    return false;
+  }
+  // Our tensors: entries of the consolidated safetensors files.
+  std::map<std::string, std::pair<const VFile*, SafetensorsEntry>> ours;
+  std::map<std::string, uint64_t> data_start;
+  for (const auto& f : files) {
+    if (!f.path.ends_with(".safetensors") || f.path.find("/tensors/") != std::string::npos) continue;
+    auto h = VirtualHeader(fs, f.attr);
+    if (!h.ok()) continue;  // already reported
+    for (const auto& e : h->entries) {
+      ours[e.name] = {&f, e};
+      data_start[e.name] = h->data_start();
+    }
+  }
+  for (const auto& [name, r] : *ref) {
+    auto it = ours.find(name);
+    if (it == ours.end()) {
+      problems.push_back("tensor '" + name + "' is in " + against + " but not in consolidated/");
+      continue;
+    }
+    const auto& [vf, e] = it->second;
+    if (e.dtype != r.dtype || e.shape != r.shape) {
+      problems.push_back("tensor '" + name + "': consolidated/ has " + std::string(DTypeName(e.dtype)) +
+                         ShapeToString(e.shape) + ", reference has " + std::string(DTypeName(r.dtype)) +
+                         ShapeToString(r.shape));
+      continue;
+    }
+    if (std::string why = CompareTensorBytes(fs, vf->attr, data_start[name] + e.begin, r); !why.empty())
+      problems.push_back("tensor '" + name + "': " + why);
+  }
+  for (const auto& [name, v] : ours)
+    if (!ref->count(name)) problems.push_back("tensor '" + name + "' is in consolidated/ but not in " + against);
+  return true;
+}
+
+}  // namespace
+
+int RunVerify(VirtualFs& fs, const std::string& against, bool as_json) {
+  std::vector<LoadedCheckpoint> loaded = fs.LoadAll();
+  std::vector<VFile> files = ViewFiles(fs, loaded);
+  uint64_t total = 0;
   for (const auto& f : files) total += f.attr.size;
   std::vector<std::string> problems;
-  {
-    Progress progress("verify", total, "bytes");
-    for (const auto& f : files) {
-      Status st = ForEachBlock(fs, f.attr.ino, f.attr.size, 8 << 20, [&](uint64_t, const char*, size_t n) {
-        progress.Update(done += n);
-        return Status::OK();
-      });
-      if (!st.ok()) {
-        problems.push_back(f.path + ": " + st.message());
-        continue;
-      }
-      if (f.path.ends_with(".safetensors")) {
-        auto h = VirtualHeader(fs, f.attr);
-        Status valid = h.ok() ? CheckSafetensorsFileSize(*h, f.attr.size) : h.status();
-        if (!valid.ok()) problems.push_back(f.path + ": not a valid safetensors file: " + valid.message());
-      }
-    }
-  }
-
-  if (!against.empty()) {
-    auto ref = ReadReference(against);
-    if (!ref.ok()) {
-      Error(ref.status().message());
-      return kExitNoSource;
-    }
-    // Our tensors: entries of the consolidated safetensors files.
-    std::map<std::string, std::pair<const VFile*, SafetensorsEntry>> ours;
-    std::map<std::string, uint64_t> data_start;
-    for (const auto& f : files) {
-      if (!f.path.ends_with(".safetensors") || f.path.find("/tensors/") != std::string::npos) continue;
-      auto h = VirtualHeader(fs, f.attr);
-      if (!h.ok()) continue;  // already reported above
-      for (const auto& e : h->entries) {
-        ours[e.name] = {&f, e};
-        data_start[e.name] = h->data_start();
-      }
-    }
-    for (const auto& [name, r] : *ref) {
-      auto it = ours.find(name);
-      if (it == ours.end()) {
-        problems.push_back("tensor '" + name + "' is in " + against + " but not in consolidated/");
-        continue;
-      }
-      const auto& [vf, e] = it->second;
-      if (e.dtype != r.dtype || e.shape != r.shape) {
-        problems.push_back("tensor '" + name + "': consolidated/ has " + std::string(DTypeName(e.dtype)) +
-                           ShapeToString(e.shape) + ", reference has " + std::string(DTypeName(r.dtype)) +
-                           ShapeToString(r.shape));
-        continue;
-      }
-      // Compare bytes in blocks.
-      ScopedFd fd(::open(r.path.c_str(), O_RDONLY | O_CLOEXEC));
-      auto h = fs.Open(vf->attr.ino, O_RDONLY);
-      if (fd.get() < 0 || !h.ok()) {
-        problems.push_back("tensor '" + name + "': cannot open both copies");
-        continue;
-      }
-      const uint64_t block = 8 << 20;
-      std::vector<char> a(block), b(block);
-      for (uint64_t off = 0; off < r.length; off += block) {
-        uint64_t n = std::min(block, r.length - off);
-        auto got = fs.Read(*h, a.data(), n, data_start[name] + e.begin + off);
-        Status rs = PreadFull(fd.get(), b.data(), n, r.offset + off, r.path);
-        if (!got.ok() || *got != n || !rs.ok()) {
-          problems.push_back("tensor '" + name + "': read failed: " +
-                             (got.ok() ? rs.message() : got.status().message()));
-          break;
-        }
-        auto mm = std::mismatch(a.begin(), a.begin() + n, b.begin());
-        if (mm.first != a.begin() + n) {
-          problems.push_back("tensor '" + name + "': differs from " + r.path + " at byte " +
-                             std::to_string(off + (mm.first - a.begin())) + " of the tensor");
-          break;
-        }
-      }
-      fs.Release(*h);
-    }
-    for (const auto& [name, v] : ours)
-      if (!ref->count(name)) problems.push_back("tensor '" + name + "' is in consolidated/ but not in " + against);
-  }
+  ReadEveryByte(fs, files, total, &problems);
+  ChecksumReport sums = CheckChunkChecksums(loaded, &problems);
+  if (!against.empty() && !CompareAgainst(fs, files, against, &problems)) return kExitNoSource;
   if (as_json) {
-    std::cout << json({{"files", files.size()}, {"bytes", total}, {"problems", problems}}).dump(2) << "\n";
+    std::cout << json({{"files", files.size()}, {"bytes", total}, {"checksummed_chunks", sums.chunks},
+                       {"checksummed_bytes", sums.bytes}, {"problems", problems}})
+                     .dump(2)
+              << "\n";
   } else {
     for (const auto& p : problems) std::printf("%s\n", p.c_str());
-    std::fprintf(stderr, "ckptfs verify: %zu file(s), %s read: %s\n", files.size(), HumanBytes(total).c_str(),
-                 problems.empty() ? "no problems" : (std::to_string(problems.size()) + " problem(s)").c_str());
+    std::string crc = sums.chunks ? ", " + std::to_string(sums.chunks) + " chunk checksum(s) checked" : "";
+    std::fprintf(stderr, "ckptfs verify: %zu file(s), %s read%s: %s\n", files.size(), HumanBytes(total).c_str(),
+                 crc.c_str(), problems.empty() ? "no problems" : (std::to_string(problems.size()) + " problem(s)").c_str());
   }
   return problems.empty() ? kExitOk : kExitProblems;
 }

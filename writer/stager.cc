@@ -11,7 +11,7 @@
 #include <chrono>
 #include <cstring>
 
-#include "writer/crc32c.h"
+#include "core/crc32c.h"
 
 namespace ckptfs {
 namespace {

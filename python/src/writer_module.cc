@@ -8,7 +8,7 @@
 
 #include "writer/commit_rows.h"
 #include "writer/copy_engine.h"
-#include "writer/crc32c.h"
+#include "core/crc32c.h"
 #include "writer/dcp_file_writer.h"
 #include "writer/stager.h"
 

@@ -183,6 +183,7 @@ class Mutator(threading.Thread):
         self.synth, self.fault, self.spare = synth, fault, spare
         self.rng = random.Random(seed)
         self.stop = threading.Event()
+        self.applied = threading.Event()  # set once the first fault is in place
         self.done = 0
         self.error: BaseException | None = None
 
@@ -195,6 +196,7 @@ class Mutator(threading.Thread):
             self.stop.wait(self.rng.uniform(0.05, 0.2))  # let the readers get going
             while not self.stop.is_set():
                 self.fault.apply(paths[r], orig[r], st0[r], self.spare)
+                self.applied.set()
                 time.sleep(self.rng.uniform(0.002, 0.03))
                 self.fault.undo(paths[r], orig[r], st0[r], self.spare)
                 self.done += 1
@@ -228,6 +230,9 @@ def _round(kind: str, pristine, base: str, rnd: int, reads: int):
         mut = Mutator(copy, FAULTS[kind], work, seed=rnd)
         mut.start()
         try:
+            # Reads of cached pages are fast: on a busy machine they could all
+            # be over before the mutator's first fault without this.
+            assert mut.applied.wait(30), f"the {kind} mutator never applied a fault"
             during = fh.run_reads(paths, want, reads - n_before, THREADS, seed=rnd * 2 + 2)
         finally:
             mut.stop.set()

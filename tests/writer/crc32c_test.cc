@@ -1,7 +1,7 @@
 // CRC32C against published vectors (RFC 3720 B.4, the "123456789" check
 // value) and a bit-at-a-time reference written here; SSE4.2 vs tables;
 // combination vs one pass.
-#include "writer/crc32c.h"
+#include "core/crc32c.h"
 
 #include <gtest/gtest.h>
 

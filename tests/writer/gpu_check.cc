@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "writer/collective.h"
-#include "writer/crc32c.h"
+#include "core/crc32c.h"
 #include "writer/stager.h"
 
 using namespace ckptfs;

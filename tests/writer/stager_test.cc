@@ -16,7 +16,7 @@
 #include <sstream>
 #include <thread>
 
-#include "writer/crc32c.h"
+#include "core/crc32c.h"
 
 namespace ckptfs {
 namespace {

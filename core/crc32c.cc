@@ -1,5 +1,5 @@
 // CRC32C: slice-by-8 tables, SSE4.2, and combination (what and why: crc32c.h).
-#include "writer/crc32c.h"
+#include "core/crc32c.h"
 
 #include <array>
 #include <cstring>
