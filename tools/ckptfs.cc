@@ -68,6 +68,7 @@ struct Flags {
   bool quiet = false, foreground = false, debug = false, allow_other = false, allow_non_empty = false;
   bool no_watch = false, json = false, dump = false;
   unsigned threads = 16;
+  unsigned readahead_mib = 32;
   unsigned rescan_ms = 2000;
   std::string mountpoint, vpath, dest, log_file, log_level = "info";
   std::string mesh_spec, pattern, tensor_name, against;
@@ -99,6 +100,9 @@ void AddIndexAndMount(CLI::App& app, Flags& f, Commands& cmd) {
   m->add_option("--rescan-ms", f.rescan_ms,
                 "Re-check the sources this often, for filesystems without inotify (default 2000; 0 = never)");
   m->add_option("--threads", f.threads, "Maximum FUSE worker threads (default 16)")->check(CLI::Range(1u, 1024u));
+  m->add_option("--readahead-mib", f.readahead_mib,
+                "Source MiB read ahead of each sequential reader of a virtual file; 0 = off (default 32)")
+      ->check(CLI::Range(0u, 4096u));
   m->add_option("--log-file", f.log_file,
                 "Append log lines here (default: stderr with -f, else <index>.log next to the index)");
   m->add_option("--log-level", f.log_level, "error, warn, info (default) or debug")
@@ -192,6 +196,9 @@ int RunMount(Flags& f) {
   Log* out = &*log;
   auto fs = OpenFs(f.c, &rc, [out](const std::string& line) { out->Write(LogLevel::kWarn, line); });
   if (!fs) return rc;
+  ReadOptions read;
+  read.readahead_bytes = uint64_t(f.readahead_mib) << 20;
+  fs->set_read_options(read);
   out->Write(LogLevel::kInfo, "mounting " + AbsRoot(f.c.root) + " at " + *mountpoint + " (index " + IndexPath(f.c) + ")");
   MountOptions mo;
   mo.foreground = f.foreground;
