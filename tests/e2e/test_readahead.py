@@ -208,25 +208,25 @@ def test_sequential_reader_gets_its_sources_read_ahead(synth, tmp_path, readahea
         for r in range(synth.world_size):
             evict(synth.shard(r))
         assert sum(resident_bytes(*f) for f in far) == 0, "eviction failed: the check below would mean nothing"
-        d = Direct(m.p(rel))
+        d = Direct(m.p(rel))  # open until the end: closing it cancels its read-ahead
         try:
             for off in (0, 256 << 10):
                 _check(*d.read(off, 256 << 10), want[off:off + (256 << 10)], f"{rel}@{off}")
+            total = sum(hi - lo for _, lo, hi in far)
+            deadline = time.monotonic() + 10
+            while True:
+                resident = sum(resident_bytes(*f) for f in far)
+                if readahead_mib == 0 or resident >= total or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+            if readahead_mib:
+                assert resident >= total, f"only {resident} of {total} bytes read ahead"
+            else:
+                time.sleep(0.5)
+                resident = sum(resident_bytes(*f) for f in far)
+                assert resident == 0, f"{resident} bytes read ahead with read-ahead off"
         finally:
             d.close()
-        total = sum(hi - lo for _, lo, hi in far)
-        deadline = time.monotonic() + 10
-        while True:
-            resident = sum(resident_bytes(*f) for f in far)
-            if readahead_mib == 0 or resident >= total or time.monotonic() > deadline:
-                break
-            time.sleep(0.05)
-        if readahead_mib:
-            assert resident >= total, f"only {resident} of {total} bytes read ahead"
-        else:
-            time.sleep(0.5)
-            resident = sum(resident_bytes(*f) for f in far)
-            assert resident == 0, f"{resident} bytes read ahead with read-ahead off"
 
 
 # ---------------------------------------------------------------------------
