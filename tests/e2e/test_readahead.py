@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import io
 import json
 import mmap
 import os
