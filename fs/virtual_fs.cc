@@ -52,8 +52,9 @@ struct VirtualFs::Node {
 
 struct VirtualFs::Handle {
   const Node* node;
-  int fd = -1;             // source files
+  int fd = -1;               // source files
   Served* served = nullptr;  // virtual files: holds it loaded (Served::handles)
+  mutable ReadStream stream;  // virtual files: follows the reader for read-ahead
 };
 
 namespace {
@@ -213,7 +214,7 @@ Status VirtualFs::EnsureLoaded(int i) {
       return Status::IOError(s->load_error);
     }
     s->ckpt = std::move(*ckpt);
-    s->reader = std::make_unique<SourceReader>(tree_.root(), &s->ckpt.files);
+    s->reader = std::make_unique<SourceReader>(tree_.root(), &s->ckpt.files, GroupPolicy{}, 1ull << 30, options_.read);
     s->access = AccessOf(tree_, s->ckpt);
     RETURN_IF_ERROR(BuildViews(i, SourceNode(s->dir, Node::Kind::kSourceDir)));
     s->resident = true;
@@ -602,11 +603,13 @@ FsResult<size_t> VirtualFs::Read(uint64_t handle, char* buf, size_t size, uint64
   if (!n.problem.empty()) return fail(FsError(EIO, n.problem));
   auto plan = Plan(*n.layout, offset, size);
   if (!plan.ok()) return fail(FsError::From(plan.status()));
-  Status st = ServedAt(n.ckpt)->reader->Execute(*plan, buf);
+  SourceReader* reader = ServedAt(n.ckpt)->reader.get();
+  Status st = reader->Execute(*plan, buf);
   if (!st.ok()) {
     if (st.code() == Status::Code::kStale) InvalidateCheckpoint(n.ckpt);
     return fail(FsError::From(st));
   }
+  reader->ReadAhead(h->stream, n.layout, offset, plan->length);
   return plan->length;
 }
 

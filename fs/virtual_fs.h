@@ -66,6 +66,8 @@ struct FsOptions {
   // would deadlock on the page lock). May be empty (no kernel cache: cat,
   // export, tests).
   std::function<void(uint64_t ino)> invalidate;
+  // Read-ahead and overlapped source reads (indexer/source_reader.h).
+  ReadOptions read;
 };
 
 struct Attr {
@@ -128,6 +130,9 @@ class VirtualFs {
   void set_info(std::function<void(const std::string&)> f) { options_.info = std::move(f); }
   // Replaces FsOptions::invalidate; call only while no request is served.
   void set_invalidate(std::function<void(uint64_t)> f) { options_.invalidate = std::move(f); }
+  // Replaces FsOptions::read for checkpoints loaded from now on; call
+  // before serving.
+  void set_read_options(ReadOptions read) { options_.read = read; }
   // Likewise for the kernel's cached name `name` in directory `parent`.
   void set_invalidate_entry(std::function<void(uint64_t, const std::string&)> f) {
     invalidate_entry_ = std::move(f);

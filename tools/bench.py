@@ -18,14 +18,23 @@ Then, in one run, it measures:
   - sequential read throughput of every file in consolidated/ through the
     mount, cold (page cache dropped: source files and FUSE pages) and warm,
     next to the same bytes as real files written by `ckptfs export`;
+  - the clients that load models, each next to the same bytes as real files
+    (ckptfs export) in the same run, cold (best of --repeat, page cache
+    dropped or the files evicted before each pass) and warm: sequential
+    read(), safetensors `safe_open(...).get_tensor(k).clone()` of every
+    tensor (page faults of a mapped file), `transformers.from_pretrained`;
+    the tensors/ view of row-sharded vs column-sharded tensors; and a DCP
+    checkpoint (.distcp, saved by torch over gloo ranks) the same way;
   - the mount daemon's peak RSS (VmHWM of the `ckptfs mount -f` process);
 and checks that the virtual and exported files are identical (sha256) and
 that every tensor in them equals what the generator wrote.
 
     python3 tools/bench.py [--dir DIR] [--size-gib 2.0] [--ranks 4] [--json]
 
-Needs root for cold-cache figures (`echo 3 > /proc/sys/vm/drop_caches`); when
-that fails the run says so and the "cold" figures are not cold.
+Cold figures drop the page cache (`echo 3 > /proc/sys/vm/drop_caches`, root);
+where that is refused (a container) every file involved (shards, exported
+files, and the virtual files through the mount) is evicted with
+posix_fadvise(DONTNEED) instead, and the run says so.
 """
 
 from __future__ import annotations
@@ -329,25 +338,26 @@ def vm_field(pid: int, field: str) -> int | None:
 class Mounted:
     """`ckptfs mount -f` in a child process we own; always unmounted."""
 
-    def __init__(self, binary: str, root: str, mnt: str, index: str, log_file: str):
+    def __init__(self, binary: str, root: str, mnt: str, index: str, log_file: str, extra: list[str] = ()):
         self.binary, self.root, self.mnt, self.index, self.log_file = binary, root, mnt, index, log_file
+        self.extra = list(extra)
         self.proc: subprocess.Popen | None = None
         self.seconds = 0.0
 
-    def start(self) -> None:
+    def start(self, probe: str = "consolidated") -> None:
         os.makedirs(self.mnt, exist_ok=True)
         self.stderr = open(self.log_file + ".stderr", "wb")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
             [self.binary, "mount", "-f", self.root, self.mnt, "--index", self.index,
-             "--log-file", self.log_file], stdout=subprocess.DEVNULL, stderr=self.stderr)
+             "--log-file", self.log_file, *self.extra], stdout=subprocess.DEVNULL, stderr=self.stderr)
         deadline = t0 + 120
         while True:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"ckptfs mount exited {self.proc.returncode}; see {self.log_file}.stderr")
             if is_mounted(self.mnt):
                 try:
-                    os.listdir(os.path.join(self.mnt, "consolidated"))
+                    os.listdir(os.path.join(self.mnt, probe))
                     break
                 except OSError:
                     pass
@@ -426,6 +436,195 @@ def git_rev() -> str:
 
 
 # ---------------------------------------------------------------------------
+# clients that load models: virtual vs the same bytes as real files
+# ---------------------------------------------------------------------------
+
+
+def evict(paths: list[str]) -> None:
+    """Drops the clean cached pages of each file (works through the FUSE
+    mount too: the kernel drops the virtual file's pages)."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def make_cold(paths: list[str]) -> str:
+    """Empties the page cache of `paths`: "drop_caches", or "fadvise" when
+    only the files themselves could be evicted."""
+    if drop_caches() is None:
+        return "drop_caches"
+    evict(paths)
+    return "fadvise"
+
+
+def files_under(d: str) -> list[str]:
+    out = []
+    for dirpath, _, names in os.walk(d):
+        out += [os.path.join(dirpath, n) for n in names]
+    return sorted(out)
+
+
+def safe_open_pass(paths: list[str]) -> int:
+    """safe_open + get_tensor(k).clone() of every tensor: what transformers
+    does, page faults on a mapping of each file. Returns tensor bytes."""
+    from safetensors import safe_open
+    n = 0
+    for p in paths:
+        with safe_open(p, framework="pt") as st:
+            for k in st.keys():
+                t = st.get_tensor(k).clone()
+                n += t.numel() * t.element_size()
+    return n
+
+
+def from_pretrained_pass(folder: str) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, low_cpu_mem_usage=True)
+    # Parameters may stay on a mapping of the files until used (transformers
+    # 5 keeps tensors whose dtype matches on the mmap): one byte of every
+    # page is read so that the load includes all of them.
+    n = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            b = p.detach().reshape(-1).view(torch.uint8)
+            int(b[::4096].sum())
+            n += b.numel()
+    del model
+    return n
+
+
+def read_pass(paths: list[str]) -> int:
+    return read_files(paths)[0]
+
+
+def compare(label: str, run_v, run_r, cold_paths: list[str], repeat: int, log) -> dict:
+    """Times run_v() (virtual) and run_r() (real files), alternately: cold
+    (best of `repeat`, cache emptied before each) then warm (best of
+    `repeat`). Each returns the bytes it loaded; ratios are virtual speed /
+    real speed."""
+    out = {"cold_v_s": [], "cold_r_s": [], "warm_v_s": [], "warm_r_s": []}
+    nbytes = {}
+    for _ in range(max(1, repeat)):
+        for key, fn in (("cold_v_s", run_v), ("cold_r_s", run_r)):
+            out["cold_how"] = make_cold(cold_paths)
+            t0 = time.monotonic()
+            nbytes[key[-3]] = fn()
+            out[key].append(time.monotonic() - t0)
+    run_v(), run_r()  # both fully cached (the cold passes emptied the cache after each other)
+    for _ in range(max(1, repeat)):
+        for key, fn in (("warm_v_s", run_v), ("warm_r_s", run_r)):
+            t0 = time.monotonic()
+            fn()
+            out[key].append(time.monotonic() - t0)
+    best = {k: min(v) for k, v in out.items() if k.endswith("_s")}
+    # Speed ratios: the two sides may move different bytes (tensors/ rows vs columns).
+    per = nbytes["v"] / nbytes["r"]
+    out.update({"bytes_v": nbytes["v"], "bytes_r": nbytes["r"], "best": best,
+                "cold_ratio": per * best["cold_r_s"] / best["cold_v_s"],
+                "warm_ratio": per * best["warm_r_s"] / best["warm_v_s"]})
+    log(f"  {label}: cold {best['cold_v_s']:.2f} s vs {best['cold_r_s']:.2f} s ({out['cold_ratio']:.2f}x), "
+        f"warm {best['warm_v_s']:.2f} s vs {best['warm_r_s']:.2f} s ({out['warm_ratio']:.2f}x)")
+    return out
+
+
+def write_hf_config(ckpt: str, dims: dict) -> None:
+    """config.json of the generated Llama shape: consolidated/ passes it
+    through, so transformers can load the mount's folder."""
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+           "hidden_size": dims["hidden"], "intermediate_size": dims["intermediate"],
+           "num_hidden_layers": dims["layers"], "num_attention_heads": dims["hidden"] // 128,
+           "num_key_value_heads": dims["kv"] // 128, "vocab_size": dims["vocab"],
+           "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+           "torch_dtype": "bfloat16"}
+    path = os.path.join(ckpt, "config.json")
+    text = json.dumps(cfg, indent=1)
+    if os.path.exists(path) and open(path).read() == text:
+        return  # unchanged: rewriting it would make an earlier index stale
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def client_patterns(args, manifest: dict, ckpt: str, mnt: str, export: str, log) -> dict:
+    """Sequential read(), safe_open, from_pretrained and the row/column
+    tensors/ split, each virtual vs real, in the mounted checkpoint."""
+    vdir = os.path.join(mnt, "consolidated")
+    v_st = sorted(os.path.join(vdir, f) for f in os.listdir(vdir) if f.endswith(".safetensors"))
+    r_st = sorted(os.path.join(export, os.path.basename(p)) for p in v_st)
+    cold = v_st + r_st + files_under(ckpt)
+    out = {"read": compare("sequential read()", lambda: read_pass(v_st), lambda: read_pass(r_st), cold,
+                           args.repeat, log)}
+    try:
+        import torch  # noqa: F401
+        out["safe_open"] = compare("safe_open + get_tensor", lambda: safe_open_pass(v_st),
+                                   lambda: safe_open_pass(r_st), cold, args.repeat, log)
+    except ImportError as e:
+        out["safe_open"] = {"skipped": f"torch not importable: {e}"}
+    if args.no_transformers:
+        out["from_pretrained"] = {"skipped": "--no-transformers"}
+    else:
+        try:
+            import transformers  # noqa: F401
+            shutil.copy(os.path.join(vdir, "config.json"), os.path.join(export, "config.json"))
+            from_pretrained_pass(export)  # untimed: the first call imports the model code (seconds)
+            out["from_pretrained"] = compare("from_pretrained", lambda: from_pretrained_pass(vdir),
+                                             lambda: from_pretrained_pass(export), cold, args.repeat, log)
+        except ImportError as e:
+            out["from_pretrained"] = {"skipped": f"transformers not importable: {e}"}
+    # tensors/<fqn>.npy of row-sharded vs column-sharded BF16 matrices (virtual only).
+    tdir = os.path.join(mnt, "tensors")
+    rows = [os.path.join(tdir, f + ".npy") for f, (s, d, dim) in manifest["specs"].items()
+            if d == "BF16" and dim == 0 and "embed" not in f]
+    cols = [os.path.join(tdir, f + ".npy") for f, (s, d, dim) in manifest["specs"].items() if dim == 1]
+    out["tensors_rows_vs_cols"] = compare("tensors/ columns vs rows (virtual)", lambda: read_pass(cols),
+                                          lambda: read_pass(rows), cold + rows + cols, args.repeat, log)
+    return out
+
+
+def dcp_checkpoint(args, top: str, work: str, log) -> dict:
+    """A DCP checkpoint saved by torch over gloo ranks (tools/bench_views.py's
+    writer): consolidated/ read and safe_open'd, virtual vs exported."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_views
+    from pathlib import Path
+    ckpt = os.path.join(top, f"dcp-{args.dcp_layers}x{args.dcp_hidden}")
+    if not os.path.exists(os.path.join(ckpt, ".metadata")):
+        shutil.rmtree(ckpt, ignore_errors=True)
+        log(f"  saving a DCP checkpoint with torch ({args.ranks} gloo ranks) in {ckpt}")
+        secs = bench_views.write_checkpoint(Path(ckpt), args.ranks, args.dcp_layers, args.dcp_hidden)
+        log(f"  saved in {secs:.1f} s")
+    index, mnt, export = (os.path.join(work, "dcp-" + n) for n in ("index", "mnt", "export"))
+    p = subprocess.run([args.bin, "export", ckpt, "consolidated", export, "--index", index],
+                       capture_output=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"ckptfs export (DCP) exited {p.returncode}: {p.stderr.decode()}")
+    mount = Mounted(args.bin, ckpt, mnt, index, os.path.join(work, "dcp-mount.log"), args.mount_arg)
+    out = {"dir": ckpt, "bytes": sum(os.path.getsize(f) for f in files_under(ckpt))}
+    try:
+        mount.start()
+        vdir = os.path.join(mnt, "consolidated")
+        v_st = sorted(os.path.join(vdir, f) for f in os.listdir(vdir) if f.endswith(".safetensors"))
+        r_st = sorted(os.path.join(export, os.path.basename(f)) for f in v_st)
+        cold = v_st + r_st + files_under(ckpt)
+        out["read"] = compare("DCP sequential read()", lambda: read_pass(v_st), lambda: read_pass(r_st), cold,
+                              args.repeat, log)
+        out["safe_open"] = compare("DCP safe_open + get_tensor", lambda: safe_open_pass(v_st),
+                                   lambda: safe_open_pass(r_st), cold, args.repeat, log)
+        out["identical"] = file_digests(v_st) == file_digests(r_st)
+        out["daemon_peak_rss_bytes"] = vm_field(mount.proc.pid, "VmHWM")
+    finally:
+        mount.stop()
+    return out
+
+
+# ---------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------
 
@@ -444,6 +643,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=1, help="warm read passes; the best is reported")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
     ap.add_argument("--keep", action="store_true", help="keep the index and exported files")
+    ap.add_argument("--mount-arg", action="append", default=[],
+                    help="extra argument for `ckptfs mount` (repeatable), e.g. --mount-arg=--readahead-mib=0")
+    ap.add_argument("--no-clients", action="store_true",
+                    help="skip the safe_open / from_pretrained / tensors/ comparisons")
+    ap.add_argument("--no-transformers", action="store_true", help="skip from_pretrained")
+    ap.add_argument("--no-dcp", action="store_true", help="skip the DCP checkpoint")
+    ap.add_argument("--dcp-layers", type=int, default=12, help="layers of the DCP checkpoint (default 12)")
+    ap.add_argument("--dcp-hidden", type=int, default=1024, help="hidden size of the DCP checkpoint (default 1024)")
     args = ap.parse_args(argv)
 
     def log(msg: str, end: str = "\n") -> None:
@@ -469,14 +676,16 @@ def main(argv: list[str] | None = None) -> int:
     index = os.path.join(work, "index")
     mnt = os.path.join(work, "mnt")
     export = os.path.join(work, "export")
-    mount = Mounted(args.bin, ckpt, mnt, index, os.path.join(work, "mount.log"))
+    mount = Mounted(args.bin, ckpt, mnt, index, os.path.join(work, "mount.log"), args.mount_arg)
     version = subprocess.run([args.bin, "--version"], capture_output=True, text=True).stdout.strip()
     res: dict = {"machine": machine(), "ckptfs": {"bin": args.bin, "version": version, "repo_head": git_rev()},
                  "dir": top, "fs": fs_type(top), "notes": []}
     try:
         log(f"bench: checkpoint in {ckpt}")
         manifest = ensure_checkpoint(ckpt, args.size_gib, args.ranks, args.seed, log)
+        write_hf_config(ckpt, manifest["dims"])
         shards = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors"))
+        shard_paths = [os.path.join(ckpt, f) for f in shards]
         res["checkpoint"] = {
             "tensor_bytes": manifest["tensor_bytes"], "tensors": manifest["tensors"],
             "ranks": manifest["ranks"], "dims": manifest["dims"],
@@ -484,8 +693,10 @@ def main(argv: list[str] | None = None) -> int:
 
         cold_note = drop_caches()
         if cold_note:
-            res["notes"].append(cold_note + ": the 'cold' figures below ran with a warm page cache")
-        res["cold_cache"] = cold_note is None
+            res["notes"].append(cold_note + ": for 'cold' figures the files involved were evicted with "
+                                "posix_fadvise(DONTNEED) instead (index and mount times ran warm)")
+        res["cold_cache"] = True
+        res["cold_how"] = "drop_caches" if cold_note is None else "fadvise"
 
         # 1. index, cold then warm.
         secs, p = run_timed([args.bin, "index", ckpt, "--index", index, "-q"])
@@ -497,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  index: {res['index_cold_s']:.3f} s cold, {res['index_warm_s']:.3f} s warm")
 
         # 2. export (the read path without FUSE) -> the real files to compare with.
-        drop_caches()
+        make_cold(shard_paths)
         secs, p = run_timed([args.bin, "export", ckpt, "consolidated", export, "--index", index])
         if p.returncode != 0:
             raise RuntimeError(f"ckptfs export exited {p.returncode}: {p.stderr.decode()}")
@@ -513,7 +724,7 @@ def main(argv: list[str] | None = None) -> int:
         cat = {}
         for label in ("cold", "warm"):
             if label == "cold":
-                drop_caches()
+                make_cold(shard_paths)
             t0 = time.monotonic()
             for name in names:
                 p = subprocess.run([args.bin, "cat", ckpt, "consolidated/" + name, "--index", index],
@@ -525,7 +736,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  cat > /dev/null: {cat['cold_MBps']:.0f} MB/s cold, {cat['warm_MBps']:.0f} MB/s warm")
 
         # 4. mount.
-        drop_caches()
+        make_cold(shard_paths)
         mount.start()
         res["mount_s"] = mount.seconds
         log(f"  mount: {mount.seconds:.3f} s until the mountpoint answered")
@@ -537,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
         # 5. reads: cold, then warm, virtual vs real.
         reads = {}
         for label, paths in (("virtual", virtual), ("exported", exported)):
-            drop_caches()
+            make_cold(virtual + exported + shard_paths)
             n, secs, _ = read_files(paths)
             cold = n / secs / 1e6
             passes = []
@@ -553,6 +764,8 @@ def main(argv: list[str] | None = None) -> int:
                 reads[label]["daemon_read_during_warm_bytes"] = proc_io(mount.proc.pid, "rchar") - rchar0
             log(f"  read {label}: {cold:.0f} MB/s cold, {warm:.0f} MB/s warm")
         res["read"] = reads
+        if not args.no_clients:
+            res["clients"] = client_patterns(args, manifest, ckpt, mnt, export, log)
         res["daemon_peak_rss_bytes"] = vm_field(mount.proc.pid, "VmHWM")
         res["daemon_rss_bytes"] = vm_field(mount.proc.pid, "VmRSS")
 
@@ -570,6 +783,13 @@ def main(argv: list[str] | None = None) -> int:
             errors = [l.strip() for l in f if l.strip()]
         if errors:
             res["notes"].append(f"mount log has {len(errors)} line(s), first: {errors[0]}")
+        mount.stop()
+        if not args.no_dcp:
+            try:
+                res["dcp"] = dcp_checkpoint(args, top, work, log)
+            except ImportError as e:
+                res["dcp"] = {"skipped": f"torch not importable: {e}"}
+        res["machine"]["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     except KeyboardInterrupt:
         log("\nbench: interrupted; cleaning up")
         mount.stop()
@@ -585,7 +805,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res, indent=2))
     else:
         print(format_table(res, args))
-    return 0 if res["identical"] and res["tensors_verified"] else 1
+    ok = res["identical"] and res["tensors_verified"] and res.get("dcp", {}).get("identical", True)
+    return 0 if ok else 1
 
 
 def format_table(r: dict, args) -> str:
@@ -599,8 +820,9 @@ def format_table(r: dict, args) -> str:
         f"load average {m['loadavg_start'][0]:.2f} at start, {m.get('loadavg_end', ['?'])[0]} at end",
         f"checkpoint: {ck['tensors']} tensors, {ck['tensor_bytes'] / 2**30:.2f} GiB in {ck['files']} shard files "
         f"({ck['ranks']} ranks; BF16 split on dim 0 and dim 1, F32 dim 0 and replicated), on {r['fs']}",
-        f"consolidated/: {mb(r['consolidated_bytes'])}; page cache dropped for cold runs: "
-        f"{'yes' if r['cold_cache'] else 'NO'}",
+        f"consolidated/: {mb(r['consolidated_bytes'])}; cold runs: "
+        f"{'page cache dropped' if r['cold_how'] == 'drop_caches' else 'files evicted with fadvise(DONTNEED)'}"
+        f"; mount args: {' '.join(args.mount_arg) or '(defaults)'}",
         "",
         f"{'step':<44}{'time':>10}",
         f"{'ckptfs index (cold cache)':<44}{r['index_cold_s']:>9.3f}s",
@@ -623,9 +845,39 @@ def format_table(r: dict, args) -> str:
         f"virtual == exported (sha256): {'yes' if r['identical'] else 'NO'}; "
         f"every tensor == generated: {'yes' if r['tensors_verified'] else 'NO'}",
     ]
+    lines += format_ratios(r)
     for n in r["notes"]:
         lines.append(f"note: {n}")
     return "\n".join(lines)
+
+
+def format_ratios(r: dict) -> list[str]:
+    """The virtual-vs-real comparisons: seconds and the ratio of speeds
+    (bytes/s virtual / bytes/s real; the same bytes on both sides except for
+    tensors/ rows vs columns)."""
+    rows = []
+    for key, label in (("read", "sequential 1 MiB read()"), ("safe_open", "safe_open + get_tensor().clone()"),
+                       ("from_pretrained", "transformers from_pretrained"),
+                       ("tensors_rows_vs_cols", "tensors/ column- vs row-sharded")):
+        rows.append((label, r.get("clients", {}).get(key)))
+    for key, label in (("read", "DCP: sequential 1 MiB read()"), ("safe_open", "DCP: safe_open + get_tensor")):
+        rows.append((label, r.get("dcp", {}).get(key)))
+    lines = ["", f"{'virtual vs real file (best s, ratio of speeds)':<40}{'cold':>24}{'warm':>24}"]
+    for label, c in rows:
+        if c is None:
+            continue
+        if "skipped" in c:
+            lines.append(f"  {label:<38}skipped: {c['skipped']}")
+            continue
+        b = c["best"]
+        lines.append(f"  {label:<38}{b['cold_v_s']:>7.2f} / {b['cold_r_s']:<6.2f}{c['cold_ratio']:>6.2f}x"
+                     f"{b['warm_v_s']:>10.2f} / {b['warm_r_s']:<6.2f}{c['warm_ratio']:>6.2f}x")
+    if "dcp" in r and "bytes" in r["dcp"]:
+        lines.append(f"  (DCP checkpoint: {r['dcp']['bytes'] / 1e6:,.0f} MB of .distcp; "
+                     f"virtual == exported: {'yes' if r['dcp'].get('identical') else 'NO'})")
+    if "tensors_rows_vs_cols" in r.get("clients", {}):
+        lines.append("  (tensors/ row: 'virtual' = column-sharded matrices, 'real' = row-sharded ones, both virtual)")
+    return lines
 
 
 if __name__ == "__main__":

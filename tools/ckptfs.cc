@@ -70,6 +70,7 @@ struct Flags {
   bool quiet = false, foreground = false, debug = false, allow_other = false, allow_non_empty = false;
   bool no_watch = false, json = false, dump = false;
   unsigned threads = 16;
+  unsigned readahead_mib = 32;
   unsigned rescan_ms = 2000;
   size_t max_loaded = 32;  // mount only: the one-shot commands load what they need
   std::string mountpoint, vpath, dest, log_file, log_level = "info";
@@ -105,6 +106,9 @@ void AddIndexAndMount(CLI::App& app, Flags& f, Commands& cmd) {
   m->add_option("--max-loaded", f.max_loaded,
                 "Checkpoints kept loaded in memory (rows and views); beyond it the least recently used one with no "
                 "open file is unloaded and loaded again on next use (default 32; 0 = no limit)");
+  m->add_option("--readahead-mib", f.readahead_mib,
+                "Source MiB read ahead of each sequential reader of a virtual file; 0 = off (default 32)")
+      ->check(CLI::Range(0u, 4096u));
   m->add_option("--log-file", f.log_file,
                 "Append log lines here (default: stderr with -f, else <index>.log next to the index)");
   m->add_option("--log-level", f.log_level, "error, warn, info (default) or debug")
@@ -195,6 +199,9 @@ int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::f
   auto fs = OpenFs(f.c, &rc, [out](const std::string& line) { out->Write(LogLevel::kWarn, line); }, &store);
   if (!fs) return rc;
   fs->set_info([out](const std::string& line) { out->Write(LogLevel::kInfo, line); });
+  ReadOptions read;
+  read.readahead_bytes = uint64_t(f.readahead_mib) << 20;
+  fs->set_read_options(read);
   out->Write(LogLevel::kInfo, "mounting " + AbsRoot(f.c.root) + " at " + mountpoint + " (index " + IndexPath(f.c) + ")");
   MountOptions mo;
   mo.debug = f.debug;

@@ -1,0 +1,90 @@
+// Read-ahead of source byte ranges for sequential readers of virtual files.
+//
+// A virtual file is served by preads of its source files, one request at a
+// time; a reader streaming it (read() in a loop, or the page faults of a
+// mapped file copied front to back) waits for the disk on every request. Here
+// each open file's requests are followed (ReadStream) and, while they are
+// sequential, the source ranges the next `readahead` bytes of the virtual file
+// will need are hinted to the kernel with posix_fadvise(WILLNEED) from a
+// background thread (HintQueue). The hints only start page-cache I/O: the
+// bytes are still pread and identity-checked by SourceReader when a request
+// asks for them, so read-ahead can never serve stale bytes. Its memory is the
+// kernel's page cache (reclaimable), at most `readahead` bytes per open file
+// beyond what its reader has reached.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+namespace ckptfs {
+
+// The requests of one open file. Thread-safe: FUSE serves the kernel's
+// read-ahead requests of one file from several threads, slightly out of order.
+class ReadStream {
+ public:
+  struct Window {
+    uint64_t offset = 0;
+    uint64_t length = 0;  // 0: nothing to read ahead now
+  };
+  ReadStream();
+  // Cancels the hints still queued for this stream.
+  ~ReadStream();
+
+  // Records the request [offset, offset + size) of a file of `file_size`
+  // bytes and returns the range to read ahead now, if any. A request more
+  // than kSlack away from the furthest byte requested so far breaks the
+  // pattern: the stream starts again there and queued hints are cancelled.
+  Window OnRead(uint64_t offset, uint64_t size, uint64_t file_size, uint64_t readahead);
+
+  // Changes whenever the pattern breaks; a queued hint made under another
+  // generation is dropped.
+  std::shared_ptr<const std::atomic<uint64_t>> generation() const { return generation_; }
+
+  // Requests may arrive this far apart (the kernel's own read-ahead of the
+  // virtual file issues up to a few 1 MiB requests at once) and still count
+  // as one sequential stream.
+  static constexpr uint64_t kSlack = 4 << 20;
+
+ private:
+  std::mutex mu_;  // guards the fields below
+  uint64_t frontier_ = 0;  // end of the furthest request of this stream
+  uint64_t hinted_ = 0;    // read ahead up to here
+  unsigned sequential_ = 0;  // requests in a row that continued the stream
+  bool started_ = false;
+  std::shared_ptr<std::atomic<uint64_t>> generation_;
+};
+
+// A bounded queue of background jobs run by one thread, started on the first
+// Post (not before: a mount forks to daemonize, and threads do not survive a
+// fork). Jobs are hints: when the queue is full a new one is dropped.
+class HintQueue {
+ public:
+  explicit HintQueue(size_t max_pending = 64) : max_pending_(max_pending) {}
+  ~HintQueue() { Stop(); }
+  HintQueue(const HintQueue&) = delete;
+  HintQueue& operator=(const HintQueue&) = delete;
+
+  // False when the queue is full or stopped (the job is dropped).
+  bool Post(std::function<void()> job);
+  // Drops the jobs not started and waits for the running one; later Posts
+  // are refused.
+  void Stop();
+
+ private:
+  void Run();
+
+  size_t max_pending_;
+  std::mutex mu_;  // guards the fields below
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> jobs_;
+  bool stop_ = false;
+  std::thread thread_;  // not joinable until the first Post
+};
+
+}  // namespace ckptfs
