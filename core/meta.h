@@ -1,6 +1,6 @@
 // The checkpoint model every layer shares (vocabulary from ByteCheckpoint).
 //
-//   ShardMeta (fqn, box)          which part of which tensor
+//   ShardMeta (box)               which part of its tensor (the fqn is the tensor's)
 //   ByteMeta  (file, offset, len) where that part's bytes are
 //   BasicMeta (dtype, strides)    how to read them
 //
@@ -23,8 +23,8 @@ namespace ckptfs {
 // Index of a source file in its checkpoint's file table (Checkpoint::files).
 using FileId = uint32_t;
 
+// The tensor's fqn is TensorMeta::fqn, held once for all its chunks.
 struct ShardMeta {
-  std::string fqn;
   Box box;
 };
 

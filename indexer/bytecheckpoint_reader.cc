@@ -202,7 +202,7 @@ class ByteCheckpointReader : public FormatReader {
           TensorMeta& dst = Target(all, part, state_prefix + p.name + state_suffix, proto);
           for (const auto& [piece_box, first] : FlatRangeToBoxes(p.shape, lo - p.offset, hi - p.offset)) {
             Chunk c = *chunk;
-            c.shard = {dst.fqn, piece_box};
+            c.shard = {piece_box};
             c.basic.strides.clear();
             c.bytes.offset = chunk->bytes.offset + (p.offset + first - begin) * itemsize;
             c.bytes.length = piece_box.numel() * itemsize;
@@ -239,7 +239,7 @@ class ByteCheckpointReader : public FormatReader {
     if (skip > si.length || si.offset + si.length > files.at(id).size)
       return Status::Corruption(who + ": the item runs past the end of " + si.relative_path + " (truncated?)");
     Chunk c;
-    c.shard = {t.fqn, box};
+    c.shard = {box};
     c.basic = {t.dtype, NormalizeStrides(ref->shape, ref->strides)};
     c.bytes = {id, si.offset + skip, si.length - skip};
     return c;

@@ -220,7 +220,7 @@ void AddTensorChunk(const DirListing& dir, FileTable& files, const DcpPlan& plan
   auto id = files.Add(rel);
   if (!id.ok()) return AddProblem(out, who + ": " + id.status().message(), true);
   Chunk c;
-  c.shard = {fqn, box};
+  c.shard = {box};
   c.basic.dtype = t.dtype;
   c.bytes = {*id, si.offset, si.length};
   auto& fd = fds[rel];

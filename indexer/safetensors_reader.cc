@@ -104,7 +104,6 @@ void AddEntries(const std::string& rel, const std::string& name, FileId id, uint
                 const std::map<std::string, std::string>& weight_map, SafetensorsScan& scan, Checkpoint& out) {
   for (const SafetensorsEntry& e : header.entries) {
     Chunk c;
-    c.shard.fqn = e.name;
     c.shard.box.lengths = e.shape;
     c.shard.box.offsets.assign(e.shape.size(), 0);
     if (info) {

@@ -163,7 +163,6 @@ Result<TensorMeta> DecodeTensor(std::string_view fqn, std::string_view value) {
   t.chunks.resize(r.Count());
   for (Chunk& c : t.chunks) {
     uint8_t flags = r.U8();
-    c.shard.fqn = t.fqn;
     c.shard.box.offsets = r.Vec();
     c.shard.box.lengths = r.Vec();
     uint64_t file = r.Var();

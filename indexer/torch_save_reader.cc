@@ -90,7 +90,7 @@ class TorchSaveReader : public FormatReader {
         t.dtype = r.dtype;
         t.shape = r.shape;
         Chunk c;
-        c.shard = {fqn, Box::Whole(r.shape)};
+        c.shard = {Box::Whole(r.shape)};
         c.basic = {r.dtype, NormalizeStrides(r.shape, r.strides)};
         c.bytes = {*id, r.data_offset, r.storage_bytes_available};
         t.chunks.push_back(std::move(c));

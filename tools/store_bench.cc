@@ -69,7 +69,7 @@ Checkpoint Synthetic(uint64_t tensors, uint64_t chunks) {
     t->shape = {4 * chunks, 1024};
     for (uint64_t r = 0; r < chunks; ++r) {
       Chunk ch;
-      ch.shard = {t->fqn, Box{{4 * r, 0}, {4, 1024}}};
+      ch.shard = {Box{{4 * r, 0}, {4, 1024}}};
       ch.bytes = {FileId(r), 8 + i * 8192, 8192};
       ch.basic.dtype = t->dtype;
       t->chunks.push_back(std::move(ch));

@@ -75,7 +75,7 @@ Result<Checkpoint> BuildCommitRows(const std::string& abs_root, const WrittenChe
     std::sort(chunks.begin(), chunks.end(), [](auto* a, auto* b) { return a->offsets < b->offsets; });
     for (const WrittenChunk* c : chunks) {
       Chunk ch;
-      ch.shard = {wt.fqn, Box{c->offsets, c->sizes}};
+      ch.shard = {Box{c->offsets, c->sizes}};
       ASSIGN_OR_RETURN(ch.bytes.file, ids.Get(c->file));
       ch.bytes.offset = c->offset;
       ch.bytes.length = c->length;

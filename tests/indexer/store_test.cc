@@ -60,7 +60,6 @@ void ExpectSameCheckpoint(const Checkpoint& a, const Checkpoint& b) {
     ASSERT_EQ(s.chunks.size(), t.chunks.size()) << s.fqn;
     for (size_t k = 0; k < s.chunks.size(); ++k) {
       const Chunk &c = s.chunks[k], &d = t.chunks[k];
-      EXPECT_EQ(c.shard.fqn, d.shard.fqn);
       EXPECT_EQ(c.shard.box, d.shard.box);
       EXPECT_EQ(c.bytes.file, d.bytes.file);
       EXPECT_EQ(c.bytes.offset, d.bytes.offset);
@@ -82,7 +81,6 @@ std::shared_ptr<const TensorMeta> Tensor(const std::string& fqn, DType dtype, Sh
   t->shape = std::move(shape);
   t->path = std::move(path);
   for (Chunk& c : chunks) {
-    c.shard.fqn = fqn;
     c.basic.dtype = dtype;
   }
   t->chunks = std::move(chunks);
@@ -138,7 +136,6 @@ Checkpoint FullCheckpoint(const std::string& dir) {
   auto with_problem = std::make_shared<TensorMeta>(*c.tensors[0]);
   with_problem->fqn = "z.hole";
   with_problem->problem = "hole in [4:8]";
-  for (Chunk& ch : with_problem->chunks) ch.shard.fqn = "z.hole";
   c.tensors.push_back(with_problem);
   c.sidecars = {{"config.json", 3}};
   c.file_index = {{"model.embed", 1}, {"model.w", 2}};
