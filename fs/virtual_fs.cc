@@ -489,7 +489,7 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name) {
       if (S_ISLNK(st->st_mode)) return AttrOf(*SourceNode(rel, Node::Kind::kSourceLink));
     }
   }
-  EnsureViewsOf(*p);
+  Pin pin = EnsureViewsOf(*p);
   Touch(p->ckpt);
   uint64_t child = 0;
   {
@@ -504,17 +504,30 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name) {
   return AttrOf(*Find(child));
 }
 
-void VirtualFs::EnsureViewsOf(const Node& dir) {
-  if (dir.kind != Node::Kind::kSourceDir) return;
+VirtualFs::Pin::~Pin() {
+  if (served_) --served_->handles;
+}
+
+// Pinned (Served::handles), the checkpoint cannot be unloaded by another
+// thread between being loaded here and the caller reading its views.
+VirtualFs::Pin VirtualFs::EnsureViewsOf(const Node& dir) {
+  if (dir.kind != Node::Kind::kSourceDir) return Pin(nullptr);
   int i;
+  Served* s;
+  bool attached;
   {
     std::shared_lock lock(mu_);
     i = HostedBy(dir.rel);
-    if (i < 0 || dir.ckpt == i) return;
+    if (i < 0) return Pin(nullptr);
+    s = served_[i].get();
+    ++s->handles;
+    attached = dir.ckpt == i;
   }
+  Pin pin(s);
   // A checkpoint that cannot be loaded shows no views (logged once); its
   // source files stay readable.
-  (void)EnsureLoaded(i);
+  if (!attached) (void)EnsureLoaded(i);
+  return pin;
 }
 
 FsResult<Attr> VirtualFs::GetAttr(uint64_t ino) {
@@ -535,7 +548,7 @@ FsResult<std::vector<DirEntry>> VirtualFs::ReadDir(uint64_t ino) {
       if (a.ok()) out.push_back({name, *a});  // skips sockets, dangling links
     }
   }
-  EnsureViewsOf(*p);
+  Pin pin = EnsureViewsOf(*p);
   std::map<std::string, uint64_t> children;
   {
     std::shared_lock lock(mu_);

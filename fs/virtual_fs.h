@@ -34,6 +34,7 @@
 #include <shared_mutex>
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "core/layout.h"
@@ -177,8 +178,21 @@ class VirtualFs {
     std::atomic<bool> removed{false};  // replaced or deleted: no new lookups
     std::atomic<bool> resident{false}; // loaded with its views attached
     std::atomic<bool> evicted{false};  // unloaded: rows freed (set under mu_)
-    std::atomic<int> handles{0};       // open virtual files; changed under mu_ (shared)
+    std::atomic<int> handles{0};       // open virtual files and pins; raised under mu_ (shared)
     std::atomic<uint64_t> last_used{0};
+  };
+  // Keeps a checkpoint from being unloaded while a lookup uses its views.
+  class Pin {
+   public:
+    explicit Pin(Served* s) : served_(s) {}
+    Pin(Pin&& o) noexcept : served_(std::exchange(o.served_, nullptr)) {}
+    Pin(const Pin&) = delete;
+    Pin& operator=(const Pin&) = delete;
+    Pin& operator=(Pin&&) = delete;
+    ~Pin();
+
+   private:
+    Served* served_;
   };
   VirtualFs(FsOptions options, SourceTree tree, CheckpointLoader loader);
   // A replaced checkpoint's directory and the names of its views in it,
@@ -192,8 +206,9 @@ class VirtualFs {
   // Loads checkpoint `i` and attaches its views to its directory, once.
   Status EnsureLoaded(int i);
   Status BuildViews(int i, Node* dir);
-  // For a source directory hosting a checkpoint: its views, loaded now if not yet.
-  void EnsureViewsOf(const Node& dir);
+  // For a source directory hosting a checkpoint: its views, loaded now if
+  // not yet, and kept loaded while the returned pin lives.
+  Pin EnsureViewsOf(const Node& dir);
   void Touch(int i) const;
   // Unloads least recently used checkpoints (never `keep`, never one with an
   // open file) until at most max_loaded are loaded.

@@ -6,8 +6,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "core/safetensors.h"
 #include "indexer/scan.h"
@@ -141,6 +143,114 @@ TEST_F(VirtualFsTest, SourceModifiedAfterIndexingReadsAsEIO) {
   EXPECT_NE(n.status().message().find("run `ckptfs index` again"), std::string::npos);
   ASSERT_FALSE(log_.empty());
   EXPECT_NE(log_.back().find("model/consolidated/model.safetensors"), std::string::npos) << log_.back();
+}
+
+// --max-loaded under concurrency: four checkpoints, one kept loaded, eight
+// threads reading all of them. Every read must return that checkpoint's
+// bytes (step s holds 10 * s + 0..7); an open may meet an unloaded
+// generation (ESTALE, which the kernel retries with a fresh lookup), a read
+// of an open file never fails.
+class EvictionTest : public ::testing::Test {
+ protected:
+  static constexpr int kSteps = 4;
+  void SetUp() override {
+    dir_ = fs::path(::testing::TempDir()) / ("vfs_evict_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    std::vector<std::string> dirs;
+    for (int s = 0; s < kSteps; ++s) {
+      const std::string rel = "step_" + std::to_string(s);
+      fs::create_directories(dir_ / rel);
+      for (int r = 0; r < 2; ++r) {
+        std::string meta = R"({"w": {"saved_offsets": [)" + std::to_string(2 * r) + R"(, 0]}})";
+        std::string out = *EncodeSafetensorsHeader({{"w", DType::kU8, {2, 2}, 0, 4}}, {{"DCP_SHARDING_INFO", meta}});
+        for (int i = 0; i < 4; ++i) out.push_back(char(10 * s + 4 * r + i));
+        std::ofstream(dir_ / rel / ("shard-0000" + std::to_string(r + 1) + "-model-00001-of-00001.safetensors"),
+                      std::ios::binary)
+            << out;
+      }
+      dirs.push_back(rel);
+    }
+    FsOptions o;
+    o.max_loaded = 1;
+    o.info = [this](const std::string& line) {
+      if (line.find(": loaded") != std::string::npos) ++loads_;
+    };
+    const std::string root = dir_.string();
+    auto v = VirtualFs::Open(root, dirs, [root](const std::string& rel) -> Result<Checkpoint> {
+      ASSIGN_OR_RETURN(auto ck, ScanCheckpointDir(root, rel));
+      if (!ck) return Status::NotFound(rel);
+      return std::move(*ck);
+    }, o);
+    ASSERT_TRUE(v.ok()) << v.status().message();
+    vfs_ = std::move(*v);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  // The tensor bytes of step `s`'s consolidated file, retrying an open that
+  // met an unloaded generation; "" and a failure when anything else fails.
+  std::string TensorBytes(int s) {
+    const std::string path = "step_" + std::to_string(s) + "/consolidated/model.safetensors";
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      auto a = vfs_->Resolve(path);
+      if (!a.ok()) {
+        ADD_FAILURE() << path << ": " << a.status().message();
+        return "";
+      }
+      auto h = vfs_->Open(a->ino, O_RDONLY);
+      if (!h.ok() && h.status().err() == ESTALE) continue;
+      if (!h.ok()) {
+        ADD_FAILURE() << path << ": " << h.status().message();
+        return "";
+      }
+      std::string out(a->size, '\0');
+      auto n = vfs_->Read(*h, out.data(), out.size(), 0);
+      vfs_->Release(*h);
+      if (!n.ok() || *n != out.size()) {
+        ADD_FAILURE() << path << ": read failed";
+        return "";
+      }
+      return out.substr(out.size() - 8);
+    }
+    ADD_FAILURE() << path << ": ESTALE 100 times in a row";
+    return "";
+  }
+
+  fs::path dir_;
+  std::unique_ptr<VirtualFs> vfs_;
+  std::atomic<int> loads_{0};
+};
+
+TEST_F(EvictionTest, ConcurrentReadersAlwaysGetTheirCheckpointsBytes) {
+  std::vector<std::thread> threads;
+  std::atomic<int> wrong{0};
+  for (int t = 0; t < 8; ++t)
+    threads.emplace_back([&, t] {
+      for (int k = 0; k < 300; ++k) {
+        const int s = (t + k) % kSteps;
+        std::string want;
+        for (int i = 0; i < 8; ++i) want.push_back(char(10 * s + i));
+        if (TensorBytes(s) != want) ++wrong;
+      }
+    });
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_GT(loads_.load(), kSteps) << "checkpoints were never unloaded and loaded again";
+}
+
+TEST_F(EvictionTest, AnOpenFileKeepsItsCheckpointLoaded) {
+  auto a = vfs_->Resolve("step_0/consolidated/model.safetensors");
+  ASSERT_TRUE(a.ok());
+  auto h = vfs_->Open(a->ino, O_RDONLY);
+  ASSERT_TRUE(h.ok());
+  for (int s = 1; s < kSteps; ++s) EXPECT_EQ(TensorBytes(s).size(), 8u);
+  std::string out(a->size, '\0');
+  auto n = vfs_->Read(*h, out.data(), out.size(), 0);  // its rows were not freed
+  ASSERT_TRUE(n.ok()) << n.status().message();
+  EXPECT_EQ(out.substr(out.size() - 8), std::string("\0\1\2\3\4\5\6\7", 8));
+  vfs_->Release(*h);
+  const int before = loads_.load();
+  EXPECT_EQ(TensorBytes(0), std::string("\0\1\2\3\4\5\6\7", 8));
+  EXPECT_EQ(loads_.load(), before) << "step_0 was unloaded while its file was open";
 }
 
 }  // namespace
