@@ -431,6 +431,9 @@ void StartWatcher(VirtualFs* fs, const MountOptions& options, Watching* watching
     if (!s.ok() && options.log) options.log("watch: " + s.message());
   };
   log(watching->watcher->Start());
+  // The root itself from the start: in an empty training root the first
+  // step would otherwise wait for the periodic rescan's walk.
+  if (live) log(watching->watcher->Watch(fs->root()));
   for (const std::string& dir : fs->SourceDirs()) log(watching->watcher->Watch(dir));
 }
 

@@ -13,7 +13,8 @@ DCP_SHARDING_INFO, PER_FILE tensors per file. Then reports:
   size, List + Load of a synthetic checkpoint of the same shape;
 - `ckptfs mount -f` of the indexed root: time until the mountpoint answers,
   the first `ls` of the checkpoint (its rows loaded, views built), `ls` of
-  its consolidated/ and tensors/, and the daemon's RSS before and after;
+  its consolidated/ and tensors/, the first consolidated/ header read and
+  every header read, and the daemon's RSS along the way;
 - with --v1-bin (a ckptfs of schema 1): its `ckptfs index` time and index size
   on the same root, for comparison.
 
@@ -97,6 +98,13 @@ def timed(fn) -> float:
     return round(time.monotonic() - t0, 3)
 
 
+def read_header(path: str) -> int:
+    """Reads a safetensors file's 8-byte length and JSON header; its length."""
+    with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        return len(f.read(n))
+
+
 def bench_mount(binary: str, root: str, index: str, mnt: str) -> dict:
     """The already indexed root mounted in the foreground (our child, so its
     pid is known): mount until answering, then the first listings."""
@@ -117,6 +125,12 @@ def bench_mount(binary: str, root: str, index: str, mnt: str) -> dict:
         out["ls_consolidated_s"] = timed(lambda: os.listdir(os.path.join(ckpt, "consolidated")))
         out["ls_tensors_s"] = timed(lambda: os.listdir(os.path.join(ckpt, "tensors")))
         out["rss_loaded_mib"] = round(rss_mib(proc.pid, "VmRSS"), 1)
+        cons = os.path.join(ckpt, "consolidated")
+        weights = sorted(os.path.join(cons, f) for f in os.listdir(cons) if f.endswith(".safetensors"))
+        out["consolidated_files"] = len(weights)
+        out["first_header_read_s"] = timed(lambda: read_header(weights[0]))
+        out["all_headers_read_s"] = timed(lambda: [read_header(w) for w in weights])
+        out["rss_after_headers_mib"] = round(rss_mib(proc.pid, "VmRSS"), 1)
         out["peak_rss_mib"] = round(rss_mib(proc.pid, "VmHWM"), 1)
         return out
     finally:

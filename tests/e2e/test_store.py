@@ -337,3 +337,17 @@ def test_background_mount_with_a_relative_index_path(tmp_path):
     finally:
         subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
     assert (tmp_path / "rel-index" / "CKPTFS_STORE").exists()
+
+
+def test_first_step_in_an_empty_root_is_seen_by_inotify_alone(tmp_path):
+    # --rescan-ms 0: no periodic walk, so only a watch on the root itself
+    # can notice the first step of an empty training root.
+    root = tmp_path / "run"
+    root.mkdir()
+    with Mounted(root, "--rescan-ms", "0", base_dir=tmp_path, index_dir=tmp_path / "idx") as m:
+        make_checkpoint(root / "step_001", 1, 2)
+        deadline = time.time() + 10
+        while time.time() < deadline and not os.path.isdir(m.p("step_001", "tensors")):
+            time.sleep(0.02)
+        assert os.path.isdir(m.p("step_001", "tensors")), "the first step never appeared\n" + m.log()
+        assert np.array_equal(np.load(npy_file(m.path, 1, 1)), full_tensor(1, 1))
