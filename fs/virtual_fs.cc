@@ -616,7 +616,7 @@ FsResult<size_t> VirtualFs::Read(uint64_t handle, char* buf, size_t size, uint64
   if (!n.problem.empty()) return fail(FsError(EIO, n.problem));
   auto plan = Plan(*n.layout, offset, size);
   if (!plan.ok()) return fail(FsError::From(plan.status()));
-  SourceReader* reader = ServedAt(n.ckpt)->reader.get();
+  SourceReader* reader = h->served->reader.get();  // kept loaded by the open handle
   Status st = reader->Execute(*plan, buf);
   if (!st.ok()) {
     if (st.code() == Status::Code::kStale) InvalidateCheckpoint(n.ckpt);

@@ -91,6 +91,99 @@ Result<FlatTables> ReadFlatTables(const PickleValue* user, const std::string& re
   return out;
 }
 
+// The chunk an item describes: raw storage bytes, placed by the item's
+// pickled tensor description.
+Result<Chunk> ItemChunk(const StorageInfo& si, const std::string& meta, const std::string& sub,
+                               const TensorMeta& t, const Box& box, FileTable& files, const std::string& who) {
+  if (!si.transforms.empty()) return Status::NotSupported(who + ": transformed ByteCheckpoint items are not supported");
+  ASSIGN_OR_RETURN(FileId id, files.Add(JoinPath(sub, si.relative_path)));
+  auto doc = Unpickle(meta);
+  if (!doc.ok()) return doc.status().WithContext(who);
+  ASSIGN_OR_RETURN(std::optional<TorchTensorRef> ref, MatchTorchTensor((*doc)->root()));
+  if (!ref) return Status::Corruption(who + ": its tensor metadata is not a tensor description");
+  if (ref->dtype != t.dtype || ref->shape != box.lengths)
+    return Status::Corruption(who + ": the item is " + std::string(DTypeName(ref->dtype)) + ShapeToString(ref->shape) +
+                              ", the metadata says " + std::string(DTypeName(t.dtype)) + ShapeToString(box.lengths));
+  const uint64_t skip = ref->storage_offset * (DTypeBits(t.dtype) / 8);
+  if (skip > si.length || si.offset + si.length > files.at(id).size)
+    return Status::Corruption(who + ": the item runs past the end of " + si.relative_path + " (truncated?)");
+  Chunk c;
+  c.shard = {box};
+  c.basic = {t.dtype, NormalizeStrides(ref->shape, ref->strides)};
+  c.bytes = {id, si.offset + skip, si.length - skip};
+  return c;
+}
+
+// The output tensor `part.name`, created like `proto` on first use.
+TensorMeta& Target(std::map<std::string, TensorMeta>& all, const std::string& part, const std::string& name,
+                          const TensorMeta& proto) {
+  const std::string fqn = part + "." + name;
+  TensorMeta& t = all[fqn];
+  if (t.fqn.empty()) {
+    t.fqn = fqn;
+    t.dtype = proto.dtype;
+    t.shape = proto.shape;
+    t.path = {part, name};
+  }
+  return t;
+}
+
+// The pieces a declared tensor splits into: a flat parameter's own, or, for
+// its optimizer state `state.<flat>.<suffix>` (1-D), the same pieces named
+// `state.<piece>.<suffix>`. Null when it is not flat.
+const std::vector<FlatPiece>* FlatPiecesOf(const std::string& fqn, const TensorMeta& t, const FlatTables& flat,
+                                           std::string* prefix, std::string* suffix) {
+  if (auto it = flat.find(fqn); it != flat.end()) return &it->second;
+  if (!fqn.starts_with("state.") || t.shape.size() != 1) return nullptr;
+  const std::vector<FlatPiece>* pieces = nullptr;
+  for (const auto& [f, p] : flat)
+    if (fqn.size() > 6 + f.size() + 1 && fqn.compare(6, f.size(), f) == 0 && fqn[6 + f.size()] == '.') {
+      pieces = &p;
+      *prefix = "state.";
+      *suffix = fqn.substr(6 + f.size());
+    }
+  return pieces;
+}
+
+// Cuts `chunk` (flat range box.offsets[0] + [0, box.lengths[0]) of a flat
+// tensor of `dtype`) along `pieces` into chunks of the pieces' tensors.
+void AddFlatPieces(const Chunk& chunk, const Box& box, DType dtype, const std::vector<FlatPiece>& pieces,
+                   const std::string& part, const std::string& prefix, const std::string& suffix,
+                   std::map<std::string, TensorMeta>& all) {
+  const uint64_t begin = box.offsets[0], end = begin + box.lengths[0];
+  const uint64_t itemsize = DTypeBits(dtype) / 8;
+  for (const FlatPiece& p : pieces) {
+    const uint64_t pn = Box::Whole(p.shape).numel();
+    const uint64_t lo = std::max(begin, p.offset), hi = std::min(end, p.offset + pn);
+    if (lo >= hi) continue;
+    TensorMeta proto;
+    proto.dtype = dtype;
+    proto.shape = p.shape;
+    TensorMeta& dst = Target(all, part, prefix + p.name + suffix, proto);
+    for (const auto& [piece_box, first] : FlatRangeToBoxes(p.shape, lo - p.offset, hi - p.offset)) {
+      Chunk c = chunk;
+      c.shard = {piece_box};
+      c.basic.strides.clear();
+      c.bytes.offset = chunk.bytes.offset + (p.offset + first - begin) * itemsize;
+      c.bytes.length = piece_box.numel() * itemsize;
+      dst.chunks.push_back(std::move(c));
+    }
+  }
+}
+
+// The non-tensor items of one part, served under `bytes/`.
+void AddByteItems(const std::string& part, const std::string& sub, const std::map<std::string, StorageInfo>& items,
+                  FileTable& files, Checkpoint& out) {
+  for (const auto& [key, si] : items) {
+    auto id = files.Add(JoinPath(sub, si.relative_path));
+    if (!id.ok() || si.offset + si.length > files.at(*id).size) {
+      AddProblem(out, part + ": item '" + key + "' cannot be served (missing or truncated file)", false);
+      continue;
+    }
+    out.byte_items[part + "." + key] = {*id, si.offset, si.length};
+  }
+}
+
 class ByteCheckpointReader : public FormatReader {
  public:
   std::string name() const override { return "bytecheckpoint"; }
@@ -154,23 +247,10 @@ class ByteCheckpointReader : public FormatReader {
     if (part == "model") {
       ASSIGN_OR_RETURN(flat, ReadFlatTables(Field(root, "user_defined_dict"), rel));
     }
-
     for (auto& [fqn, boxes] : declared) {
       const TensorMeta& t = tensors[fqn];
-      // A flat parameter (model) or its optimizer state: split into pieces.
-      const std::vector<FlatPiece>* pieces = nullptr;
-      std::string state_prefix, state_suffix;
-      if (auto it = flat.find(fqn); it != flat.end()) {
-        pieces = &it->second;
-      } else if (fqn.starts_with("state.")) {
-        for (const auto& [f, p] : flat)
-          if (fqn.size() > 6 + f.size() + 1 && fqn.compare(6, f.size(), f) == 0 && fqn[6 + f.size()] == '.' &&
-              t.shape.size() == 1) {
-            pieces = &p;
-            state_prefix = "state.";
-            state_suffix = fqn.substr(6 + f.size());
-          }
-      }
+      std::string prefix, suffix;
+      const std::vector<FlatPiece>* pieces = FlatPiecesOf(fqn, t, flat, &prefix, &suffix);
       for (const Box& box : boxes) {
         const std::string who = part + ": tensor '" + fqn + "' chunk " + ToString(box);
         auto si = storage.find({fqn, box.offsets});
@@ -180,83 +260,13 @@ class ByteCheckpointReader : public FormatReader {
           continue;
         }
         auto chunk = ItemChunk(si->second, tm->second, sub, t, box, files, who);
-        if (!chunk.ok()) {
-          AddProblem(out, chunk.status().message(), false);
-          continue;
-        }
-        if (!pieces) {
-          TensorMeta& dst = Target(all, part, fqn, t);
-          dst.chunks.push_back(std::move(*chunk));
-          continue;
-        }
-        // Flat range [begin, end) of this chunk, cut along the pieces.
-        const uint64_t begin = box.offsets[0], end = begin + box.lengths[0];
-        const uint64_t itemsize = DTypeBits(t.dtype) / 8;
-        for (const FlatPiece& p : *pieces) {
-          const uint64_t pn = Box::Whole(p.shape).numel();
-          const uint64_t lo = std::max(begin, p.offset), hi = std::min(end, p.offset + pn);
-          if (lo >= hi) continue;
-          TensorMeta proto;
-          proto.dtype = t.dtype;
-          proto.shape = p.shape;
-          TensorMeta& dst = Target(all, part, state_prefix + p.name + state_suffix, proto);
-          for (const auto& [piece_box, first] : FlatRangeToBoxes(p.shape, lo - p.offset, hi - p.offset)) {
-            Chunk c = *chunk;
-            c.shard = {piece_box};
-            c.basic.strides.clear();
-            c.bytes.offset = chunk->bytes.offset + (p.offset + first - begin) * itemsize;
-            c.bytes.length = piece_box.numel() * itemsize;
-            dst.chunks.push_back(std::move(c));
-          }
-        }
+        if (!chunk.ok()) AddProblem(out, chunk.status().message(), false);
+        else if (pieces) AddFlatPieces(*chunk, box, t.dtype, *pieces, part, prefix, suffix, all);
+        else Target(all, part, fqn, t).chunks.push_back(std::move(*chunk));
       }
     }
-    for (const auto& [key, si] : byte_storage) {
-      auto id = files.Add(JoinPath(sub, si.relative_path));
-      if (!id.ok() || si.offset + si.length > files.at(*id).size) {
-        AddProblem(out, part + ": item '" + key + "' cannot be served (missing or truncated file)", false);
-        continue;
-      }
-      out.byte_items[part + "." + key] = {*id, si.offset, si.length};
-    }
+    AddByteItems(part, sub, byte_storage, files, out);
     return Status::OK();
-  }
-
-  // The chunk an item describes: raw storage bytes, placed by the item's
-  // pickled tensor description.
-  static Result<Chunk> ItemChunk(const StorageInfo& si, const std::string& meta, const std::string& sub,
-                                 const TensorMeta& t, const Box& box, FileTable& files, const std::string& who) {
-    if (!si.transforms.empty()) return Status::NotSupported(who + ": transformed ByteCheckpoint items are not supported");
-    ASSIGN_OR_RETURN(FileId id, files.Add(JoinPath(sub, si.relative_path)));
-    auto doc = Unpickle(meta);
-    if (!doc.ok()) return doc.status().WithContext(who);
-    ASSIGN_OR_RETURN(std::optional<TorchTensorRef> ref, MatchTorchTensor((*doc)->root()));
-    if (!ref) return Status::Corruption(who + ": its tensor metadata is not a tensor description");
-    if (ref->dtype != t.dtype || ref->shape != box.lengths)
-      return Status::Corruption(who + ": the item is " + std::string(DTypeName(ref->dtype)) + ShapeToString(ref->shape) +
-                                ", the metadata says " + std::string(DTypeName(t.dtype)) + ShapeToString(box.lengths));
-    const uint64_t skip = ref->storage_offset * (DTypeBits(t.dtype) / 8);
-    if (skip > si.length || si.offset + si.length > files.at(id).size)
-      return Status::Corruption(who + ": the item runs past the end of " + si.relative_path + " (truncated?)");
-    Chunk c;
-    c.shard = {box};
-    c.basic = {t.dtype, NormalizeStrides(ref->shape, ref->strides)};
-    c.bytes = {id, si.offset + skip, si.length - skip};
-    return c;
-  }
-
-  // The output tensor `part.name`, created like `proto` on first use.
-  static TensorMeta& Target(std::map<std::string, TensorMeta>& all, const std::string& part, const std::string& name,
-                            const TensorMeta& proto) {
-    const std::string fqn = part + "." + name;
-    TensorMeta& t = all[fqn];
-    if (t.fqn.empty()) {
-      t.fqn = fqn;
-      t.dtype = proto.dtype;
-      t.shape = proto.shape;
-      t.path = {part, name};
-    }
-    return t;
   }
 };
 

@@ -170,6 +170,18 @@ std::vector<std::string> RemoveStaleTemps(const std::string& index_path) {
   return removed;
 }
 
+// Positions `it` at the commit record of `dir` and decodes it; NotFound
+// when the checkpoint has none.
+Result<CheckpointEntry> SeekCommitRecord(rocksdb::Iterator& it, const std::string& dir, const std::string& path) {
+  const std::string key = rows::CommitKey(dir);
+  it.Seek(key);
+  if (!it.Valid() || it.key() != key) {
+    RETURN_IF_ERROR(FromRocks(it.status(), "read index " + path));
+    return Status::NotFound("checkpoint '" + dir + "' is not in index " + path);
+  }
+  return rows::DecodeCommitRecord(key, it.value().ToStringView());
+}
+
 }  // namespace
 
 std::string DefaultIndexPath(const std::string& abs_root) {
@@ -347,13 +359,7 @@ Result<Checkpoint> Store::Load(const std::string& dir) const {
   std::shared_lock lock(mu_);
   // One iterator reads the commit record and the rows from one snapshot.
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
-  const std::string key = rows::CommitKey(dir);
-  it->Seek(key);
-  if (!it->Valid() || it->key() != key) {
-    RETURN_IF_ERROR(FromRocks(it->status(), "read index " + path_));
-    return Status::NotFound("checkpoint '" + dir + "' is not in index " + path_);
-  }
-  ASSIGN_OR_RETURN(CheckpointEntry entry, rows::DecodeCommitRecord(key, it->value().ToStringView()));
+  ASSIGN_OR_RETURN(CheckpointEntry entry, SeekCommitRecord(*it, dir, path_));
   rows::CheckpointDecoder decoder(entry, /*strict=*/false);
   const std::string end = rows::DataEnd(dir);
   for (it->Seek(rows::DataBegin(dir)); it->Valid() && it->key().compare(end) < 0; it->Next())
@@ -367,13 +373,7 @@ Result<Checkpoint> Store::Load(const std::string& dir) const {
 Result<std::vector<SourceFile>> Store::LoadFiles(const std::string& dir) const {
   std::shared_lock lock(mu_);
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
-  const std::string key = rows::CommitKey(dir);
-  it->Seek(key);
-  if (!it->Valid() || it->key() != key) {
-    RETURN_IF_ERROR(FromRocks(it->status(), "read index " + path_));
-    return Status::NotFound("checkpoint '" + dir + "' is not in index " + path_);
-  }
-  ASSIGN_OR_RETURN(CheckpointEntry entry, rows::DecodeCommitRecord(key, it->value().ToStringView()));
+  ASSIGN_OR_RETURN(CheckpointEntry entry, SeekCommitRecord(*it, dir, path_));
   rows::CheckpointDecoder decoder(entry, /*strict=*/false);
   const std::string prefix = rows::FilesPrefix(dir);
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next())
