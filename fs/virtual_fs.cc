@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/planner.h"
+#include "indexer/checksums.h"
 
 namespace ckptfs {
 
@@ -215,6 +216,7 @@ Status VirtualFs::EnsureLoaded(int i) {
     }
     s->ckpt = std::move(*ckpt);
     s->reader = std::make_unique<SourceReader>(tree_.root(), &s->ckpt.files, GroupPolicy{}, 1ull << 30, options_.read);
+    if (options_.verify_checksums) s->reader->SetChecksumGate(std::make_unique<ChecksumGate>(s->ckpt));
     s->access = AccessOf(tree_, s->ckpt);
     RETURN_IF_ERROR(BuildViews(i, SourceNode(s->dir, Node::Kind::kSourceDir)));
     s->resident = true;

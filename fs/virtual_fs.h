@@ -69,6 +69,9 @@ struct FsOptions {
   std::function<void(uint64_t ino)> invalidate;
   // Read-ahead and overlapped source reads (indexer/source_reader.h).
   ReadOptions read;
+  // Check each chunk's recorded CRC32C on its first read; a mismatch is EIO
+  // for the reads touching that chunk (ChecksumGate, indexer/checksums.h).
+  bool verify_checksums = false;
 };
 
 struct Attr {
@@ -134,6 +137,7 @@ class VirtualFs {
   // Replaces FsOptions::read for checkpoints loaded from now on; call
   // before serving.
   void set_read_options(ReadOptions read) { options_.read = read; }
+  void set_verify_checksums(bool on) { options_.verify_checksums = on; }
   // Likewise for the kernel's cached name `name` in directory `parent`.
   void set_invalidate_entry(std::function<void(uint64_t, const std::string&)> f) {
     invalidate_entry_ = std::move(f);

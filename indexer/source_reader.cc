@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "core/convert.h"
+#include "indexer/checksums.h"
 #include "indexer/file_table.h"
 #include "indexer/posix_io.h"
 #include "indexer/transform.h"
@@ -200,7 +201,21 @@ void SourceReader::ReadAhead(ReadStream& stream, const std::shared_ptr<const Lay
   });
 }
 
+void SourceReader::SetChecksumGate(std::unique_ptr<ChecksumGate> gate) { gate_ = std::move(gate); }
+
 Status SourceReader::Execute(const ReadPlan& plan, char* dst) {
+  if (gate_) {
+    RETURN_IF_ERROR(gate_->Check(plan.copies, [this](FileId file, uint64_t offset, uint64_t length, char* out) {
+      ReadPlan whole;
+      whole.length = length;
+      whole.copies.push_back({file, offset, 0, length});
+      return ExecuteUngated(whole, out);
+    }));
+  }
+  return ExecuteUngated(plan, dst);
+}
+
+Status SourceReader::ExecuteUngated(const ReadPlan& plan, char* dst) {
   for (const LiteralOp& l : plan.literals) std::memcpy(dst + l.dst_offset, l.data, l.length);
   if (plan.copies.empty()) return Status::OK();
   std::vector<SourceRead> reads = GroupReads(plan.copies, policy_);

@@ -45,6 +45,8 @@ struct ReadOptions {
 
 // Derived sources (decoded transformed items) are decoded on first read and
 // kept in an LRU cache bounded by `decoded_cache_bytes`.
+class ChecksumGate;
+
 class SourceReader {
  public:
   // `root` is the absolute source root; `files` (a checkpoint's file table)
@@ -57,6 +59,11 @@ class SourceReader {
 
   // Fills dst[0, plan.length) as the plan says. Thread-safe.
   Status Execute(const ReadPlan& plan, char* dst);
+
+  // From now on every Execute first passes its source ranges through
+  // `gate` (verify-on-first-read of recorded checksums; indexer/checksums.h).
+  // Call before the reader is shared between threads.
+  void SetChecksumGate(std::unique_ptr<ChecksumGate> gate);
 
   // Call after serving [offset, offset + length) of the virtual file laid
   // out by `layout` to the reader whose requests `stream` follows: when they
@@ -76,6 +83,7 @@ class SourceReader {
   Status Recheck();
 
  private:
+  Status ExecuteUngated(const ReadPlan& plan, char* dst);
   Result<int> Fd(FileId id);
   // Compares the file's identity now (descriptor and path) with the indexed one.
   Status CheckUnchanged(FileId id, int fd);
@@ -104,6 +112,7 @@ class SourceReader {
   uint64_t cached_bytes_ = 0;
 
   ReadOptions read_;
+  std::unique_ptr<ChecksumGate> gate_;
   HintQueue hints_;  // stopped first by the destructor: its jobs use the fds
 };
 

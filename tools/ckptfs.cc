@@ -68,7 +68,7 @@ void AddCommon(CLI::App* cmd, Common& c, bool view_flags) {
 struct Flags {
   Common c;
   bool quiet = false, foreground = false, debug = false, allow_other = false, allow_non_empty = false;
-  bool no_watch = false, json = false, dump = false;
+  bool no_watch = false, json = false, dump = false, verify_checksums = false;
   unsigned threads = 16;
   unsigned readahead_mib = 32;
   unsigned rescan_ms = 2000;
@@ -109,6 +109,9 @@ void AddIndexAndMount(CLI::App& app, Flags& f, Commands& cmd) {
   m->add_option("--readahead-mib", f.readahead_mib,
                 "Source MiB read ahead of each sequential reader of a virtual file; 0 = off (default 32)")
       ->check(CLI::Range(0u, 4096u));
+  m->add_flag("--verify-checksums", f.verify_checksums,
+              "Check each chunk's recorded CRC32C (checkpoints saved by ckptfs's writer) on its first read: a chunk "
+              "that differs answers EIO, the rest keep serving. The first read of a chunk reads all of it");
   m->add_option("--log-file", f.log_file,
                 "Append log lines here (default: stderr with -f, else <index>.log next to the index)");
   m->add_option("--log-level", f.log_level, "error, warn, info (default) or debug")
@@ -202,6 +205,7 @@ int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::f
   ReadOptions read;
   read.readahead_bytes = uint64_t(f.readahead_mib) << 20;
   fs->set_read_options(read);
+  fs->set_verify_checksums(f.verify_checksums);
   out->Write(LogLevel::kInfo, "mounting " + AbsRoot(f.c.root) + " at " + mountpoint + " (index " + IndexPath(f.c) + ")");
   MountOptions mo;
   mo.debug = f.debug;

@@ -10,6 +10,7 @@ with FileSystemReader, Python's zipfile, and a CRC32C written in the test.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import os
@@ -184,3 +185,45 @@ def test_verify_rereads_every_chunk_against_its_crc32c(saved, tmp_path):
     assert report["problems"] == []
     assert report["checksummed_chunks"] == len(items), (report, len(items))
     assert report["checksummed_bytes"] == nbytes
+
+
+@pytest.fixture(scope="module")
+def rotten(tmp_path_factory) -> dict:
+    """A save whose chunk of tp.row_i64 on rank 1 (rows 3..4) has one byte
+    flipped on disk before the commit (writer_gen's ``flip``)."""
+    base = tmp_path_factory.mktemp("writer_rotten")
+    job = {"kind": "save", "seed": 5, "dir": str(base / "step_5"), "oracle": str(base / "oracle.pt"),
+           "rows": str(base / "rows.json"), "flip": ["tp.row_i64", [3, 0]]}
+    spawn_ranks(GEN, 2, job, name="writer save (flipped byte)")
+    return {**job, "root": str(base), "oracle": torch.load(job["oracle"], weights_only=False)}
+
+
+def test_verify_names_the_flipped_chunk(rotten, tmp_path):
+    from harness import run_ckptfs
+    p = run_ckptfs("verify", rotten["dir"], "--json", index_dir=str(tmp_path / "idx"), text_stdout=True)
+    assert p.returncode != 0, p.stdout
+    problems = json.loads(p.stdout)["problems"]
+    assert len(problems) == 1, problems
+    assert "tp.row_i64" in problems[0] and "__1_0.distcp" in problems[0] and "CRC32C" in problems[0], problems
+
+
+def test_verify_checksums_mount_fails_only_the_flipped_chunk(rotten, tmp_path):
+    from harness import Mounted
+    oracle = rotten["oracle"]
+    with Mounted(rotten["dir"], index_dir=str(tmp_path / "plain"), base_dir=str(tmp_path)) as m:
+        served = np.load(m.p("tensors", "tp.row_i64.npy"))
+    # Without the flag the flipped bytes are served: one element differs,
+    # in the rows rank 1 saved.
+    diff = np.argwhere(served != oracle["tp.row_i64"].numpy())
+    assert len(diff) == 1 and diff[0][0] >= 3, diff
+    with Mounted(rotten["dir"], "--verify-checksums", index_dir=str(tmp_path / "verified"),
+                 base_dir=str(tmp_path)) as m:
+        with pytest.raises(OSError) as err:
+            np.load(m.p("tensors", "tp.row_i64.npy"))
+        assert err.value.errno == errno.EIO
+        assert "tp.row_i64" in m.log() and "CRC32C" in m.log(), m.log()
+        # Every other tensor, rank 1's chunks in the same file included, is served.
+        for name in ("tp.row_bf16", "tp.col_f32", "tp.col_i32", "tp.one_row"):
+            got = np.load(m.p("tensors", f"{name}.npy"))
+            assert np.array_equal(got, oracle[name].float().numpy() if name.endswith("bf16")
+                                  else oracle[name].numpy()), name

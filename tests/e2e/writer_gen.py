@@ -12,7 +12,12 @@ Jobs (``spawn_ranks(__file__, world, job)``; ``job["kind"]``):
   ``dcp.async_save`` (``job["mode"]``). For async_save every tensor is
   overwritten in place as soon as async_save returns (staging is done),
   before waiting for the save: the checkpoint must still hold the oracle.
-  Rank 0 writes the commit rows to ``job["rows"]`` (JSON).
+  Rank 0 writes the commit rows to ``job["rows"]`` (JSON). With
+  ``job["flip"] = [fqn, offsets]`` the coordinator flips one byte in the
+  middle of that chunk's stored bytes after every rank wrote its file and
+  before it commits (``_FlippingWriter``): bytes on disk that are not the
+  bytes checksummed, under the file identity the commit records -- what
+  corruption on the way to disk looks like to a reader.
 - ``load``: stock ``dcp.load`` (FileSystemReader) into a new layout: every
   tensor a DTensor on the other dim than it was saved on (Shard(1) for
   Shard(0) and the reverse, Shard(0) for 1-d), non-tensors as placeholders;
@@ -83,9 +88,30 @@ def flat_full(sd: dict) -> dict:
     return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in flat.items()}
 
 
+def _flipping_writer(flip: list):
+    from ckptfs.torch import StorageWriter
+
+    class _FlippingWriter(StorageWriter):
+        def finish(self, metadata, results) -> None:
+            fqn, offsets = flip
+            row = next(r.row for rl in results for r in rl
+                       if r.row[0] == "tensor" and r.row[1] == fqn and list(r.row[2]) == offsets)
+            _, _, _, _, name, data_offset, data_length, _ = row
+            with open(os.path.join(self.path, name), "r+b") as f:
+                f.seek(data_offset + data_length // 2)
+                b = f.read(1)
+                f.seek(data_offset + data_length // 2)
+                f.write(bytes([b[0] ^ 0x10]))
+                os.fsync(f.fileno())
+            super().finish(metadata, results)
+
+    return _FlippingWriter
+
+
 def _save(sd: dict, job: dict, directory: str) -> None:
     from ckptfs.torch import StorageWriter
-    writer = StorageWriter(directory, buffer_bytes=job.get("buffer_bytes", 4096), buffers=2)
+    cls = _flipping_writer(job["flip"]) if job.get("flip") else StorageWriter
+    writer = cls(directory, buffer_bytes=job.get("buffer_bytes", 4096), buffers=2)
     if job.get("mode") == "async":
         fut = dcp.async_save(sd, storage_writer=writer)
         # Staging returned: the training loop may change every tensor now.

@@ -1,5 +1,6 @@
-// VerifyChunkChecksums against CRC32C values computed here from the bytes
-// with a bitwise reference (not the library's table or instruction paths).
+// VerifyChunkChecksums and ChecksumGate against CRC32C values computed here
+// from the bytes with a bitwise reference (not the library's table or
+// instruction paths).
 #include "indexer/checksums.h"
 
 #include <unistd.h>
@@ -95,6 +96,65 @@ TEST_F(ChecksumsTest, AChangedSourceIsAnErrorNotAMismatch) {
   ChecksumReport r = Verify();
   ASSERT_EQ(r.problems.size(), 2u);
   for (const std::string& p : r.problems) EXPECT_EQ(p.find("CRC32C"), std::string::npos) << p;
+}
+
+
+// A reader whose every Execute passes through a gate over ckpt_.
+class GateTest : public ChecksumsTest {
+ protected:
+  std::unique_ptr<SourceReader> GatedReader() {
+    auto reader = std::make_unique<SourceReader>(root_.string(), &ckpt_.files);
+    reader->SetChecksumGate(std::make_unique<ChecksumGate>(ckpt_));
+    return reader;
+  }
+  // Bytes [offset, offset + length) of rank0.bin through `reader`.
+  Result<std::string> Read(SourceReader& reader, uint64_t offset, uint64_t length) {
+    ReadPlan plan;
+    plan.length = length;
+    plan.copies.push_back({0, offset, 0, length});
+    std::string out(length, '\0');
+    RETURN_IF_ERROR(reader.Execute(plan, out.data()));
+    return out;
+  }
+};
+
+TEST_F(GateTest, GoodChunksServeTheirBytesAndAreVerifiedOnce) {
+  auto reader = GatedReader();
+  auto a = Read(*reader, 5000, 10);  // inside chunk 1: all of it is read first
+  ASSERT_TRUE(a.ok()) << a.status().message();
+  EXPECT_EQ(*a, data_.substr(5000, 10));
+  const uint64_t after_first = reader->bytes_read();
+  EXPECT_GE(after_first, data_.size() - 1000);
+  auto b = Read(*reader, 9000, 10);  // the verdict is kept: only these bytes
+  ASSERT_TRUE(b.ok()) << b.status().message();
+  EXPECT_EQ(*b, data_.substr(9000, 10));
+  EXPECT_EQ(reader->bytes_read(), after_first + 10);
+}
+
+TEST_F(GateTest, ABadChunkFailsEveryReadTouchingItAndOnlyThose) {
+  tensor_->chunks[1].crc32c ^= 0x100;
+  auto reader = GatedReader();
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    auto bad = Read(*reader, 20000, 100);
+    ASSERT_FALSE(bad.ok());
+    EXPECT_EQ(bad.status().code(), Status::Code::kCorruption);
+    EXPECT_NE(bad.status().message().find("w chunk 1"), std::string::npos) << bad.status().message();
+  }
+  auto across = Read(*reader, 990, 20);  // chunk 0's last bytes and chunk 1's first
+  EXPECT_FALSE(across.ok());
+  auto good = Read(*reader, 0, 1000);  // chunk 0 alone
+  ASSERT_TRUE(good.ok()) << good.status().message();
+  EXPECT_EQ(*good, data_.substr(0, 1000));
+}
+
+TEST_F(GateTest, BytesOutsideEveryChecksummedChunkPassUnchecked) {
+  tensor_->chunks[0].crc32c ^= 1;
+  tensor_->chunks[0].bytes = {0, 100, 900};  // bytes [0, 100) belong to no checksummed chunk
+  auto reader = GatedReader();
+  auto head = Read(*reader, 0, 100);
+  ASSERT_TRUE(head.ok()) << head.status().message();
+  EXPECT_EQ(*head, data_.substr(0, 100));
+  EXPECT_FALSE(Read(*reader, 50, 100).ok());  // reaches into the bad chunk
 }
 
 }  // namespace
