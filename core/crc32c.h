@@ -2,8 +2,8 @@
 // checksum the writer stores with every row it commits (Chunk::crc32c).
 //
 // Why CRC32C and not xxh3 or zip's CRC-32: x86 has an instruction for it
-// (SSE4.2 `crc32`, 8 bytes per instruction, well above disk and memcpy
-// speed), ARMv8 has one too, and it is what storage systems already use for
+// (SSE4.2 `crc32`, 8 bytes per instruction) and CLMUL folding computes it
+// at memory speed (crc_fold.h), ARMv8 has an instruction too, and it is what storage systems already use for
 // block checksums (ext4 metadata, iSCSI, RocksDB blocks), so `verify` can be
 // written anywhere with a standard library. Its Hamming distance is better
 // than zip's CRC-32 at the chunk sizes we write. Unlike a hash, two CRCs of
@@ -19,13 +19,15 @@
 
 namespace ckptfs {
 
-// Continues `crc` (0 to start) over `n` bytes. Uses SSE4.2 when the CPU has
-// it (checked once), else slice-by-8 tables.
+// Continues `crc` (0 to start) over `n` bytes. Uses CLMUL folding for long
+// inputs and the SSE4.2 instruction for short ones when the CPU has them
+// (checked once), else slice-by-8 tables.
 uint32_t Crc32c(uint32_t crc, const void* data, size_t n);
 
-// The two implementations, exposed so tests can compare them.
+// The implementations, exposed so tests can compare them.
 uint32_t Crc32cPortable(uint32_t crc, const void* data, size_t n);
 uint32_t Crc32cHardware(uint32_t crc, const void* data, size_t n);  // requires HasCrc32cHardware()
+uint32_t Crc32cFolded(uint32_t crc, const void* data, size_t n);    // requires crc::HasClmul()
 bool HasCrc32cHardware();
 
 // CRC of A||B from crc(A), crc(B) and |B|, in O(log |B|).

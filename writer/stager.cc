@@ -4,7 +4,6 @@
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <zlib.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -12,6 +11,7 @@
 #include <cstring>
 
 #include "core/crc32c.h"
+#include "core/zip_crc32.h"
 
 namespace ckptfs {
 namespace {
@@ -36,13 +36,6 @@ int64_t NowNs() {
 }
 
 }  // namespace
-
-uint32_t ZipCrc32(uint32_t crc, const void* data, uint64_t n) {
-  return crc32_z(crc, static_cast<const Bytef*>(data), n);
-}
-uint32_t ZipCrc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
-  return crc32_combine64(crc_a, crc_b, static_cast<z_off64_t>(len_b));
-}
 
 Status SyncDir(const std::string& dir) {
   int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);

@@ -161,8 +161,4 @@ class Stager {
 // fsync of a directory, so entries created or renamed in it are durable.
 Status SyncDir(const std::string& dir);
 
-// zip's CRC-32 (zlib) and its combination, for torch.save archive headers.
-uint32_t ZipCrc32(uint32_t crc, const void* data, uint64_t n);
-uint32_t ZipCrc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
-
 }  // namespace ckptfs

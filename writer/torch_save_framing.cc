@@ -5,9 +5,9 @@
 // extended information). Pickle opcodes: Python's Lib/pickle.py, protocol 2.
 #include "writer/torch_save_framing.h"
 
-#include <zlib.h>
-
 #include <map>
+
+#include "core/zip_crc32.h"
 
 namespace ckptfs {
 namespace {
@@ -37,9 +37,7 @@ const std::map<std::string, DTypeInfo>& DTypes() {
   return m;
 }
 
-uint32_t crc32_of(const std::string& d) {
-  return crc32_z(0, reinterpret_cast<const Bytef*>(d.data()), d.size());
-}
+uint32_t crc32_of(const std::string& d) { return ZipCrc32(0, d.data(), d.size()); }
 
 void Put(std::string& s, uint64_t v, int bytes) {
   for (int i = 0; i < bytes; ++i) s.push_back(char((v >> (8 * i)) & 0xFF));

@@ -1,0 +1,36 @@
+// Zip's CRC-32 (what and why: zip_crc32.h; the machinery: crc_fold.h).
+#include "core/zip_crc32.h"
+
+#include "core/crc_fold.h"
+
+namespace ckptfs {
+namespace {
+
+constexpr uint32_t kPoly = 0xEDB88320;  // reflected 0x04C11DB7
+constexpr crc::Tables kTables = crc::MakeTables<kPoly>();
+
+}  // namespace
+
+uint32_t ZipCrc32Portable(uint32_t crc, const void* data, size_t n) {
+  return ~crc::TableUpdate(kTables, ~crc, static_cast<const uint8_t*>(data), n);
+}
+
+uint32_t ZipCrc32(uint32_t crc, const void* data, size_t n) {
+  static const crc::FoldKeys keys = crc::MakeFoldKeys(kPoly);
+  const auto* p = static_cast<const uint8_t*>(data);
+  uint32_t reg = ~crc;
+  if (n >= crc::kFoldMin && crc::HasClmul()) {
+    uint8_t residue[16];
+    size_t done = crc::Fold(keys, reg, p, n, residue);
+    reg = crc::TableUpdate(kTables, 0, residue, 16);
+    p += done;
+    n -= done;
+  }
+  return ~crc::TableUpdate(kTables, reg, p, n);
+}
+
+uint32_t ZipCrc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+  return crc::Combine(crc_a, crc_b, len_b, kPoly);
+}
+
+}  // namespace ckptfs
