@@ -1,12 +1,25 @@
 """``ckptfs.torch.StorageWriter``: torch.distributed.checkpoint saves through
 the ckptfs stager (docs/WRITER.md).
 
-The files are standard DCP: one ``__R_0.distcp`` per rank whose tensor items
-are torch.save archives (framed in C++ around the raw bytes, which come
-straight from the ring) and BYTE_IO items stored raw, plus ``.metadata``,
-so stock ``dcp.load`` with ``FileSystemReader`` reads them without ckptfs.
+By default the files are standard DCP: one ``__R_0.distcp`` per rank
+whose tensor items are torch.save archives (framed in C++ around the raw
+bytes, which come straight from the ring) and BYTE_IO items stored raw,
+plus ``.metadata``, so stock ``dcp.load`` with ``FileSystemReader`` reads
+them without ckptfs.
 Planning is torch's (``DefaultSavePlanner``, or the planner the caller
 passes to ``dcp.save``).
+
+``StorageWriter(path, layout="hf")`` writes torch's sharded safetensors
+instead, what ``HuggingFaceStorageWriter(path, save_distributed=True)``
+writes: one ``shard-RRRRR-model-00001-of-00001.safetensors`` per rank
+(RRRRR = rank + 1) holding the rank's chunks, placed by the
+``saved_offsets`` in ``__metadata__["DCP_SHARDING_INFO"]``; no
+``.metadata``, no index json, no consolidation. Stock
+``HuggingFaceStorageReader`` loads it. Same entries, offsets and data
+bytes as torch's files (the header is laid out in C++, the bytes come from
+the ring); only ``__metadata__``'s key order may differ (safetensors hashes
+it). Tensors only: a non-tensor item is refused before anything is written
+(torch's writer would put it in front of the header and break the file).
 
 Save protocol (every step durable before the next):
   1. coordinator, before any rank writes (``prepare_global_plan``): remove
@@ -20,6 +33,11 @@ Save protocol (every step durable before the next):
      write them last as the commit record ``.ckptfs/commit.sst`` (the
      store's WriteCommitRecord; tmp, fsync, rename, fsync dir). The rows are
      kept in ``last_rows``.
+With layout="hf", 1 also removes an earlier save's shard files, 2 writes
+``NAME.tmp``, and 3 is publishing instead of ``.metadata``: the coordinator
+renames every rank's file into place, rank 1's last (until then the
+directory reads as missing rank 1, which indexers refuse, not as a smaller
+complete checkpoint), and fsyncs the directory.
 A crash anywhere leaves earlier steps untouched and this one without a
 commit record, and a new save into the directory starts over at 1.
 
@@ -28,8 +46,8 @@ the planning (one all_gather_object on the default group, as ``dcp.save``
 would) and pushes every byte into the ring on the training thread (device
 tensors are copied by the CUDA engine and the producer stream is fenced
 after the copies; host tensors are copied), so the state dict may change as
-soon as it returns; draining, fsync, ``.metadata`` and the commit record
-happen in the background save. Host memory is the ring, never a copy of the state dict.
+soon as it returns; draining, fsync, ``.metadata`` (or publishing) and
+the commit record happen in the background save. Host memory is the ring, never a copy of the state dict.
 """
 
 from __future__ import annotations
@@ -71,6 +89,7 @@ COMMIT_RECORD = "commit.sst"
 DCP_VERSION = "1.0.0"  # what torch's FileSystemWriter writes
 LAYOUTS = ("dcp", "hf")
 FORMATS = {"dcp": "dcp", "hf": "sharded-safetensors"}  # the index's name for each (indexer/readers)
+HF_SHARDS = "shard-*-model-*-of-*" + SUFFIX  # torch's names of sharded safetensors (_hf_utils)
 HF_TMP_SUFFIX = ".tmp"  # a shard file until the coordinator publishes it
 
 
@@ -442,8 +461,9 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         removed = _remove(self.path / COMMIT_DIR / COMMIT_RECORD)
         removed |= _remove(self.path / METADATA)
         if self.layout == "hf":  # an earlier save's shards (perhaps of more ranks) and leftovers
-            for f in list(self.path.glob("shard-*-model-*-of-*" + SUFFIX)) + list(self.path.glob("*" + HF_TMP_SUFFIX)):
-                removed |= _remove(f)
+            for pattern in (HF_SHARDS, HF_SHARDS + HF_TMP_SUFFIX):
+                for f in self.path.glob(pattern):
+                    removed |= _remove(f)
         if removed:
             if (self.path / COMMIT_DIR).is_dir():
                 _writer.sync_dir(str(self.path / COMMIT_DIR))

@@ -24,12 +24,19 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
+from safetensors.torch import save as safetensors_save
 
 import writer_util
+from ckptfs import _writer
 from harness import Mounted, run_ckptfs, spawn_ranks
 
 GEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "writer_hf_gen.py")
 SHARDS = ["shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-00001-of-00001.safetensors"]
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
+          torch.float8_e5m2, torch.float8_e8m0fnu, torch.complex64]
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -154,7 +161,6 @@ def _verify(path: str, index_dir: str) -> tuple[int, dict]:
 
 
 def test_verify_passes_then_names_a_flipped_chunk(saved, tmp_path):
-    from ckptfs import _writer
     rows = saved["rows"]
     nchunks = sum(len(t["chunks"]) for t in rows["tensors"])
     rc, report = _verify(saved["dir"], str(tmp_path / "idx"))
@@ -182,6 +188,34 @@ def test_verify_passes_then_names_a_flipped_chunk(saved, tmp_path):
     assert rc != 0 and len(report["problems"]) == 1, report
     problem = report["problems"][0]
     assert fqn in problem and str(chunk["offset"]) in problem and "CRC32C" in problem, problem
+
+
+def test_until_rank_1_is_published_the_directory_reads_as_incomplete(saved, tmp_path, monkeypatch):
+    """The coordinator renames each rank's NAME.tmp into place, rank 1's
+    last: every state before that is one `ckptfs check` refuses (ranks
+    missing), never a smaller checkpoint that looks complete."""
+    import types
+
+    import ckptfs.torch as ct
+    root = tmp_path / "copy"
+    shutil.copytree(saved["root"], root)
+    step = root / "step_5"
+    shutil.rmtree(step / ".ckptfs")
+    for name in SHARDS:
+        os.rename(step / name, step / (name + ".tmp"))
+    states = []
+
+    def replace(src, dst):
+        os.rename(src, dst)
+        p = run_ckptfs("check", root, index_dir=str(tmp_path / f"idx{len(states)}"))
+        states.append((os.path.basename(dst), p.returncode, p.stdout + p.stderr.encode()))
+
+    monkeypatch.setattr(ct.os, "replace", replace)
+    results = [[types.SimpleNamespace(storage_data=types.SimpleNamespace(relative_path=n))] for n in SHARDS]
+    ct.StorageWriter(step, layout="hf")._publish_shards(results)
+    assert [s[0] for s in states] == SHARDS[::-1]
+    assert states[0][1] != 0 and b"ranks found: 2" in states[0][2], states[0]
+    assert states[1][1] == 0, states[1]
 
 
 def test_non_tensor_items_are_refused_before_anything_is_written(tmp_path):
@@ -219,3 +253,50 @@ def test_live_mount_serves_consolidated_tensors_after_the_save(tmp_path):
         assert got.keys() == oracle.keys(), (files, m.log())
         bad = [k for k, v in oracle.items() if not _equal(v, got[k])]
         assert not bad, bad
+        served = [line for line in m.log().splitlines() if "step_9/: " in line and "indexed" in line]
+        assert served and f"indexed ({len(oracle)} tensors) and served" in served[0], m.log()
+
+
+def _random(dtype: torch.dtype, shape: tuple, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def test_a_file_of_every_dtype_is_byte_for_byte_safetensors_own(tmp_path):
+    """Every dtype, two tensors of each (names out of order), a 0-d and an
+    empty one, through a ring smaller than most tensors: the file is what
+    safetensors.torch.save writes (one metadata key, so no order to differ)."""
+    tensors = {}
+    for i, dt in enumerate(DTYPES):
+        tensors[f"z{i}.{dt}"] = _random(dt, (3, 5) if i % 2 else (17,), i)
+        tensors[f"a{i}.{dt}"] = _random(dt, (2, 3, 4), 100 + i)
+    tensors["scalar"] = torch.tensor(2.5)
+    tensors["empty"] = torch.zeros(0, 4, dtype=torch.bfloat16)
+    stager = _writer.Stager(buffer_bytes=64, buffers=2, io_threads=2, zip_crc32=False)
+    f = _writer.SafetensorsFile(stager, str(tmp_path / "x.safetensors"))
+    ids = {k: f.add_tensor(k, str(t.dtype).removeprefix("torch."), list(t.shape), t.nbytes) for k, t in tensors.items()}
+    f.seal({"DCP_VERSION": "1.0"})
+    for k, t in tensors.items():
+        if t.nbytes:
+            f.write(ids[k], t.data_ptr(), t.nbytes, -1, 0, False)
+    results = f.finish()
+    data = (tmp_path / "x.safetensors").read_bytes()
+    assert data == safetensors_save(tensors, metadata={"DCP_VERSION": "1.0"})
+    for (k, t), (off, length, crc) in zip(tensors.items(), results):
+        assert data[off:off + length] == t.reshape(-1).view(torch.uint8).numpy().tobytes(), k
+        assert crc == writer_util.crc32c(data[off:off + length]), k
+
+
+def test_the_file_writer_refuses_what_safetensors_cannot_hold(tmp_path):
+    stager = _writer.Stager(buffer_bytes=4096, use_cuda=False)
+    f = _writer.SafetensorsFile(stager, str(tmp_path / "x.safetensors"))
+    f.add_tensor("w", "float32", [2, 3], 24)
+    with pytest.raises(ValueError, match="'w' twice"):
+        f.add_tensor("w", "float32", [2, 3], 24)
+    with pytest.raises(ValueError, match="do not hold 6 elements"):
+        f.add_tensor("v", "float32", [2, 3], 23)
+    with pytest.raises(TypeError, match="no dtype for torch.float8_e4m3fnuz"):
+        f.add_tensor("u", "float8_e4m3fnuz", [2], 2)
