@@ -17,8 +17,9 @@ writes: one ``shard-RRRRR-model-00001-of-00001.safetensors`` per rank
 ``.metadata``, no index json, no consolidation. Stock
 ``HuggingFaceStorageReader`` loads it. Same entries, offsets and data
 bytes as torch's files (the header is laid out in C++, the bytes come from
-the ring); only ``__metadata__``'s key order may differ (safetensors hashes
-it). Tensors only: a non-tensor item is refused before anything is written
+the ring); only JSON key order may differ (safetensors hashes
+``__metadata__``; torch orders DCP_SHARDING_INFO by size when CUDA is
+available, ckptfs by plan). Tensors only: a non-tensor item is refused before anything is written
 (torch's writer would put it in front of the header and break the file).
 
 Save protocol (every step durable before the next):

@@ -86,10 +86,12 @@ def test_state_covers_fsdp2_uneven_bf16_and_f32(saved):
 def test_headers_and_data_match_torchs_writer(saved, shard):
     n, ours, data = _header(os.path.join(saved["dir"], shard))
     tn, theirs, tdata = _header(os.path.join(saved["torch_dir"], shard))
-    # __metadata__'s keys come from a hash map in safetensors (any order):
-    # the values must agree, the entries, offsets and data bytes exactly.
+    # __metadata__'s keys come from a hash map in safetensors (any order),
+    # and torch orders DCP_SHARDING_INFO's by size where CUDA is available:
+    # the values must agree; the entries, offsets and data bytes exactly.
     meta, tmeta = ours.pop("__metadata__"), theirs.pop("__metadata__")
-    assert meta == tmeta
+    info, tinfo = json.loads(meta.pop("DCP_SHARDING_INFO")), json.loads(tmeta.pop("DCP_SHARDING_INFO"))
+    assert info == tinfo and meta == tmeta
     assert list(ours.items()) == list(theirs.items())  # entries, in file order, with their offsets
     assert n == tn
     assert data == tdata
