@@ -220,6 +220,20 @@ def test_until_rank_1_is_published_the_directory_reads_as_incomplete(saved, tmp_
     assert states[1][1] == 0, states[1]
 
 
+def test_a_resave_by_fewer_ranks_leaves_no_shard_of_the_old_save(tmp_path):
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    step = str(tmp_path / "step_1")
+    spawn_ranks(GEN, 2, {"kind": "save", "seed": 3, "dir": step, "oracle": str(tmp_path / "o3.pt")}, name="save by 2")
+    assert sorted(os.listdir(step)) == [".ckptfs", *SHARDS]
+    spawn_ranks(GEN, 1, {"kind": "save", "seed": 4, "dir": step, "oracle": str(tmp_path / "o4.pt")}, name="save by 1")
+    assert sorted(os.listdir(step)) == [".ckptfs", SHARDS[0]]
+    oracle = torch.load(str(tmp_path / "o4.pt"), weights_only=True)
+    target = {k: torch.zeros_like(v) for k, v in oracle.items()}
+    dcp.load(target, storage_reader=HuggingFaceStorageReader(step), no_dist=True)
+    bad = [k for k, v in oracle.items() if not _equal(v, target[k])]
+    assert not bad, bad
+
+
 def test_non_tensor_items_are_refused_before_anything_is_written(tmp_path):
     job = {"kind": "non_tensor", "seed": 1, "dir": str(tmp_path / "step_1"), "out": str(tmp_path / "error.txt")}
     spawn_ranks(GEN, 2, job, name="hf writer non-tensor")
