@@ -1,12 +1,26 @@
 """``ckptfs.torch.StorageWriter``: torch.distributed.checkpoint saves through
 the ckptfs stager (docs/WRITER.md).
 
-The files are standard DCP: one ``__R_0.distcp`` per rank whose tensor items
-are torch.save archives (framed in C++ around the raw bytes, which come
-straight from the ring) and BYTE_IO items stored raw, plus ``.metadata``,
-so stock ``dcp.load`` with ``FileSystemReader`` reads them without ckptfs.
+By default the files are standard DCP: one ``__R_0.distcp`` per rank
+whose tensor items are torch.save archives (framed in C++ around the raw
+bytes, which come straight from the ring) and BYTE_IO items stored raw,
+plus ``.metadata``, so stock ``dcp.load`` with ``FileSystemReader`` reads
+them without ckptfs.
 Planning is torch's (``DefaultSavePlanner``, or the planner the caller
 passes to ``dcp.save``).
+
+``StorageWriter(path, layout="hf")`` writes torch's sharded safetensors
+instead, what ``HuggingFaceStorageWriter(path, save_distributed=True)``
+writes: one ``shard-RRRRR-model-00001-of-00001.safetensors`` per rank
+(RRRRR = rank + 1) holding the rank's chunks, placed by the
+``saved_offsets`` in ``__metadata__["DCP_SHARDING_INFO"]``; no
+``.metadata``, no index json, no consolidation. Stock
+``HuggingFaceStorageReader`` loads it. Same entries, offsets and data
+bytes as torch's files (the header is laid out in C++, the bytes come from
+the ring); only JSON key order may differ (safetensors hashes
+``__metadata__``; torch orders DCP_SHARDING_INFO by size when CUDA is
+available, ckptfs by plan). Tensors only: a non-tensor item is refused before anything is written
+(torch's writer would put it in front of the header and break the file).
 
 Save protocol (every step durable before the next):
   1. coordinator, before any rank writes (``prepare_global_plan``): remove
@@ -20,6 +34,11 @@ Save protocol (every step durable before the next):
      write them last as the commit record ``.ckptfs/commit.sst`` (the
      store's WriteCommitRecord; tmp, fsync, rename, fsync dir). The rows are
      kept in ``last_rows``.
+With layout="hf", 1 also removes an earlier save's shard files, 2 writes
+``NAME.tmp``, and 3 is publishing instead of ``.metadata``: the coordinator
+renames every rank's file into place, rank 1's last (until then the
+directory reads as missing rank 1, which indexers refuse, not as a smaller
+complete checkpoint), and fsyncs the directory.
 A crash anywhere leaves earlier steps untouched and this one without a
 commit record, and a new save into the directory starts over at 1.
 
@@ -28,8 +47,8 @@ the planning (one all_gather_object on the default group, as ``dcp.save``
 would) and pushes every byte into the ring on the training thread (device
 tensors are copied by the CUDA engine and the producer stream is fenced
 after the copies; host tensors are copied), so the state dict may change as
-soon as it returns; draining, fsync, ``.metadata`` and the commit record
-happen in the background save. Host memory is the ring, never a copy of the state dict.
+soon as it returns; draining, fsync, ``.metadata`` (or publishing) and
+the commit record happen in the background save. Host memory is the ring, never a copy of the state dict.
 """
 
 from __future__ import annotations
@@ -37,6 +56,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import io
+import json
 import os
 import pickle
 import threading
@@ -47,6 +67,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint._hf_utils import (
+    CUSTOM_METADATA_KEY, DCP_VERSION_KEY, FORMAT_KEY, FORMAT_VALUE, HF_DCP_VERSION, SAVED_OFFSETS_KEY, SUFFIX,
+    _gen_file_name)
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
@@ -65,6 +88,10 @@ METADATA = ".metadata"
 COMMIT_DIR = ".ckptfs"
 COMMIT_RECORD = "commit.sst"
 DCP_VERSION = "1.0.0"  # what torch's FileSystemWriter writes
+LAYOUTS = ("dcp", "hf")
+FORMATS = {"dcp": "dcp", "hf": "sharded-safetensors"}  # the index's name for each (indexer/readers)
+HF_SHARDS = "shard-*-model-*-of-*" + SUFFIX  # torch's names of sharded safetensors (_hf_utils)
+HF_TMP_SUFFIX = ".tmp"  # a shard file until the coordinator publishes it
 
 
 @dataclass(frozen=True)
@@ -123,29 +150,24 @@ def _remove(path: Path) -> bool:
         return False
 
 
-class _RankFile:
-    """One rank's ``__R_0.distcp`` being written: items planned, then
-    written, then finished (drain, framing, fsync)."""
+def _host_or_cuda(fqn: str, t: torch.Tensor) -> None:
+    if not (t.is_cuda or t.device.type == "cpu"):
+        raise TypeError(f"{fqn}: tensors on {t.device} are not supported (host or CUDA memory only)")
 
-    def __init__(self, stager_key: tuple, directory: Path, name: str):
+
+class _StagedFile:
+    """A rank file written through a pooled stager: items planned (``add``),
+    their bytes pushed into the ring (``write_all``), then finished (drain,
+    fsync) into CkptfsWriteResults. ``self.file`` is the C++ file; its
+    ``write(item, ptr, nbytes, device, stream, copy_host)`` takes each
+    item's bytes."""
+
+    def __init__(self, stager_key: tuple, name: str):
         self.name = name
         self.stager_key, self.stager = _acquire_stager(*stager_key)
-        self.file = _writer.DcpFile(self.stager, str(directory / name))
+        self.file = None
         self.items: list[tuple[Any, int, Any]] = []  # (WriteItem, item id, data kept alive)
         self.devices: set[tuple[int, int]] = set()
-
-    def add(self, write_item, data) -> None:
-        if write_item.type == WriteItemType.BYTE_IO:
-            buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
-            item = self.file.add_bytes(buf.nbytes)
-            self.items.append((write_item, item, buf))
-            return
-        t = data.detach()
-        if not t.is_contiguous():
-            t = t.contiguous()
-        nbytes = t.numel() * t.element_size()
-        item = self.file.add_tensor(str(t.dtype).removeprefix("torch."), list(t.shape), nbytes)
-        self.items.append((write_item, item, t))
 
     def write_all(self, copy_host: bool) -> None:
         for write_item, item, data in self.items:
@@ -157,16 +179,14 @@ class _RankFile:
             nbytes = data.numel() * data.element_size()
             if nbytes == 0:
                 continue
+            _host_or_cuda(write_item.index.fqn, data)
             if data.is_cuda:
                 device = data.device.index
                 stream = torch.cuda.current_stream(data.device).cuda_stream
                 self.devices.add((device, stream))
                 self.file.write(item, data.data_ptr(), nbytes, device, stream, True)
-            elif data.device.type == "cpu":
-                self.file.write(item, data.data_ptr(), nbytes, -1, 0, copy_host)
             else:
-                raise TypeError(f"{write_item.index.fqn}: tensors on {data.device} are not supported "
-                                "(host or CUDA memory only)")
+                self.file.write(item, data.data_ptr(), nbytes, -1, 0, copy_host)
 
     def finish(self) -> list[CkptfsWriteResult]:
         written = self.file.finish()
@@ -174,44 +194,114 @@ class _RankFile:
         # error keeps it and is dropped with this file.
         self.file = None
         _release_stager(self.stager_key, self.stager)
-        out = []
-        for (write_item, _, _), (off, length, doff, dlen, crc) in zip(self.items, written):
-            info = _StorageInfo(relative_path=self.name, offset=off, length=length)
-            if write_item.type == WriteItemType.BYTE_IO:
-                row = ("bytes", write_item.index.fqn, self.name, doff, dlen, crc)
-            else:
-                chunk = write_item.tensor_data.chunk
-                row = ("tensor", write_item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes),
-                       self.name, doff, dlen, crc)
-            out.append(CkptfsWriteResult(index=write_item.index, size_in_bytes=length,
-                                         storage_data=info, row=row))
+        out = [self._result(wi, w) for (wi, _, _), w in zip(self.items, written)]
         self.items.clear()  # release the tensors
         return out
 
+    def _tensor_row(self, write_item, offset: int, length: int, crc: int) -> tuple:
+        chunk = write_item.tensor_data.chunk
+        return ("tensor", write_item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes), self.name, offset, length, crc)
+
+
+def _contiguous(data) -> torch.Tensor:
+    t = data.detach()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+class _RankFile(_StagedFile):
+    """One rank's ``__R_0.distcp``: torch.save archives for tensors (framed
+    in C++), BYTE_IO items raw."""
+
+    def __init__(self, stager_key: tuple, directory: Path, name: str):
+        super().__init__(stager_key, name)
+        self.file = _writer.DcpFile(self.stager, str(directory / name))
+
+    def add(self, write_item, data) -> None:
+        if write_item.type == WriteItemType.BYTE_IO:
+            buf = data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(bytes(data))
+            item = self.file.add_bytes(buf.nbytes)
+            self.items.append((write_item, item, buf))
+            return
+        t = _contiguous(data)
+        nbytes = t.numel() * t.element_size()
+        item = self.file.add_tensor(str(t.dtype).removeprefix("torch."), list(t.shape), nbytes)
+        self.items.append((write_item, item, t))
+
+    def seal(self) -> None:
+        """The archives' framing is laid out as items are added."""
+
+    def _result(self, write_item, written: tuple) -> CkptfsWriteResult:
+        off, length, doff, dlen, crc = written
+        if write_item.type == WriteItemType.BYTE_IO:
+            row = ("bytes", write_item.index.fqn, self.name, doff, dlen, crc)
+        else:
+            row = self._tensor_row(write_item, doff, dlen, crc)
+        return CkptfsWriteResult(index=write_item.index, size_in_bytes=length,
+                                 storage_data=_StorageInfo(relative_path=self.name, offset=off, length=length), row=row)
+
+
+class _HfRankFile(_StagedFile):
+    """One rank's ``shard-RRRRR-model-00001-of-00001.safetensors`` as torch's
+    HuggingFaceStorageWriter (save_distributed=True) writes it: the rank's
+    chunks under their fqns, ``__metadata__`` with DCP_SHARDING_INFO (each
+    chunk's ``saved_offsets``, in plan order, ``json.dumps``'d as torch
+    does), DCP_VERSION and format. Written as ``NAME.tmp``; the coordinator
+    renames it at commit (``_publish_shards``)."""
+
+    def __init__(self, stager_key: tuple, directory: Path, name: str):
+        super().__init__(stager_key, name)
+        self.file = _writer.SafetensorsFile(self.stager, str(directory / (name + HF_TMP_SUFFIX)))
+
+    def add(self, write_item, data) -> None:
+        t = _contiguous(data)
+        nbytes = t.numel() * t.element_size()
+        item = self.file.add_tensor(write_item.index.fqn, str(t.dtype).removeprefix("torch."), list(t.shape), nbytes)
+        self.items.append((write_item, item, t))
+
+    def seal(self) -> None:
+        info = {wi.index.fqn: {SAVED_OFFSETS_KEY: list(wi.tensor_data.chunk.offsets)} for wi, _, _ in self.items}
+        self.file.seal({CUSTOM_METADATA_KEY: json.dumps(info), DCP_VERSION_KEY: str(HF_DCP_VERSION),
+                        FORMAT_KEY: FORMAT_VALUE})
+
+    def _result(self, write_item, written: tuple) -> CkptfsWriteResult:
+        off, length, crc = written
+        return CkptfsWriteResult(index=write_item.index, size_in_bytes=length,
+                                 storage_data=_StorageInfo(relative_path=self.name, offset=off, length=length),
+                                 row=self._tensor_row(write_item, off, length, crc))
+
 
 class StorageWriter(_TorchStorageWriter, AsyncStager):
-    """Writes a DCP checkpoint into ``path`` through the ckptfs stager.
+    """Writes a checkpoint into ``path`` through the ckptfs stager.
+
+    ``layout="dcp"`` (default): standard DCP, ``__R_0.distcp`` per rank and
+    ``.metadata``. ``layout="hf"``: torch's sharded safetensors, one
+    ``shard-RRRRR-model-00001-of-00001.safetensors`` per rank with
+    DCP_SHARDING_INFO, as ``HuggingFaceStorageWriter(save_distributed=True)``
+    writes them (stock ``HuggingFaceStorageReader`` loads them); tensors only.
 
     ``buffer_bytes`` x ``buffers`` is the ring (default 2 x 256 MiB), the
     only host memory a save adds; ``io_threads`` pwrite filled buffers;
-    ``zip_crc32`` fills the zip CRC-32 of each torch.save archive (torch's
-    loader does not check it, other zip readers do; off saves one pass over
-    the bytes).
+    ``zip_crc32`` fills the zip CRC-32 of each torch.save archive (DCP only;
+    torch's loader does not check it, other zip readers do; off saves one
+    pass over the bytes).
     """
 
     _synchronize_after_execute = False
 
-    def __init__(self, path: str | os.PathLike, *, buffer_bytes: int = 256 << 20, buffers: int = 2,
-                 io_threads: int = 2, zip_crc32: bool = True) -> None:
+    def __init__(self, path: str | os.PathLike, *, layout: str = "dcp", buffer_bytes: int = 256 << 20,
+                 buffers: int = 2, io_threads: int = 2, zip_crc32: bool = True) -> None:
         super().__init__()
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
         self.path = Path(path)
+        self.layout = layout
         self.buffer_bytes, self.buffers, self.io_threads = buffer_bytes, buffers, io_threads
-        self.zip_crc32 = zip_crc32
+        self.zip_crc32 = zip_crc32 and layout == "dcp"  # safetensors items are raw bytes: no zip
         self.save_id = str(uuid.uuid4())
         self.is_coordinator = False
         self.rank = 0
         self._staged: dict[MetadataIndex, CkptfsWriteResult] | None = None
-        self._staged_file: _RankFile | None = None
+        self._staged_file: _StagedFile | None = None
         self.last_rows: dict | None = None  # the coordinator's rows of the last save (tests, tools)
 
     # --- StorageWriter -------------------------------------------------------
@@ -228,36 +318,38 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
             raise ValueError("ckptfs StorageWriter needs use_collectives=True: the commit is global")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        if self.layout == "hf":
+            _check_hf_plan(plan)  # before anything is removed or written
         self.path.mkdir(parents=True, exist_ok=True)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         # Runs on the coordinator before any rank writes: an earlier save's
-        # commit record and .metadata go first, so a crash from here on
-        # leaves the directory uncommitted rather than half old, half new.
-        self._uncommit()
-        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
+        # commit record and .metadata (or shard files) go first, so a crash
+        # from here on leaves the directory uncommitted rather than half
+        # old, half new. (After stage() it is done: this rank's staged
+        # shard is already being written.)
+        if self._staged is None:
+            self._uncommit()
+        return self._name_plans(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._staged is not None:
             results = self._take_staged(plan)
         else:
             rank_file = self._plan_file(plan, planner)
-            rank_file.write_all(copy_host=False)
-            results = rank_file.finish()
+            if rank_file is not None:
+                rank_file.write_all(copy_host=False)
+            results = rank_file.finish() if rank_file is not None else []
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        metadata.version = DCP_VERSION
-        metadata.storage_data = {wr.index: wr.storage_data for rl in results for wr in rl}
-        metadata.storage_meta = self.storage_meta()
-        _writer.sync_dir(str(self.path))  # every rank fsynced its file; now their directory entries
-        tmp = self.path / (METADATA + ".tmp")
-        _fsync_write(tmp, pickle.dumps(metadata))
-        os.replace(tmp, self.path / METADATA)
-        _writer.sync_dir(str(self.path))
+        if self.layout == "hf":
+            self._publish_shards(results)
+        else:
+            self._write_metadata(metadata, results)
         self.last_rows = self._commit(metadata, results)
 
     def storage_meta(self) -> StorageMeta | None:
@@ -288,18 +380,16 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         else:
             plans = [local]
         global_plans, _ = planner.create_global_plan(plans)
-        if rank == 0:
-            global_plans = self.prepare_global_plan(global_plans)  # uncommits
-        else:
-            global_plans = [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_"))
-                            for i, p in enumerate(global_plans)]
+        # The coordinator uncommits; the others only name the plans alike.
+        global_plans = self.prepare_global_plan(global_plans) if rank == 0 else self._name_plans(global_plans)
         if dist.is_initialized():
             dist.barrier()  # nobody writes before the coordinator uncommitted
         final = planner.finish_plan(global_plans[rank])
         rank_file = self._plan_file(final, planner)
-        rank_file.write_all(copy_host=True)
-        for device, stream in rank_file.devices:
-            rank_file.stager.fence_producer(device, stream)
+        if rank_file is not None:
+            rank_file.write_all(copy_host=True)
+            for device, stream in rank_file.devices:
+                rank_file.stager.fence_producer(device, stream)
         self._staged_file = rank_file
         self._staged = {}
         return state_dict
@@ -312,29 +402,69 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
 
     # --- internals -------------------------------------------------------------
 
-    def _plan_file(self, plan: SavePlan, planner: SavePlanner) -> _RankFile:
-        prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{self.rank}_"
-        rank_file = _RankFile((self.buffer_bytes, self.buffers, self.io_threads, self.zip_crc32), self.path,
-                              f"{prefix}0.distcp")
+    def _name_plans(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """Each rank's file name, as torch's writers name them: the DCP
+        prefix ``__R_``, or the 1-based shard index of the HF layout."""
+        if self.layout == "hf":
+            return [dataclasses.replace(p, storage_data={"shard_index": i}) for i, p in enumerate(plans, start=1)]
+        return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
+
+    def _plan_file(self, plan: SavePlan, planner: SavePlanner) -> _StagedFile | None:
+        """This rank's file with its items planned; None for an HF rank with
+        nothing to save (torch's writer writes no file then)."""
+        key = (self.buffer_bytes, self.buffers, self.io_threads, self.zip_crc32)
+        if self.layout == "hf":
+            if not plan.items:
+                return None
+            shard = plan.storage_data.get("shard_index", self.rank + 1)
+            rank_file: _StagedFile = _HfRankFile(key, self.path, _gen_file_name(1, 1, shard))
+        else:
+            prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{self.rank}_"
+            rank_file = _RankFile(key, self.path, f"{prefix}0.distcp")
         # BYTE_IO items first, as torch's writer orders them.
         items = sorted(plan.items, key=lambda wi: wi.type != WriteItemType.BYTE_IO)
         for wi in items:
             rank_file.add(wi, planner.resolve_data(wi))
+        rank_file.seal()
         return rank_file
 
     def _take_staged(self, plan: SavePlan) -> list[WriteResult]:
         rank_file, self._staged_file, self._staged = self._staged_file, None, None
-        results = {r.index: r for r in rank_file.finish()}
+        results = {r.index: r for r in rank_file.finish()} if rank_file is not None else {}
         missing = [wi.index for wi in plan.items if wi.index not in results]
         if missing:
             raise RuntimeError(f"ckptfs StorageWriter: the save's plan has {len(missing)} item(s) that stage() "
                                f"did not write (first: {missing[0]}); async_save needs torch's DefaultSavePlanner")
         return [results[wi.index] for wi in plan.items]
 
+    def _write_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """DCP's commit point: ``.metadata``, durably, after every rank file."""
+        metadata.version = DCP_VERSION
+        metadata.storage_data = {wr.index: wr.storage_data for rl in results for wr in rl}
+        metadata.storage_meta = self.storage_meta()
+        _writer.sync_dir(str(self.path))  # every rank fsynced its file; now their directory entries
+        tmp = self.path / (METADATA + ".tmp")
+        _fsync_write(tmp, pickle.dumps(metadata))
+        os.replace(tmp, self.path / METADATA)
+        _writer.sync_dir(str(self.path))
+
+    def _publish_shards(self, results: list[list[WriteResult]]) -> None:
+        """Renames every rank's fsynced ``NAME.tmp`` to NAME, rank 1's last:
+        until then the shard files read as a checkpoint missing rank 1,
+        which no reader serves, rather than as a smaller complete one."""
+        names = sorted({wr.storage_data.relative_path for rl in results for wr in rl}, reverse=True)
+        for name in names:
+            os.replace(self.path / (name + HF_TMP_SUFFIX), self.path / name)
+        _writer.sync_dir(str(self.path))
+
     def _uncommit(self) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         removed = _remove(self.path / COMMIT_DIR / COMMIT_RECORD)
         removed |= _remove(self.path / METADATA)
+        if self.layout == "hf":  # an earlier save's shards (perhaps of more ranks) and leftovers
+            for pattern in (HF_SHARDS, HF_SHARDS + HF_TMP_SUFFIX):
+                for f in self.path.glob(pattern):
+                    removed |= _remove(f)
         if removed:
             if (self.path / COMMIT_DIR).is_dir():
                 _writer.sync_dir(str(self.path / COMMIT_DIR))
@@ -344,7 +474,8 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         """Builds the commit rows (checked in C++: every tensor tiled exactly
         once) and writes the commit record, durably, last."""
         tensors, chunks, byte_items = [], [], []
-        paths = metadata.planner_data or {}
+        # Nested keys for DCP; safetensors names are the flat fqns.
+        paths = (metadata.planner_data or {}) if self.layout == "dcp" else {}
         for fqn, md in metadata.state_dict_metadata.items():
             if isinstance(md, TensorStorageMetadata):
                 path = [str(k) for k in paths.get(fqn, (fqn,))]
@@ -362,4 +493,20 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
                     _, key, name, off, length, _crc = row
                     byte_items.append((key, name, off, length))
         root, rel = str(self.path.parent.resolve()), self.path.name
-        return _writer.commit(root, rel, tensors, chunks, byte_items)
+        return _writer.commit(root, rel, tensors, chunks, byte_items, format=FORMATS[self.layout])
+
+
+def _check_hf_plan(plan: SavePlan) -> None:
+    """The HF layout holds tensors only, one chunk per fqn per rank."""
+    seen: set[str] = set()
+    for wi in plan.items:
+        fqn = wi.index.fqn
+        if wi.type == WriteItemType.BYTE_IO:
+            raise ValueError(
+                f"ckptfs StorageWriter(layout='hf'): {fqn!r} is not a tensor; safetensors files hold tensors "
+                "only (torch's HuggingFaceStorageWriter writes such items in front of the safetensors header, "
+                "which leaves the file unreadable). Save non-tensors apart, or use layout='dcp'")
+        if fqn in seen:
+            raise ValueError(f"ckptfs StorageWriter(layout='hf'): this rank saves two chunks of {fqn!r}; a "
+                             "safetensors file holds one entry per name")
+        seen.add(fqn)

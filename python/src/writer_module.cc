@@ -10,6 +10,7 @@
 #include "writer/copy_engine.h"
 #include "core/crc32c.h"
 #include "writer/dcp_file_writer.h"
+#include "writer/safetensors_file_writer.h"
 #include "writer/stager.h"
 
 namespace py = pybind11;
@@ -46,6 +47,10 @@ struct PyDcpFile {
   std::unique_ptr<DcpFileWriter> file;
 };
 
+struct PySafetensorsFile {
+  std::unique_ptr<SafetensorsFileWriter> file;
+};
+
 py::dict RowsSummary(const Checkpoint& rows) {
   py::list tensors;
   for (size_t t = 0; t < rows.tensors.size(); ++t) {
@@ -68,9 +73,11 @@ py::dict RowsSummary(const Checkpoint& rows) {
                   py::arg("bytes") = bytes, py::arg("problems") = rows.problems);
 }
 
-WrittenCheckpoint ToWritten(const std::string& dir, const py::list& tensors, const py::list& chunks, const py::list& bytes) {
+WrittenCheckpoint ToWritten(const std::string& dir, const std::string& format, const py::list& tensors,
+                             const py::list& chunks, const py::list& bytes) {
   WrittenCheckpoint w;
   w.dir = dir;
+  w.format = format;
   for (auto t : tensors) {
     auto tt = t.cast<py::tuple>();
     w.tensors.push_back({tt[0].cast<std::string>(), tt[1].cast<std::vector<std::string>>(), tt[2].cast<std::string>(),
@@ -91,7 +98,7 @@ WrittenCheckpoint ToWritten(const std::string& dir, const py::list& tensors, con
 }  // namespace
 
 PYBIND11_MODULE(_writer, m) {
-  m.doc() = "ckptfs writer: stager, DCP rank files and commit rows (C++)";
+  m.doc() = "ckptfs writer: stager, DCP and safetensors rank files, commit rows (C++)";
   m.attr("built_with_cuda") = BuiltWithCuda();
 
   m.def("crc32c", [](py::buffer b, uint32_t crc) {
@@ -161,15 +168,51 @@ PYBIND11_MODULE(_writer, m) {
       }, "Drain, write framing, fsync: [(offset, length, data_offset, data_length, crc32c)] per item.")
       .def_property_readonly("size", [](const PyDcpFile& f) { return f.file->file_size(); });
 
+  py::class_<PySafetensorsFile>(m, "SafetensorsFile")
+      .def(py::init([](PyStager& s, const std::string& path) {
+             return PySafetensorsFile{Take(SafetensorsFileWriter::Create(s.stager.get(), path))};
+           }),
+           py::keep_alive<1, 2>(), py::arg("stager"), py::arg("path"))
+      .def("add_tensor", [](PySafetensorsFile& f, const std::string& name, const std::string& dtype,
+                            const std::vector<uint64_t>& shape, uint64_t nbytes) {
+             return Take(f.file->AddTensor(name, dtype, shape, nbytes));
+           }, py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("nbytes"))
+      .def("seal", [](PySafetensorsFile& f, const std::map<std::string, std::string>& metadata) {
+             Check(f.file->Seal(metadata));
+           }, py::arg("metadata"), "Lay the file out (every tensor added) with `metadata` as __metadata__.")
+      .def("write", [](PySafetensorsFile& f, uint32_t item, uintptr_t ptr, uint64_t nbytes, int device, uint64_t stream,
+                       bool copy_host) {
+             Status s;
+             {
+               py::gil_scoped_release nogil;
+               s = f.file->Write(item, Slice{reinterpret_cast<const void*>(ptr), nbytes, device, stream}, copy_host);
+             }
+             Check(s);
+           },
+           py::arg("item"), py::arg("ptr"), py::arg("nbytes"), py::arg("device") = kHostDevice, py::arg("stream") = 0,
+           py::arg("copy_host") = false,
+           "Queue the tensor's next bytes. With copy_host=False host memory must stay unchanged until finish().")
+      .def("finish", [](PySafetensorsFile& f) {
+        Result<std::vector<SafetensorsItemResult>> r = Status::Incomplete("not run");
+        {
+          py::gil_scoped_release nogil;
+          r = f.file->Finish();
+        }
+        py::list out;
+        for (const SafetensorsItemResult& i : Take(std::move(r))) out.append(py::make_tuple(i.offset, i.length, i.crc32c));
+        return out;
+      }, "Drain, fsync: [(offset, length, crc32c)] of each tensor's raw bytes, in add_tensor order.");
+
   m.def("commit_rows", [](const std::string& abs_root, const std::string& dir, const py::list& tensors,
-                          const py::list& chunks, const py::list& bytes) {
-    return RowsSummary(Take(BuildCommitRows(abs_root, ToWritten(dir, tensors, chunks, bytes))));
+                          const py::list& chunks, const py::list& bytes, const std::string& format) {
+    return RowsSummary(Take(BuildCommitRows(abs_root, ToWritten(dir, format, tensors, chunks, bytes))));
   }, py::arg("abs_root"), py::arg("dir"), py::arg("tensors"), py::arg("chunks"), py::arg("bytes"),
+     py::arg("format") = "dcp",
      "The rows a commit record would carry (a summary dict), checked like a commit.");
 
   m.def("commit", [](const std::string& abs_root, const std::string& dir, const py::list& tensors,
-                     const py::list& chunks, const py::list& bytes) {
-    Checkpoint ckpt = Take(BuildCommitRows(abs_root, ToWritten(dir, tensors, chunks, bytes)));
+                     const py::list& chunks, const py::list& bytes, const std::string& format) {
+    Checkpoint ckpt = Take(BuildCommitRows(abs_root, ToWritten(dir, format, tensors, chunks, bytes)));
     Status s;
     {
       py::gil_scoped_release nogil;
@@ -178,5 +221,6 @@ PYBIND11_MODULE(_writer, m) {
     Check(s);
     return RowsSummary(ckpt);
   }, py::arg("abs_root"), py::arg("dir"), py::arg("tensors"), py::arg("chunks"), py::arg("bytes"),
+     py::arg("format") = "dcp",
      "Builds the rows like commit_rows, then writes <abs_root>/<dir>/.ckptfs/commit.sst (durably, last).");
 }

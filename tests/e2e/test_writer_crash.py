@@ -8,6 +8,11 @@ replays). After every crash:
 and in the end a re-save into every broken directory succeeds and loads
 to its state with stock dcp.load.
 
+The same for layout="hf" (FileSystemReader becomes HuggingFaceStorageReader,
+.metadata the published shard files), where also a broken step that shows
+rank 1's shard file under its final name loads to its full state: shards
+are published rank 1 last, so none is ever missing or partly written then.
+
 Kill moments: uniform over 1.3x the duration of a clean save, measured
 from the rank's "ready" marker (state built, save about to start), so
 kills land in planning, staging, fsync, .metadata and after.
@@ -25,6 +30,7 @@ import sys
 import tempfile
 import time
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
@@ -33,6 +39,7 @@ from harness import spawn_ranks
 GEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "writer_gen.py")
 RUNS = 20
 WORLD = 2
+SHARDS = [f"shard-{r + 1:05d}-model-00001-of-00001.safetensors" for r in range(WORLD)]
 
 
 def _digest(step_dir: str) -> dict:
@@ -83,21 +90,29 @@ def _run_and_kill(job: dict, delay: float, victim: int, tmp: str) -> str:
     return what
 
 
-def _load_equals_state(step_dir: str, n: int, oracle: dict) -> None:
+def _load_equals_state(step_dir: str, layout: str, oracle: dict) -> None:
     target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else None) for k, v in oracle.items()}
-    dcp.load(target, storage_reader=dcp.FileSystemReader(step_dir), no_dist=True)
+    reader = dcp.HuggingFaceStorageReader(step_dir) if layout == "hf" else dcp.FileSystemReader(step_dir)
+    dcp.load(target, storage_reader=reader, no_dist=True)
     for k, v in oracle.items():
         assert (torch.equal(v, target[k]) if isinstance(v, torch.Tensor) else v == target[k]), (step_dir, k)
 
 
-def test_sigkill_at_random_points(tmp_path):
+def _commit_point(step: str, layout: str) -> bool:
+    if layout == "hf":
+        return all(os.path.exists(os.path.join(step, s)) for s in SHARDS)
+    return os.path.exists(os.path.join(step, ".metadata"))
+
+
+@pytest.mark.parametrize("layout", ["dcp", "hf"])
+def test_sigkill_at_random_points(tmp_path, layout):
     rng = random.Random(1234)
     root = str(tmp_path / "run")
     marker = str(tmp_path / "marker")
     oracles = str(tmp_path / "oracles")
     # A clean save first: step_0 must survive everything after it; its
     # duration calibrates the kill moments.
-    spawn_ranks(GEN, WORLD, {"kind": "steps", "steps": [0], "root": root, "marker": marker,
+    spawn_ranks(GEN, WORLD, {"kind": "steps", "steps": [0], "root": root, "marker": marker, "layout": layout,
                              "buffer_bytes": 4096, "oracles": oracles}, name="clean save")
     m = {w: t for w, _, t in _markers(marker)}
     save_s = m["done"] - m["ready"]
@@ -107,7 +122,7 @@ def test_sigkill_at_random_points(tmp_path):
         # Every fourth run saves into a directory an earlier crash broke.
         n = broken[0] if broken and i % 4 == 0 else i
         os.remove(marker)
-        what = _run_and_kill({"kind": "steps", "steps": [n], "root": root, "marker": marker,
+        what = _run_and_kill({"kind": "steps", "steps": [n], "root": root, "marker": marker, "layout": layout,
                               "buffer_bytes": 4096, "oracles": oracles}, rng.uniform(0, 1.3 * save_s), rng.randrange(WORLD),
                              str(tmp_path))
         done = any(w == "done" for w, _, _ in _markers(marker))
@@ -119,10 +134,13 @@ def test_sigkill_at_random_points(tmp_path):
         assert committed or not done, f"run {i}: step_{n}'s save returned without a commit record"
         if committed:
             # Done, or killed after the record's rename: complete, and loads below.
-            assert os.path.exists(os.path.join(step, ".metadata")), f"run {i}: committed without .metadata"
+            assert _commit_point(step, layout), f"run {i}: committed without its commit point"
             intact[f"step_{n}"] = _digest(step)
             broken = [b for b in broken if b != n]
-        elif n not in broken:
+            continue
+        if layout == "hf" and os.path.exists(os.path.join(step, SHARDS[0])):
+            _load_equals_state(step, layout, torch.load(os.path.join(oracles, f"{n}.pt"), weights_only=False))
+        if n not in broken:
             broken.append(n)
     kills = sum(1 for _, what, done in outcomes if what == "killed" and not done)
     assert kills >= RUNS // 2, f"too few kills landed inside a save: {outcomes}"
@@ -130,8 +148,8 @@ def test_sigkill_at_random_points(tmp_path):
     if broken:
         os.remove(marker)
         spawn_ranks(GEN, WORLD, {"kind": "steps", "steps": broken, "root": root, "marker": marker,
-                                 "buffer_bytes": 4096, "oracles": oracles}, name="re-save")
+                                 "layout": layout, "buffer_bytes": 4096, "oracles": oracles}, name="re-save")
     for name in list(intact) + [f"step_{n}" for n in broken]:
         n = int(name.split("_")[1])
         oracle = torch.load(os.path.join(oracles, f"{n}.pt"), weights_only=False)
-        _load_equals_state(os.path.join(root, name), n, oracle)
+        _load_equals_state(os.path.join(root, name), layout, oracle)

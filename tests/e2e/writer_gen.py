@@ -27,6 +27,8 @@ Jobs (``spawn_ranks(__file__, world, job)``; ``job["kind"]``):
   at a random moment; rank 0 appends ``ready N`` before and ``done N``
   after each save to ``job["marker"]``, with time.monotonic(); with
   ``job["oracles"]`` it first writes ``<oracles>/<n>.pt`` like ``save``).
+  With ``job["layout"] == "hf"`` the steps are saved with layout="hf" and
+  hold the state's tensors only (``tensors_only``).
 """
 
 from __future__ import annotations
@@ -111,7 +113,7 @@ def _flipping_writer(flip: list):
 def _save(sd: dict, job: dict, directory: str) -> None:
     from ckptfs.torch import StorageWriter
     cls = _flipping_writer(job["flip"]) if job.get("flip") else StorageWriter
-    writer = cls(directory, buffer_bytes=job.get("buffer_bytes", 4096), buffers=2)
+    writer = cls(directory, layout=job.get("layout", "dcp"), buffer_bytes=job.get("buffer_bytes", 4096), buffers=2)
     if job.get("mode") == "async":
         fut = dcp.async_save(sd, storage_writer=writer)
         # Staging returned: the training loop may change every tensor now.
@@ -163,9 +165,17 @@ def _mark(job: dict, what: str) -> None:
             f.write(f"{what} {time.monotonic()}\n")
 
 
+def tensors_only(sd: dict) -> dict:
+    """The state without its non-tensor items (and the optimizer's
+    param_groups), for the HF layout."""
+    return {"model": sd["model"], "optim": {"state": sd["optim"]["state"]}, "tp": sd["tp"], "plain": sd["plain"]}
+
+
 def _job_steps(job: dict, mesh) -> None:
     for n in job["steps"]:
         sd = state(n, mesh)
+        if job.get("layout") == "hf":
+            sd = tensors_only(sd)
         oracle = flat_full(sd)
         if dist.get_rank() == 0 and job.get("oracles"):
             os.makedirs(job["oracles"], exist_ok=True)

@@ -1,0 +1,76 @@
+// One rank's safetensors file of the HF layout (torch's
+// HuggingFaceStorageWriter with save_distributed=True: docs/WRITER.md),
+// written through the stager.
+//
+// The file is what safetensors' reference serializer (`safetensors.torch.save`,
+// which torch's writer calls) makes of the same tensors: data sorted by
+// dtype, descending in the crate's dtype order, then by name; entries
+// abutting from 0; the JSON header (core/safetensors.h) padded with spaces
+// so the data starts at a multiple of 8. Only the order of `__metadata__`'s
+// keys differs: the reference writes them from a hash map (any order, it
+// changes between processes), this writer sorts them.
+//
+// Tensors are planned first (AddTensor), then Seal lays the file out and
+// queues the header, then each tensor's bytes are written (Write, in
+// slices, in order). The bytes lie back to back as raw items of a
+// DcpFileWriter, which does the staging, draining, truncation and fsync;
+// the header is its first item. Finish returns per tensor, in AddTensor
+// order, where its raw bytes lie and their CRC32C.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "core/safetensors.h"
+#include "core/status.h"
+#include "writer/dcp_file_writer.h"
+#include "writer/stager.h"
+
+namespace ckptfs {
+
+struct SafetensorsItemResult {
+  uint64_t offset = 0, length = 0;  // the tensor's raw bytes in the file
+  uint32_t crc32c = 0;              // of those bytes
+};
+
+// The position of `t` in the safetensors crate's dtype order (its `Dtype`
+// enum; a file holds larger positions first).
+int SafetensorsDTypeOrder(DType t);
+
+class SafetensorsFileWriter {
+ public:
+  // Creates `path` through `stager` (which must outlive this writer).
+  static Result<std::unique_ptr<SafetensorsFileWriter>> Create(Stager* stager, const std::string& path);
+
+  // Planning. `dtype` is torch's name ("bfloat16"); the bytes are row-major.
+  // Fails for a dtype safetensors cannot name, a size that does not match
+  // the shape, a name given twice, or after Seal.
+  Result<uint32_t> AddTensor(const std::string& name, const std::string& dtype, const std::vector<uint64_t>& shape,
+                             uint64_t nbytes);
+  // Lays the file out with `metadata` as `__metadata__` and queues the header.
+  Status Seal(const std::map<std::string, std::string>& metadata);
+
+  // The next `src.size` bytes of tensor `item` (see Stager::Write for copy_host).
+  Status Write(uint32_t item, const Slice& src, bool copy_host);
+
+  // Drains, fsyncs and closes the file.
+  Result<std::vector<SafetensorsItemResult>> Finish();
+
+  const std::string& path() const { return file_->path(); }
+
+ private:
+  explicit SafetensorsFileWriter(std::unique_ptr<DcpFileWriter> file) : file_(std::move(file)) {}
+
+  std::unique_ptr<DcpFileWriter> file_;
+  std::vector<SafetensorsEntry> entries_;  // AddTensor order; begin/end set by Seal
+  std::unordered_set<std::string> names_;
+  std::vector<uint32_t> items_;            // the DcpFileWriter item of each entry
+  std::string header_;                     // written from here: kept until Finish
+  bool sealed_ = false;
+};
+
+}  // namespace ckptfs
