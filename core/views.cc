@@ -76,7 +76,7 @@ std::string Unservable(const TensorSlice& s) {
     for (const Chunk& c : s.tensor->chunks)
       if (!c.unavailable.empty() && Intersect(c.shard.box, b)) {
         readable = false;
-        if (why.empty()) why = c.unavailable;
+        if (why.empty()) why = c.unavailable.get();
       }
     if (readable) return "";
   }
@@ -315,7 +315,7 @@ void Append(nlohmann::ordered_json& object, std::string key, nlohmann::ordered_j
       .emplace_back(std::move(key), std::move(value));
 }
 
-nlohmann::ordered_json BoxJson(const Box& b) { return {{"offsets", b.offsets}, {"lengths", b.lengths}}; }
+nlohmann::ordered_json BoxJson(const Box& b) { return {{"offsets", Shape(b.offsets)}, {"lengths", Shape(b.lengths)}}; }
 
 // layout.json's entry for one slice: its box, or for a fused tensor the
 // boxes joined along join_dim.
@@ -323,8 +323,8 @@ nlohmann::ordered_json SliceJson(const TensorSlice& s, const std::string& file) 
   nlohmann::ordered_json j = {{"dtype", std::string(DTypeName(s.tensor->dtype))},
                               {"global_shape", s.tensor->shape}};
   if (s.joined.empty()) {
-    j["offsets"] = s.box.offsets;
-    j["lengths"] = s.box.lengths;
+    j["offsets"] = Shape(s.box.offsets);
+    j["lengths"] = Shape(s.box.lengths);
   } else {
     j["lengths"] = s.shape();
     j["join_dim"] = s.join_dim;
