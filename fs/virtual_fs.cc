@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -45,6 +46,7 @@ struct VirtualFs::Node {
   int ckpt = -1;                                // virtual kinds: the checkpoint they show;
                                                 // a source dir: whose views `children` holds
   bool is_mesh = false;                         // a mesh/ dir: specs are made on lookup
+  bool is_npy = false;                          // tensors/: its files are made on first use
 
   bool is_dir() const { return kind == Kind::kSourceDir || kind == Kind::kVirtualDir; }
   bool is_source() const { return kind == Kind::kSourceDir || kind == Kind::kSourceFile || kind == Kind::kSourceLink; }
@@ -218,6 +220,7 @@ Status VirtualFs::EnsureLoaded(int i) {
     s->access = AccessOf(tree_, s->ckpt);
     RETURN_IF_ERROR(BuildViews(i, SourceNode(s->dir, Node::Kind::kSourceDir)));
     s->resident = true;
+    ReturnFreedMemory();
     Info(Join(s->dir, "") + ": loaded (" + std::to_string(s->ckpt.tensors.size()) + " tensors)");
   }
   Touch(i);
@@ -265,6 +268,7 @@ bool VirtualFs::Evict(int i) {
   std::lock_guard<std::mutex> load(victim->load_mu);
   victim->reader.reset();
   victim->ckpt = Checkpoint();
+  ReturnFreedMemory();
   Info(Join(victim->dir, "") + ": unloaded (least recently used beyond --max-loaded); loaded again on next use");
   return true;
 }
@@ -291,13 +295,15 @@ struct PendingDir {
   std::string name;
   std::vector<ViewFile> files;
   bool is_mesh = false;
+  bool is_npy = false;
 };
 
 }  // namespace
 
-// Builds consolidated/, tensors/, bytes/ and mesh/ of checkpoint `i` and
-// attaches them to `dir`. One bad view must not hide the others: failures
-// are logged and the view left out.
+// Builds consolidated/, bytes/ and mesh/ of checkpoint `i` and attaches
+// them to `dir`, with tensors/ empty until first used (FillNpy: one file
+// per tensor is the largest view, and the one least often listed). One bad
+// view must not hide the others: failures are logged and the view left out.
 Status VirtualFs::BuildViews(int i, Node* dir) {
   const Checkpoint& ckpt = ServedAt(i)->ckpt;
   std::vector<PendingDir> pending;
@@ -305,8 +311,7 @@ Status VirtualFs::BuildViews(int i, Node* dir) {
     pending.push_back({"consolidated", std::move(*files)});
   else
     Log(Join(ckpt.dir, "consolidated") + ": not created: " + files.status().message());
-  if (auto npy = TensorsView(ckpt); npy.ok()) pending.push_back({"tensors", std::move(*npy)});
-  else Log(Join(ckpt.dir, "tensors") + ": not created: " + npy.status().message());
+  pending.push_back({"tensors", {}, false, true});
   if (auto items = BytesView(ckpt); !items.empty()) pending.push_back({"bytes", std::move(items)});
   if (auto rules = RulesFor(ckpt); rules.ok()) {
     Layout text;
@@ -321,6 +326,7 @@ Status VirtualFs::BuildViews(int i, Node* dir) {
   for (PendingDir& p : pending) {
     Node* view = AddVirtual(dir, p.name, /*is_dir=*/true, i);
     view->is_mesh = p.is_mesh;
+    view->is_npy = p.is_npy;
     for (ViewFile& f : p.files) AddViewFile(view, std::move(f), i);
   }
   return Status::OK();
@@ -377,6 +383,30 @@ FsResult<uint64_t> VirtualFs::OpenMesh(Node* mesh_dir, const std::string& name) 
   }
   return dir->ino;
 }
+
+// Makes the files of tensors/ (`npy_dir`) on its first lookup or listing.
+// A tensor that cannot be presented leaves the folder empty, with a log line.
+FsError VirtualFs::FillNpy(Node* npy_dir) {
+  Served* served = ServedAt(npy_dir->ckpt);
+  std::lock_guard<std::mutex> load(served->load_mu);  // its rows stay while in use
+  {
+    std::shared_lock lock(mu_);
+    if (!npy_dir->is_npy) return FsError();  // filled by another thread meanwhile
+  }
+  if (served->evicted) return FsError(ESTALE, served->dir + ": unloaded; look it up again");
+  auto files = TensorsView(served->ckpt);
+  if (!files.ok()) Log(Join(served->ckpt.dir, "tensors") + ": no files: " + files.status().message());
+  std::unique_lock lock(mu_);
+  if (served->evicted) return FsError(ESTALE, served->dir + ": unloaded; look it up again");
+  npy_dir->is_npy = false;
+  if (files.ok())
+    for (ViewFile& f : *files) AddViewFile(npy_dir, std::move(f), npy_dir->ckpt);
+  return FsError();
+}
+
+// glibc keeps freed memory (a checkpoint's rows, the temporaries of building
+// its views) mapped for reuse; a daemon's RSS would then stay at its peak.
+void VirtualFs::ReturnFreedMemory() { malloc_trim(0); }
 
 // Puts a view file under `view`; a name with '/' (a sidecar folder such as
 // sentence-transformers' 1_Pooling/config.json) gets its directories.
@@ -491,6 +521,7 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name) {
   }
   Pin pin = EnsureViewsOf(*p);
   Touch(p->ckpt);
+  if (FsError e = NeedsNpy(*p) ? FillNpy(p) : FsError(); !e.ok()) return e;
   uint64_t child = 0;
   {
     std::shared_lock lock(mu_);
@@ -502,6 +533,11 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name) {
   }
   if (!child) return FsError(ENOENT, Join(PathOf(*p), name) + ": no such file or directory");
   return AttrOf(*Find(child));
+}
+
+bool VirtualFs::NeedsNpy(const Node& n) const {
+  std::shared_lock lock(mu_);
+  return n.is_npy;
 }
 
 VirtualFs::Pin::~Pin() {
@@ -549,6 +585,7 @@ FsResult<std::vector<DirEntry>> VirtualFs::ReadDir(uint64_t ino) {
     }
   }
   Pin pin = EnsureViewsOf(*p);
+  if (FsError e = NeedsNpy(*p) ? FillNpy(p) : FsError(); !e.ok()) return e;
   std::map<std::string, uint64_t> children;
   {
     std::shared_lock lock(mu_);
