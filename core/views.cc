@@ -290,17 +290,26 @@ std::vector<ViewFile> BytesView(const Checkpoint& ckpt) {
   return out;
 }
 
+Result<ViewFile> NpyFile(std::shared_ptr<const TensorMeta> t) {
+  Layout layout;
+  layout.Reserve(2);
+  layout.AddLiteral(NpyHeader(NpyDescr(t->dtype), t->shape));
+  const Box whole = Box::Whole(t->shape);
+  std::string name = EscapeFileName(t->fqn) + ".npy";
+  if (NeedsFloat32View(t->dtype)) {
+    RETURN_IF_ERROR(layout.AddTensorAsFloat32(std::move(t), whole));
+  } else {
+    RETURN_IF_ERROR(layout.AddTensor(std::move(t), whole));
+  }
+  return ViewFile{std::move(name), std::make_shared<const Layout>(std::move(layout)), ""};
+}
+
 Result<std::vector<ViewFile>> TensorsView(const Checkpoint& ckpt) {
   std::vector<ViewFile> out;
+  out.reserve(ckpt.tensors.size());
   for (const auto& t : ckpt.tensors) {
-    Layout layout;
-    layout.AddLiteral(NpyHeader(NpyDescr(t->dtype), t->shape));
-    if (NeedsFloat32View(t->dtype)) {
-      RETURN_IF_ERROR(layout.AddTensorAsFloat32(t, Box::Whole(t->shape)));
-    } else {
-      RETURN_IF_ERROR(layout.AddTensor(t, Box::Whole(t->shape)));
-    }
-    out.push_back({EscapeFileName(t->fqn) + ".npy", std::make_shared<const Layout>(std::move(layout)), ""});
+    ASSIGN_OR_RETURN(ViewFile f, NpyFile(t));
+    out.push_back(std::move(f));
   }
   return out;
 }

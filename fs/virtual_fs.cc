@@ -47,6 +47,8 @@ struct VirtualFs::Node {
                                                 // a source dir: whose views `children` holds
   bool is_mesh = false;                         // a mesh/ dir: specs are made on lookup
   bool is_npy = false;                          // tensors/: its files are made on first use
+  int npy = -1;                                 // a tensors/ file: its tensor's index in the
+                                                // checkpoint; its layout is made on open
 
   bool is_dir() const { return kind == Kind::kSourceDir || kind == Kind::kVirtualDir; }
   bool is_source() const { return kind == Kind::kSourceDir || kind == Kind::kSourceFile || kind == Kind::kSourceLink; }
@@ -384,8 +386,10 @@ FsResult<uint64_t> VirtualFs::OpenMesh(Node* mesh_dir, const std::string& name) 
   return dir->ino;
 }
 
-// Makes the files of tensors/ (`npy_dir`) on its first lookup or listing.
-// A tensor that cannot be presented leaves the folder empty, with a log line.
+// Makes the files of tensors/ (`npy_dir`) on its first lookup or listing:
+// names and sizes only, each file's layout being made again when it is
+// opened (EnsureNpyLayout). A tensor that cannot be presented leaves the
+// folder empty, with a log line.
 FsError VirtualFs::FillNpy(Node* npy_dir) {
   Served* served = ServedAt(npy_dir->ckpt);
   std::lock_guard<std::mutex> load(served->load_mu);  // its rows stay while in use
@@ -394,13 +398,39 @@ FsError VirtualFs::FillNpy(Node* npy_dir) {
     if (!npy_dir->is_npy) return FsError();  // filled by another thread meanwhile
   }
   if (served->evicted) return FsError(ESTALE, served->dir + ": unloaded; look it up again");
-  auto files = TensorsView(served->ckpt);
-  if (!files.ok()) Log(Join(served->ckpt.dir, "tensors") + ": no files: " + files.status().message());
+  std::vector<std::pair<std::string, uint64_t>> files;  // name, size; by tensor index
+  files.reserve(served->ckpt.tensors.size());
+  for (const auto& t : served->ckpt.tensors) {
+    auto f = NpyFile(t);
+    if (!f.ok()) {
+      Log(Join(served->ckpt.dir, "tensors") + ": no files: " + f.status().message());
+      files.clear();
+      break;
+    }
+    files.emplace_back(std::move(f->name), f->layout->size());
+  }
   std::unique_lock lock(mu_);
   if (served->evicted) return FsError(ESTALE, served->dir + ": unloaded; look it up again");
   npy_dir->is_npy = false;
-  if (files.ok())
-    for (ViewFile& f : *files) AddViewFile(npy_dir, std::move(f), npy_dir->ckpt);
+  for (size_t i = 0; i < files.size(); ++i) {
+    Node* n = AddVirtual(npy_dir, files[i].first, /*is_dir=*/false, npy_dir->ckpt);
+    n->size = files[i].second;
+    n->npy = int(i);
+  }
+  return FsError();
+}
+
+// A tensors/ file's layout, made on its first open and kept while its
+// checkpoint stays loaded. REQUIRES: a handle of the checkpoint held.
+FsError VirtualFs::EnsureNpyLayout(Node* n, const Served& served) {
+  {
+    std::shared_lock lock(mu_);
+    if (n->layout) return FsError();
+  }
+  auto f = NpyFile(served.ckpt.tensors.at(n->npy));
+  if (!f.ok()) return FsError::From(f.status());
+  std::unique_lock lock(mu_);
+  if (!n->layout) n->layout = std::move(f->layout);
   return FsError();
 }
 
@@ -626,6 +656,12 @@ FsResult<uint64_t> VirtualFs::Open(uint64_t ino, int flags) {
     if (s->evicted) return FsError(ESTALE, PathOf(*n) + ": its checkpoint was unloaded; look it up again");
     ++s->handles;
     h->served = s;
+  }
+  if (n->npy >= 0) {
+    if (FsError e = EnsureNpyLayout(n, *h->served); !e.ok()) {
+      --h->served->handles;
+      return e;
+    }
   }
   Touch(n->ckpt);
   return reinterpret_cast<uint64_t>(h.release());
