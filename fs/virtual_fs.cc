@@ -398,23 +398,26 @@ FsError VirtualFs::FillNpy(Node* npy_dir) {
     if (!npy_dir->is_npy) return FsError();  // filled by another thread meanwhile
   }
   if (served->evicted) return FsError(ESTALE, served->dir + ": unloaded; look it up again");
-  std::vector<std::pair<std::string, uint64_t>> files;  // name, size; by tensor index
-  files.reserve(served->ckpt.tensors.size());
-  for (const auto& t : served->ckpt.tensors) {
+  // Sizes first, nodes after: layouts made and freed between the nodes would
+  // leave the heap fragmented (pages that neither hold much nor go back).
+  const auto& tensors = served->ckpt.tensors;
+  std::vector<uint64_t> sizes;
+  sizes.reserve(tensors.size());
+  for (const auto& t : tensors) {
     auto f = NpyFile(t);
     if (!f.ok()) {
       Log(Join(served->ckpt.dir, "tensors") + ": no files: " + f.status().message());
-      files.clear();
+      sizes.clear();
       break;
     }
-    files.emplace_back(std::move(f->name), f->layout->size());
+    sizes.push_back(f->layout->size());
   }
   std::unique_lock lock(mu_);
   if (served->evicted) return FsError(ESTALE, served->dir + ": unloaded; look it up again");
   npy_dir->is_npy = false;
-  for (size_t i = 0; i < files.size(); ++i) {
-    Node* n = AddVirtual(npy_dir, files[i].first, /*is_dir=*/false, npy_dir->ckpt);
-    n->size = files[i].second;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    Node* n = AddVirtual(npy_dir, EscapeFileName(tensors[i]->fqn) + ".npy", /*is_dir=*/false, npy_dir->ckpt);
+    n->size = sizes[i];
     n->npy = int(i);
   }
   return FsError();
@@ -616,17 +619,22 @@ FsResult<std::vector<DirEntry>> VirtualFs::ReadDir(uint64_t ino) {
   }
   Pin pin = EnsureViewsOf(*p);
   if (FsError e = NeedsNpy(*p) ? FillNpy(p) : FsError(); !e.ok()) return e;
-  std::map<std::string, uint64_t> children;
+  // Inodes only (a virtual dir may hold 100k files): a node and its name
+  // live as long as the VirtualFs.
+  std::vector<uint64_t> children;
   {
     std::shared_lock lock(mu_);
-    children = p->children;
+    children.reserve(p->children.size());
+    for (const auto& [name, child] : p->children) children.push_back(child);
   }
   std::set<std::string> real;  // a real entry shadows a virtual one of its name
   for (const DirEntry& e : out) real.insert(e.name);
-  for (const auto& [name, child] : children) {
-    if (real.count(name)) continue;
-    auto a = AttrOf(*Find(child));
-    if (a.ok()) out.push_back({name, *a});
+  out.reserve(out.size() + children.size());
+  for (uint64_t child : children) {
+    const Node& c = *Find(child);
+    if (real.count(c.name)) continue;
+    auto a = AttrOf(c);
+    if (a.ok()) out.push_back({c.name, *a});
   }
   std::sort(out.begin(), out.end(), [](const DirEntry& a, const DirEntry& b) { return a.name < b.name; });
   return out;
