@@ -5,6 +5,74 @@
 
 namespace ckptfs {
 
+Dims& Dims::operator=(const Dims& o) {
+  if (this != &o) Assign(o.data(), o.size());
+  return *this;
+}
+
+Dims& Dims::operator=(Dims&& o) noexcept {
+  if (this != &o) {
+    Free();
+    Steal(o);
+  }
+  return *this;
+}
+
+void Dims::push_back(uint64_t v) {
+  if (size_ == capacity_) Reserve(size_t(capacity_) * 2);
+  data()[size_++] = v;
+}
+
+void Dims::resize(size_t n, uint64_t value) {
+  Reserve(n);
+  for (size_t i = size_; i < n; ++i) data()[i] = value;
+  size_ = uint32_t(n);
+}
+
+void Dims::assign(size_t n, uint64_t value) {
+  size_ = 0;
+  resize(n, value);
+}
+
+// Keeps the current storage when it is large enough (no shrinking: a box
+// reassigned to a lower rank keeps its block until destroyed).
+void Dims::Assign(const uint64_t* v, size_t n) {
+  size_ = 0;
+  Reserve(n);
+  std::copy(v, v + n, data());
+  size_ = uint32_t(n);
+}
+
+void Dims::Reserve(size_t n) {
+  if (n <= capacity_) return;
+  uint64_t* block = new uint64_t[n];
+  std::copy(begin(), end(), block);
+  Free();
+  heap_ = block;
+  capacity_ = uint32_t(n);
+}
+
+void Dims::Steal(Dims& o) {
+  if (o.on_heap()) {
+    heap_ = o.heap_;
+  } else {
+    std::copy(o.inline_, o.inline_ + o.size_, inline_);
+  }
+  size_ = o.size_;
+  capacity_ = o.capacity_;
+  o.size_ = 0;
+  o.capacity_ = kInline;
+}
+
+void Dims::Free() {
+  if (on_heap()) delete[] heap_;
+  capacity_ = kInline;
+}
+
+bool Dims::Equal(const Dims& a, const uint64_t* b, size_t n) {
+  return a.size() == n && std::equal(a.begin(), a.end(), b);
+}
+
 uint64_t Box::numel() const {
   uint64_t n = 1;
   for (uint64_t l : lengths) n *= l;

@@ -11,6 +11,7 @@ void Layout::AddLiteral(std::string bytes) {
   s.kind = Segment::Kind::kLiteral;
   s.offset = size_;
   s.length = bytes.size();
+  bytes.shrink_to_fit();  // a header built by appending has up to twice its size allocated
   s.literal = std::make_shared<const std::string>(std::move(bytes));
   size_ += s.length;
   if (s.length) segments_.push_back(std::move(s));
@@ -125,6 +126,7 @@ std::vector<SafetensorsEntry> Entries(const SliceList& slices) {
 Result<Layout> SafetensorsFileLayout(const SliceList& slices, const std::map<std::string, std::string>& metadata) {
   ASSIGN_OR_RETURN(std::string header, EncodeSafetensorsHeader(Entries(slices), metadata, kVirtualDataAlignment));
   Layout layout;
+  layout.Reserve(slices.size() + 1);  // exact unless tensors are joined
   layout.AddLiteral(std::move(header));
   for (const TensorSlice& s : slices)
     for (const Box& b : s.ByteOrder()) RETURN_IF_ERROR(layout.AddTensor(s.tensor, b));

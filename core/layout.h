@@ -43,6 +43,9 @@ class Layout {
   // The same elements converted to float32 on read (core/convert.h).
   Status AddTensorAsFloat32(std::shared_ptr<const TensorMeta> tensor, const Box& box);
   void AddSource(FileId file, uint64_t file_offset, uint64_t length);
+  // Room for `n` segments: a layout lives as long as its checkpoint is loaded,
+  // and growth by doubling would leave up to half its segments unused.
+  void Reserve(size_t n) { segments_.reserve(n); }
 
   uint64_t size() const { return size_; }
   const std::vector<Segment>& segments() const { return segments_; }

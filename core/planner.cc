@@ -29,7 +29,7 @@ Result<UnitGeometry> ToUnits(const TensorMeta& t, const Box& target) {
     for (const Chunk& c : t.chunks) {
       u.chunks.push_back(c.shard.box);
       u.strides.push_back(c.basic.strides.empty() ? RowMajorStrides(c.shard.box.lengths)
-                                                  : c.basic.strides);
+                                                  : c.basic.strides.get());
     }
     return u;
   }

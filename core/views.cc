@@ -76,7 +76,7 @@ std::string Unservable(const TensorSlice& s) {
     for (const Chunk& c : s.tensor->chunks)
       if (!c.unavailable.empty() && Intersect(c.shard.box, b)) {
         readable = false;
-        if (why.empty()) why = c.unavailable;
+        if (why.empty()) why = c.unavailable.get();
       }
     if (readable) return "";
   }
@@ -290,17 +290,26 @@ std::vector<ViewFile> BytesView(const Checkpoint& ckpt) {
   return out;
 }
 
+Result<ViewFile> NpyFile(std::shared_ptr<const TensorMeta> t) {
+  Layout layout;
+  layout.Reserve(2);
+  layout.AddLiteral(NpyHeader(NpyDescr(t->dtype), t->shape));
+  const Box whole = Box::Whole(t->shape);
+  std::string name = EscapeFileName(t->fqn) + ".npy";
+  if (NeedsFloat32View(t->dtype)) {
+    RETURN_IF_ERROR(layout.AddTensorAsFloat32(std::move(t), whole));
+  } else {
+    RETURN_IF_ERROR(layout.AddTensor(std::move(t), whole));
+  }
+  return ViewFile{std::move(name), std::make_shared<const Layout>(std::move(layout)), ""};
+}
+
 Result<std::vector<ViewFile>> TensorsView(const Checkpoint& ckpt) {
   std::vector<ViewFile> out;
+  out.reserve(ckpt.tensors.size());
   for (const auto& t : ckpt.tensors) {
-    Layout layout;
-    layout.AddLiteral(NpyHeader(NpyDescr(t->dtype), t->shape));
-    if (NeedsFloat32View(t->dtype)) {
-      RETURN_IF_ERROR(layout.AddTensorAsFloat32(t, Box::Whole(t->shape)));
-    } else {
-      RETURN_IF_ERROR(layout.AddTensor(t, Box::Whole(t->shape)));
-    }
-    out.push_back({EscapeFileName(t->fqn) + ".npy", std::make_shared<const Layout>(std::move(layout)), ""});
+    ASSIGN_OR_RETURN(ViewFile f, NpyFile(t));
+    out.push_back(std::move(f));
   }
   return out;
 }
@@ -315,7 +324,7 @@ void Append(nlohmann::ordered_json& object, std::string key, nlohmann::ordered_j
       .emplace_back(std::move(key), std::move(value));
 }
 
-nlohmann::ordered_json BoxJson(const Box& b) { return {{"offsets", b.offsets}, {"lengths", b.lengths}}; }
+nlohmann::ordered_json BoxJson(const Box& b) { return {{"offsets", Shape(b.offsets)}, {"lengths", Shape(b.lengths)}}; }
 
 // layout.json's entry for one slice: its box, or for a fused tensor the
 // boxes joined along join_dim.
@@ -323,8 +332,8 @@ nlohmann::ordered_json SliceJson(const TensorSlice& s, const std::string& file) 
   nlohmann::ordered_json j = {{"dtype", std::string(DTypeName(s.tensor->dtype))},
                               {"global_shape", s.tensor->shape}};
   if (s.joined.empty()) {
-    j["offsets"] = s.box.offsets;
-    j["lengths"] = s.box.lengths;
+    j["offsets"] = Shape(s.box.offsets);
+    j["lengths"] = Shape(s.box.lengths);
   } else {
     j["lengths"] = s.shape();
     j["join_dim"] = s.join_dim;

@@ -75,6 +75,8 @@ Result<MeshFiles> MeshView(const Checkpoint& ckpt, const std::vector<SourceFile>
 // named EscapeFileName(fqn) + ".npy". Dtypes NumPy lacks (BF16, F8_*, F4,
 // F6_*) are presented as float32, converted on read; C64 as complex64.
 Result<std::vector<ViewFile>> TensorsView(const Checkpoint& ckpt);
+// One file of tensors/.
+Result<ViewFile> NpyFile(std::shared_ptr<const TensorMeta> t);
 
 // bytes/: each non-tensor item (DCP BYTE_IO) as `<escaped key>.pt`, its
 // bytes exactly as saved (a torch.save blob: torch.load reads it).

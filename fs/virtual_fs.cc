@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <malloc.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -46,6 +47,9 @@ struct VirtualFs::Node {
   int ckpt = -1;                                // virtual kinds: the checkpoint they show;
                                                 // a source dir: whose views `children` holds
   bool is_mesh = false;                         // a mesh/ dir: specs are made on lookup
+  bool is_npy = false;                          // tensors/: its files are made on first use
+  int npy = -1;                                 // a tensors/ file: its tensor's index in the
+                                                // checkpoint; its layout is made on open
 
   bool is_dir() const { return kind == Kind::kSourceDir || kind == Kind::kVirtualDir; }
   bool is_source() const { return kind == Kind::kSourceDir || kind == Kind::kSourceFile || kind == Kind::kSourceLink; }
@@ -220,6 +224,7 @@ Status VirtualFs::EnsureLoaded(int i) {
     s->access = AccessOf(tree_, s->ckpt);
     RETURN_IF_ERROR(BuildViews(i, SourceNode(s->dir, Node::Kind::kSourceDir)));
     s->resident = true;
+    ReturnFreedMemory();
     Info(Join(s->dir, "") + ": loaded (" + std::to_string(s->ckpt.tensors.size()) + " tensors)");
   }
   Touch(i);
@@ -267,6 +272,7 @@ bool VirtualFs::Evict(int i) {
   std::lock_guard<std::mutex> load(victim->load_mu);
   victim->reader.reset();
   victim->ckpt = Checkpoint();
+  ReturnFreedMemory();
   Info(Join(victim->dir, "") + ": unloaded (least recently used beyond --max-loaded); loaded again on next use");
   return true;
 }
@@ -293,13 +299,15 @@ struct PendingDir {
   std::string name;
   std::vector<ViewFile> files;
   bool is_mesh = false;
+  bool is_npy = false;
 };
 
 }  // namespace
 
-// Builds consolidated/, tensors/, bytes/ and mesh/ of checkpoint `i` and
-// attaches them to `dir`. One bad view must not hide the others: failures
-// are logged and the view left out.
+// Builds consolidated/, bytes/ and mesh/ of checkpoint `i` and attaches
+// them to `dir`, with tensors/ empty until first used (FillNpy: one file
+// per tensor is the largest view, and the one least often listed). One bad
+// view must not hide the others: failures are logged and the view left out.
 Status VirtualFs::BuildViews(int i, Node* dir) {
   const Checkpoint& ckpt = ServedAt(i)->ckpt;
   std::vector<PendingDir> pending;
@@ -307,8 +315,7 @@ Status VirtualFs::BuildViews(int i, Node* dir) {
     pending.push_back({"consolidated", std::move(*files)});
   else
     Log(Join(ckpt.dir, "consolidated") + ": not created: " + files.status().message());
-  if (auto npy = TensorsView(ckpt); npy.ok()) pending.push_back({"tensors", std::move(*npy)});
-  else Log(Join(ckpt.dir, "tensors") + ": not created: " + npy.status().message());
+  pending.push_back({"tensors", {}, false, true});
   if (auto items = BytesView(ckpt); !items.empty()) pending.push_back({"bytes", std::move(items)});
   if (auto rules = RulesFor(ckpt); rules.ok()) {
     Layout text;
@@ -323,6 +330,7 @@ Status VirtualFs::BuildViews(int i, Node* dir) {
   for (PendingDir& p : pending) {
     Node* view = AddVirtual(dir, p.name, /*is_dir=*/true, i);
     view->is_mesh = p.is_mesh;
+    view->is_npy = p.is_npy;
     for (ViewFile& f : p.files) AddViewFile(view, std::move(f), i);
   }
   return Status::OK();
@@ -379,6 +387,61 @@ FsResult<uint64_t> VirtualFs::OpenMesh(Node* mesh_dir, const std::string& name) 
   }
   return dir->ino;
 }
+
+// Makes the files of tensors/ (`npy_dir`) on its first lookup or listing:
+// names and sizes only, each file's layout being made again when it is
+// opened (EnsureNpyLayout). A tensor that cannot be presented leaves the
+// folder empty, with a log line.
+FsError VirtualFs::FillNpy(Node* npy_dir) {
+  Served* served = ServedAt(npy_dir->ckpt);
+  std::lock_guard<std::mutex> load(served->load_mu);  // its rows stay while in use
+  {
+    std::shared_lock lock(mu_);
+    if (!npy_dir->is_npy) return FsError();  // filled by another thread meanwhile
+  }
+  if (served->evicted) return FsError(ESTALE, served->dir + ": unloaded; look it up again");
+  // Sizes first, nodes after: layouts made and freed between the nodes would
+  // leave the heap fragmented (pages that neither hold much nor go back).
+  const auto& tensors = served->ckpt.tensors;
+  std::vector<uint64_t> sizes;
+  sizes.reserve(tensors.size());
+  for (const auto& t : tensors) {
+    auto f = NpyFile(t);
+    if (!f.ok()) {
+      Log(Join(served->ckpt.dir, "tensors") + ": no files: " + f.status().message());
+      sizes.clear();
+      break;
+    }
+    sizes.push_back(f->layout->size());
+  }
+  std::unique_lock lock(mu_);
+  if (served->evicted) return FsError(ESTALE, served->dir + ": unloaded; look it up again");
+  npy_dir->is_npy = false;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    Node* n = AddVirtual(npy_dir, EscapeFileName(tensors[i]->fqn) + ".npy", /*is_dir=*/false, npy_dir->ckpt);
+    n->size = sizes[i];
+    n->npy = int(i);
+  }
+  return FsError();
+}
+
+// A tensors/ file's layout, made on its first open and kept while its
+// checkpoint stays loaded. REQUIRES: a handle of the checkpoint held.
+FsError VirtualFs::EnsureNpyLayout(Node* n, const Served& served) {
+  {
+    std::shared_lock lock(mu_);
+    if (n->layout) return FsError();
+  }
+  auto f = NpyFile(served.ckpt.tensors.at(n->npy));
+  if (!f.ok()) return FsError::From(f.status());
+  std::unique_lock lock(mu_);
+  if (!n->layout) n->layout = std::move(f->layout);
+  return FsError();
+}
+
+// glibc keeps freed memory (a checkpoint's rows, the temporaries of building
+// its views) mapped for reuse; a daemon's RSS would then stay at its peak.
+void VirtualFs::ReturnFreedMemory() { malloc_trim(0); }
 
 // Puts a view file under `view`; a name with '/' (a sidecar folder such as
 // sentence-transformers' 1_Pooling/config.json) gets its directories.
@@ -493,6 +556,7 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name) {
   }
   Pin pin = EnsureViewsOf(*p);
   Touch(p->ckpt);
+  if (FsError e = NeedsNpy(*p) ? FillNpy(p) : FsError(); !e.ok()) return e;
   uint64_t child = 0;
   {
     std::shared_lock lock(mu_);
@@ -504,6 +568,11 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name) {
   }
   if (!child) return FsError(ENOENT, Join(PathOf(*p), name) + ": no such file or directory");
   return AttrOf(*Find(child));
+}
+
+bool VirtualFs::NeedsNpy(const Node& n) const {
+  std::shared_lock lock(mu_);
+  return n.is_npy;
 }
 
 VirtualFs::Pin::~Pin() {
@@ -551,17 +620,23 @@ FsResult<std::vector<DirEntry>> VirtualFs::ReadDir(uint64_t ino) {
     }
   }
   Pin pin = EnsureViewsOf(*p);
-  std::map<std::string, uint64_t> children;
+  if (FsError e = NeedsNpy(*p) ? FillNpy(p) : FsError(); !e.ok()) return e;
+  // Inodes only (a virtual dir may hold 100k files): a node and its name
+  // live as long as the VirtualFs.
+  std::vector<uint64_t> children;
   {
     std::shared_lock lock(mu_);
-    children = p->children;
+    children.reserve(p->children.size());
+    for (const auto& [name, child] : p->children) children.push_back(child);
   }
   std::set<std::string> real;  // a real entry shadows a virtual one of its name
   for (const DirEntry& e : out) real.insert(e.name);
-  for (const auto& [name, child] : children) {
-    if (real.count(name)) continue;
-    auto a = AttrOf(*Find(child));
-    if (a.ok()) out.push_back({name, *a});
+  out.reserve(out.size() + children.size());
+  for (uint64_t child : children) {
+    const Node& c = *Find(child);
+    if (real.count(c.name)) continue;
+    auto a = AttrOf(c);
+    if (a.ok()) out.push_back({c.name, *a});
   }
   std::sort(out.begin(), out.end(), [](const DirEntry& a, const DirEntry& b) { return a.name < b.name; });
   return out;
@@ -591,6 +666,12 @@ FsResult<uint64_t> VirtualFs::Open(uint64_t ino, int flags) {
     if (s->evicted) return FsError(ESTALE, PathOf(*n) + ": its checkpoint was unloaded; look it up again");
     ++s->handles;
     h->served = s;
+  }
+  if (n->npy >= 0) {
+    if (FsError e = EnsureNpyLayout(n, *h->served); !e.ok()) {
+      --h->served->handles;
+      return e;
+    }
   }
   Touch(n->ckpt);
   return reinterpret_cast<uint64_t>(h.release());

@@ -11,8 +11,12 @@
 // the store, or a catalog in memory) and its views built, in time linear in
 // its tensors. With FsOptions::max_loaded, the least recently used loaded
 // checkpoint with no open file is unloaded (its rows and plans freed, the
-// kernel's entries of its views dropped) and loaded again on next use. `mesh/<spec>/` directories are made on first lookup of a
-// valid spec. Live: checkpoints can be added and removed while mounted.
+// kernel's entries of its views dropped) and loaded again on next use.
+// `mesh/<spec>/` directories are made on first lookup of a valid spec, the
+// files of `tensors/` on its first lookup or listing (most mounts never list
+// it; for 100k tensors its nodes alone take ~40 MB), and a `tensors/` file's
+// layout on its first open. Live: checkpoints can be added and removed while
+// mounted.
 //
 // Inode numbers are allocated on first lookup and kept for the life of the
 // mount (kernel FORGETs are ignored: the table grows with distinct paths
@@ -226,6 +230,10 @@ class VirtualFs {
   // Drops the kernel's cache of every virtual file of checkpoint `i`, once.
   void InvalidateCheckpoint(size_t i);
   FsResult<uint64_t> OpenMesh(Node* mesh_dir, const std::string& spec_name);
+  bool NeedsNpy(const Node& dir) const;
+  FsError FillNpy(Node* npy_dir);
+  FsError EnsureNpyLayout(Node* npy_file, const Served& served);
+  static void ReturnFreedMemory();
   Result<ShardingRules> RulesFor(const Checkpoint& ckpt) const;
   Node* Find(uint64_t ino) const;
   Node* SourceNode(const std::string& rel, NodeKind kind);

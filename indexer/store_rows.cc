@@ -39,7 +39,8 @@ class Writer {
     Var(s.size());
     out_.append(s);
   }
-  void Vec(const std::vector<uint64_t>& v) {
+  template <class Values>  // Shape, Dims
+  void Vec(const Values& v) {
     Var(v.size());
     for (uint64_t x : v) Var(x);
   }
@@ -141,8 +142,8 @@ std::string EncodeTensor(const TensorMeta& t) {
     w.Var(c.bytes.file);
     w.Var(c.bytes.offset);
     w.Var(c.bytes.length);
-    if (!c.basic.strides.empty()) w.Vec(c.basic.strides);
-    if (!c.unavailable.empty()) w.Str(c.unavailable);
+    if (!c.basic.strides.empty()) w.Vec(c.basic.strides.get());
+    if (!c.unavailable.empty()) w.Str(c.unavailable.get());
     if (c.has_crc32c) w.Fixed32(c.crc32c);
   }
   return w.Take();
@@ -216,10 +217,10 @@ json TensorValueToJson(std::string_view fqn, std::string_view value) {
   if (!t.ok()) return {{"undecodable", t.status().message()}};
   json chunks = json::array();
   for (const Chunk& c : t->chunks) {
-    json cj = {{"offsets", c.shard.box.offsets}, {"lengths", c.shard.box.lengths}, {"file", c.bytes.file},
-               {"offset", c.bytes.offset},      {"length", c.bytes.length}};
-    if (!c.basic.strides.empty()) cj["strides"] = c.basic.strides;
-    if (!c.unavailable.empty()) cj["unavailable"] = c.unavailable;
+    json cj = {{"offsets", Shape(c.shard.box.offsets)}, {"lengths", Shape(c.shard.box.lengths)},
+               {"file", c.bytes.file}, {"offset", c.bytes.offset}, {"length", c.bytes.length}};
+    if (!c.basic.strides.empty()) cj["strides"] = c.basic.strides.get();
+    if (!c.unavailable.empty()) cj["unavailable"] = c.unavailable.get();
     if (c.has_crc32c) cj["crc32c"] = c.crc32c;
     chunks.push_back(std::move(cj));
   }

@@ -180,8 +180,8 @@ int RunInspect(VirtualFs& fs, const std::string& name, bool as_json) {
     chunks.push_back({{"box", ToString(c.shard.box)},
                       {"file", owner->files[c.bytes.file].path},
                       {"bytes", {c.bytes.offset, c.bytes.offset + c.bytes.length}},
-                      {"strides", c.basic.strides},
-                      {"unavailable", c.unavailable}});
+                      {"strides", c.basic.strides.get()},
+                      {"unavailable", c.unavailable.get()}});
   json out = {{"checkpoint", owner->dir}, {"name", t->fqn}, {"dtype", std::string(DTypeName(t->dtype))},
               {"shape", t->shape}, {"numel", t->numel()}, {"bytes", t->nbytes()}, {"chunks", chunks}};
   if (std::string p = TensorProblem(*t); !p.empty()) out["problem"] = p;

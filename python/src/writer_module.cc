@@ -58,7 +58,8 @@ py::dict RowsSummary(const Checkpoint& rows) {
     py::list chunks;
     for (size_t c = 0; c < tm.chunks.size(); ++c) {
       const Chunk& ch = tm.chunks[c];
-      chunks.append(py::dict(py::arg("offsets") = ch.shard.box.offsets, py::arg("sizes") = ch.shard.box.lengths,
+      chunks.append(py::dict(py::arg("offsets") = Shape(ch.shard.box.offsets),
+                             py::arg("sizes") = Shape(ch.shard.box.lengths),
                              py::arg("file") = rows.files[ch.bytes.file].path, py::arg("offset") = ch.bytes.offset,
                              py::arg("length") = ch.bytes.length, py::arg("crc32c") = ch.crc32c));
     }

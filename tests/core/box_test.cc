@@ -73,5 +73,68 @@ TEST(Box, ToStringIsHalfOpenRanges) {
   EXPECT_EQ(ToString(Box{}), "[]");
 }
 
+// Dims keeps ranks <= kInline inside the Box and longer ones on the heap;
+// either way it must read exactly as the std::vector it replaced.
+bool StoredInside(const Box& b, const Dims& d) {
+  const char* p = reinterpret_cast<const char*>(d.data());
+  const char* self = reinterpret_cast<const char*>(&b);
+  return p >= self && p < self + sizeof b;
+}
+
+TEST(Dims, RoundTripsBoxesOfRankZeroToEight) {
+  for (size_t rank = 0; rank <= 8; ++rank) {
+    std::vector<uint64_t> offsets, lengths;
+    for (size_t d = 0; d < rank; ++d) {
+      offsets.push_back(1000 * d + 7);
+      lengths.push_back((uint64_t{1} << 40) + d);
+    }
+    Box b{offsets, lengths};
+    ASSERT_EQ(b.rank(), rank);
+    EXPECT_EQ(Shape(b.offsets), offsets);
+    EXPECT_EQ(Shape(b.lengths), lengths);
+    for (size_t d = 0; d < rank; ++d) EXPECT_EQ(b.lengths[d], (uint64_t{1} << 40) + d);
+    EXPECT_EQ(StoredInside(b, b.offsets), rank <= Dims::kInline) << rank;
+    Box copy = b;
+    EXPECT_EQ(copy, b);
+    EXPECT_NE(copy.offsets.data(), b.offsets.data());
+    Box moved = std::move(copy);
+    EXPECT_EQ(moved, b);
+    EXPECT_EQ(copy.rank(), 0u);
+    EXPECT_TRUE(StoredInside(moved, moved.offsets) == (rank <= Dims::kInline));
+  }
+}
+
+TEST(Dims, GrowsPastInlineByPushBackAndResize) {
+  Dims d;
+  std::vector<uint64_t> want;
+  for (uint64_t v = 1; v <= 9; ++v) {
+    d.push_back(v * v);
+    want.push_back(v * v);
+    EXPECT_TRUE(d == want) << v;
+  }
+  d.resize(12, 5);
+  want.resize(12, 5);
+  EXPECT_EQ(Shape(d), want);
+  d.resize(1);
+  EXPECT_EQ(Shape(d), (std::vector<uint64_t>{1}));
+  d.assign(3, 0);
+  EXPECT_EQ(Shape(d), (std::vector<uint64_t>{0, 0, 0}));
+}
+
+TEST(Dims, ComparesWithShapesBothWays) {
+  Box b{{0, 4}, {2, 3}};
+  EXPECT_TRUE(b.lengths == (Shape{2, 3}));
+  EXPECT_TRUE((Shape{2, 3}) == b.lengths);
+  EXPECT_TRUE(b.lengths != (Shape{2, 3, 1}));
+  EXPECT_FALSE(b.offsets == b.lengths);
+}
+
+TEST(Dims, BoxOfRankTwoNeedsNoHeap) {
+  EXPECT_EQ(sizeof(Dims), sizeof(std::vector<uint64_t>));
+  Box b = Box::Whole({7, 9});
+  EXPECT_TRUE(StoredInside(b, b.offsets));
+  EXPECT_TRUE(StoredInside(b, b.lengths));
+}
+
 }  // namespace
 }  // namespace ckptfs

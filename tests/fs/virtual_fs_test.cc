@@ -91,6 +91,34 @@ TEST_F(VirtualFsTest, ConsolidatedBytesAreTheWholeTensorInOrder) {
   EXPECT_EQ(ReadAll("model/consolidated/config.json"), R"({"model_type": "llama"})");
 }
 
+// tensors/ is filled on first use: a lookup of one file, with no listing
+// before it, must find it (NumPy's format: magic, header padded so the data
+// starts at a multiple of 64, then the C-order bytes).
+TEST_F(VirtualFsTest, TensorsFileFoundByLookupBeforeAnyListing) {
+  std::string npy = ReadAll("model/tensors/w.npy");
+  ASSERT_EQ(npy.size() % 64, 8u);
+  EXPECT_EQ(npy.substr(0, 6), "\x93NUMPY");
+  const std::string header = npy.substr(10, npy.size() - 8 - 10);
+  EXPECT_NE(header.find("'descr': '|u1'"), std::string::npos) << header;
+  EXPECT_NE(header.find("'shape': (4, 2)"), std::string::npos) << header;
+  EXPECT_EQ(npy.substr(npy.size() - 8), std::string("\0\1\2\3\4\5\6\7", 8));
+}
+
+TEST_F(VirtualFsTest, TensorsListingAndLookupShowTheSameFile) {
+  auto listed = vfs_->ReadDir(vfs_->Resolve("model/tensors")->ino);
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 1u);
+  EXPECT_EQ((*listed)[0].name, "w.npy");
+  auto again = vfs_->ReadDir(vfs_->Resolve("model/tensors")->ino);
+  ASSERT_TRUE(again.ok());
+  ASSERT_EQ(again->size(), 1u);
+  auto looked_up = vfs_->Resolve("model/tensors/w.npy");
+  ASSERT_TRUE(looked_up.ok());
+  EXPECT_EQ(looked_up->ino, (*listed)[0].attr.ino);
+  EXPECT_EQ(looked_up->size, (*listed)[0].attr.size);
+  EXPECT_EQ(vfs_->Resolve("model/tensors/nope.npy").status().err(), ENOENT);
+}
+
 TEST_F(VirtualFsTest, SourceFilesAreMirroredReadOnly) {
   auto a = vfs_->Resolve("model/config.json");
   ASSERT_TRUE(a.ok());

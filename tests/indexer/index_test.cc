@@ -140,7 +140,7 @@ TEST_F(IndexTest, TruncatedShardMarksOnlyItsChunksUnavailable) {
   ASSERT_TRUE(catalog.ok());
   const Checkpoint& ck = catalog->checkpoints[0];
   EXPECT_TRUE(ck.tensors[0]->chunks[0].unavailable.empty());
-  EXPECT_NE(ck.tensors[1]->chunks[0].unavailable.find("truncated"), std::string::npos);
+  EXPECT_NE(ck.tensors[1]->chunks[0].unavailable.get().find("truncated"), std::string::npos);
   ASSERT_FALSE(ck.problems.empty());
   EXPECT_NE(ck.problems[0].find("truncated"), std::string::npos);
 }
