@@ -142,15 +142,18 @@ std::vector<std::string> FindCheckpointDirs(const std::string& root) {
 
 bool CommitPointIsNewest(const std::string& root, const std::string& rel) {
   auto listing = ListDir(root, rel);
-  if (!listing.ok() || !listing->has_file(".metadata")) return false;
+  if (!listing.ok()) return false;
   auto ctime = [&](const std::string& name) -> int64_t {
     struct stat st;
     if (::lstat((listing->abs + "/" + name).c_str(), &st) != 0) return INT64_MAX;
     return int64_t(st.st_ctim.tv_sec) * 1'000'000'000 + st.st_ctim.tv_nsec;
   };
-  const int64_t commit = ctime(".metadata");
+  const std::string record = ".ckptfs/commit.sst";
+  const bool has_record = ctime(record) != INT64_MAX;
+  if (!has_record && !listing->has_file(".metadata")) return false;
+  const int64_t commit = ctime(has_record ? record : ".metadata");
   for (const std::string& f : listing->files)
-    if (f != ".metadata" && ctime(f) > commit) return false;
+    if ((has_record || f != ".metadata") && ctime(f) > commit) return false;
   return true;
 }
 

@@ -36,11 +36,13 @@ std::vector<std::string> FindInterruptedSaves(const std::string& root);
 std::vector<std::string> FindCheckpointDirs(const std::string& root);
 
 // True when directory `rel` of `root` holds a commit point written after
-// every other file in it: DCP's .metadata, which torch renames into place
-// after all shards are durable. A checkpoint saved again into the same
-// directory may be indexed again only then; before, its old .metadata
-// would describe new, half-written shards. Formats without such a file
-// (safetensors folders, torch.save files) have none: they are indexed
+// every other file in it: ckptfs's writer's commit record
+// (.ckptfs/commit.sst, written last in both its layouts) when there is one,
+// else DCP's .metadata, which torch renames into place after all shards are
+// durable. A checkpoint saved again into the same directory may be indexed
+// again only then; before, its old .metadata would describe new,
+// half-written shards. Formats without such a file (safetensors folders
+// not written by ckptfs, torch.save files) have none: they are indexed
 // again only by `ckptfs index`.
 bool CommitPointIsNewest(const std::string& root, const std::string& rel);
 

@@ -316,3 +316,45 @@ def test_the_file_writer_refuses_what_safetensors_cannot_hold(tmp_path):
         f.add_tensor("v", "float32", [2, 3], 23)
     with pytest.raises(TypeError, match="no dtype for torch.float8_e4m3fnuz"):
         f.add_tensor("u", "float8_e4m3fnuz", [2], 2)
+
+
+def _consolidated(mnt_dir: str) -> dict:
+    """Every tensor of a consolidated/ folder, read with read(2), not a
+    mapping: a step being saved again reads as EIO, which under a mapping
+    would be SIGBUS."""
+    from safetensors.torch import load
+    got = {}
+    for name in os.listdir(mnt_dir):
+        if name.endswith(".safetensors"):
+            with open(os.path.join(mnt_dir, name), "rb") as f:
+                got.update(load(f.read()))
+    return got
+
+
+def test_a_resave_under_a_live_mount_is_served_anew(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    first = {"kind": "save", "seed": 11, "dir": str(root / "step_1"), "oracle": str(tmp_path / "first.pt")}
+    second = {**first, "seed": 12, "oracle": str(tmp_path / "second.pt")}
+    with Mounted(root, base_dir=str(tmp_path), index_dir=str(tmp_path / "idx")) as m:
+        spawn_ranks(GEN, 2, first, name="hf writer first save under a live mount")
+        _wait_listable(m.p("step_1", "consolidated"))
+        old = torch.load(first["oracle"], weights_only=True)
+        got = _consolidated(m.p("step_1", "consolidated"))
+        assert not [k for k, v in old.items() if not _equal(v, got[k])]
+        spawn_ranks(GEN, 2, second, name="hf writer re-save under a live mount")
+        new = torch.load(second["oracle"], weights_only=True)
+        assert any(not _equal(old[k], new[k]) for k in new)  # the seeds give other values
+        deadline = time.monotonic() + 15
+        while True:  # EIO or the old step until the re-save is indexed; never a mix
+            try:
+                got = _consolidated(m.p("step_1", "consolidated"))
+            except OSError:
+                got = None
+            if got is not None and all(_equal(v, got[k]) for k, v in new.items()):
+                break
+            if got is not None:
+                assert all(_equal(v, got[k]) for k, v in old.items()), "a mix of two saves was served"
+            assert time.monotonic() < deadline, m.log()
+            time.sleep(0.2)
+        assert "step_1/: changed; indexed again" in m.log(), m.log()
