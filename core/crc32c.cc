@@ -51,16 +51,7 @@ bool HasCrc32cHardware() { return false; }
 
 uint32_t Crc32cFolded(uint32_t crc, const void* data, size_t n) {
   static const crc::FoldKeys keys = crc::MakeFoldKeys(kPoly);
-  const auto* p = static_cast<const uint8_t*>(data);
-  uint32_t reg = ~crc;
-  if (n >= crc::kFoldMin) {
-    uint8_t residue[16];
-    size_t done = crc::Fold(keys, reg, p, n, residue);
-    reg = crc::TableUpdate(kTables, 0, residue, 16);
-    p += done;
-    n -= done;
-  }
-  return ~crc::TableUpdate(kTables, reg, p, n);
+  return crc::Update(kTables, keys, crc, data, n);
 }
 
 uint32_t Crc32c(uint32_t crc, const void* data, size_t n) {

@@ -27,7 +27,7 @@ uint32_t Crc32c(uint32_t crc, const void* data, size_t n);
 // The implementations, exposed so tests can compare them.
 uint32_t Crc32cPortable(uint32_t crc, const void* data, size_t n);
 uint32_t Crc32cHardware(uint32_t crc, const void* data, size_t n);  // requires HasCrc32cHardware()
-uint32_t Crc32cFolded(uint32_t crc, const void* data, size_t n);    // requires crc::HasClmul()
+uint32_t Crc32cFolded(uint32_t crc, const void* data, size_t n);    // folds only where crc::HasClmul()
 bool HasCrc32cHardware();
 
 // CRC of A||B from crc(A), crc(B) and |B|, in O(log |B|).

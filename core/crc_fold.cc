@@ -53,6 +53,19 @@ uint32_t Combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b, uint32_t poly) 
   return MulModP(ShiftBytes(len_b, poly), crc_a, poly) ^ crc_b;
 }
 
+uint32_t Update(const Tables& t, const FoldKeys& keys, uint32_t crc, const void* data, size_t n) {
+  const auto* p = static_cast<const uint8_t*>(data);
+  uint32_t reg = ~crc;
+  if (n >= kFoldMin && HasClmul()) {
+    uint8_t residue[16];
+    size_t done = Fold(keys, reg, p, n, residue);
+    reg = TableUpdate(t, 0, residue, 16);
+    p += done;
+    n -= done;
+  }
+  return ~TableUpdate(t, reg, p, n);
+}
+
 FoldKeys MakeFoldKeys(uint32_t poly) {
   auto key = [poly](uint64_t bits) { return uint64_t(XPowModP(bits, poly)) << 1; };
   return {key(512 + 32), key(512 - 32), key(128 + 32), key(128 - 32)};

@@ -65,4 +65,8 @@ constexpr size_t kFoldMin = 256;
 // Returns the prefix length.
 size_t Fold(const FoldKeys& keys, uint32_t reg, const uint8_t* p, size_t n, uint8_t residue[16]);
 
+// The CRC (with the usual inversions) of p[0, n) continued from `crc`:
+// folded when n >= kFoldMin and the CPU has CLMUL, the rest by the tables.
+uint32_t Update(const Tables& t, const FoldKeys& keys, uint32_t crc, const void* data, size_t n);
+
 }  // namespace ckptfs::crc

@@ -17,16 +17,7 @@ uint32_t ZipCrc32Portable(uint32_t crc, const void* data, size_t n) {
 
 uint32_t ZipCrc32(uint32_t crc, const void* data, size_t n) {
   static const crc::FoldKeys keys = crc::MakeFoldKeys(kPoly);
-  const auto* p = static_cast<const uint8_t*>(data);
-  uint32_t reg = ~crc;
-  if (n >= crc::kFoldMin && crc::HasClmul()) {
-    uint8_t residue[16];
-    size_t done = crc::Fold(keys, reg, p, n, residue);
-    reg = crc::TableUpdate(kTables, 0, residue, 16);
-    p += done;
-    n -= done;
-  }
-  return ~crc::TableUpdate(kTables, reg, p, n);
+  return crc::Update(kTables, keys, crc, data, n);
 }
 
 uint32_t ZipCrc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
