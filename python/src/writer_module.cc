@@ -96,26 +96,36 @@ WrittenCheckpoint ToWritten(const std::string& dir, const std::string& format, c
   return w;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(_writer, m) {
-  m.doc() = "ckptfs writer: stager, DCP and safetensors rank files, commit rows (C++)";
-  m.attr("built_with_cuda") = BuiltWithCuda();
-
-  m.def("crc32c", [](py::buffer b, uint32_t crc) {
-    py::buffer_info info = b.request();
-    const uint64_t n = uint64_t(info.size) * uint64_t(info.itemsize);
+// A rank file's `write`: queue the item's next bytes (the GIL released).
+template <typename PyFile>
+void WriteSlice(PyFile& f, uint32_t item, uintptr_t ptr, uint64_t nbytes, int device, uint64_t stream,
+                bool copy_host) {
+  Status s;
+  {
     py::gil_scoped_release nogil;
-    return Crc32c(crc, info.ptr, n);
-  }, py::arg("data"), py::arg("crc") = 0, "CRC32C of a contiguous buffer (continues `crc`).");
+    s = f.file->Write(item, Slice{reinterpret_cast<const void*>(ptr), nbytes, device, stream}, copy_host);
+  }
+  Check(s);
+}
 
-  m.def("sync_dir", [](const std::string& d) {
+// A rank file's `finish` (drain, fsync) with the GIL released; its results.
+template <typename PyFile>
+auto FinishFile(PyFile& f) {
+  decltype(f.file->Finish()) r = Status::Incomplete("not run");
+  {
     py::gil_scoped_release nogil;
-    Status s = SyncDir(d);
-    py::gil_scoped_acquire gil;
-    Check(s);
-  }, "fsync a directory so entries made in it are durable.");
+    r = f.file->Finish();
+  }
+  return Take(std::move(r));
+}
 
+template <typename PyFile, typename Class>
+void DefWrite(Class& cls, const char* doc) {
+  cls.def("write", &WriteSlice<PyFile>, py::arg("item"), py::arg("ptr"), py::arg("nbytes"),
+          py::arg("device") = kHostDevice, py::arg("stream") = 0, py::arg("copy_host") = false, doc);
+}
+
+void BindStager(py::module_& m) {
   py::class_<PyStager>(m, "Stager")
       .def(py::init([](uint64_t buffer_bytes, int buffers, int io_threads, bool zip_crc32, bool use_cuda) {
              StagerOptions o;
@@ -137,43 +147,32 @@ PYBIND11_MODULE(_writer, m) {
         return py::dict(py::arg("staged_bytes") = st.staged_bytes, py::arg("direct_bytes") = st.direct_bytes,
                         py::arg("producer_wait_ns") = st.producer_wait_ns);
       });
+}
 
-  py::class_<PyDcpFile>(m, "DcpFile")
-      .def(py::init([](PyStager& s, const std::string& path) { return PyDcpFile{Take(DcpFileWriter::Create(s.stager.get(), path))}; }),
-           py::keep_alive<1, 2>(), py::arg("stager"), py::arg("path"))
+void BindDcpFile(py::module_& m) {
+  py::class_<PyDcpFile> cls(m, "DcpFile");
+  cls.def(py::init([](PyStager& s, const std::string& path) { return PyDcpFile{Take(DcpFileWriter::Create(s.stager.get(), path))}; }),
+          py::keep_alive<1, 2>(), py::arg("stager"), py::arg("path"))
       .def("add_tensor", [](PyDcpFile& f, const std::string& dtype, const std::vector<uint64_t>& shape, uint64_t nbytes,
                             bool force_zip64) { return Take(f.file->AddTensor(dtype, shape, nbytes, force_zip64)); },
            py::arg("dtype"), py::arg("shape"), py::arg("nbytes"), py::arg("force_zip64") = false)
       .def("add_bytes", [](PyDcpFile& f, uint64_t n) { return Take(f.file->AddBytes(n)); })
-      .def("write", [](PyDcpFile& f, uint32_t item, uintptr_t ptr, uint64_t nbytes, int device, uint64_t stream, bool copy_host) {
-             Status s;
-             {
-               py::gil_scoped_release nogil;
-               s = f.file->Write(item, Slice{reinterpret_cast<const void*>(ptr), nbytes, device, stream}, copy_host);
-             }
-             Check(s);
-           },
-           py::arg("item"), py::arg("ptr"), py::arg("nbytes"), py::arg("device") = kHostDevice, py::arg("stream") = 0,
-           py::arg("copy_host") = false,
-           "Queue the item's next bytes. With copy_host=False host memory must stay unchanged until finish().")
       .def("finish", [](PyDcpFile& f) {
-        Result<std::vector<DcpItemResult>> r = Status::Incomplete("not run");
-        {
-          py::gil_scoped_release nogil;
-          r = f.file->Finish();
-        }
         py::list out;
-        for (const DcpItemResult& i : Take(std::move(r)))
+        for (const DcpItemResult& i : FinishFile(f))
           out.append(py::make_tuple(i.offset, i.length, i.data_offset, i.data_length, i.crc32c));
         return out;
       }, "Drain, write framing, fsync: [(offset, length, data_offset, data_length, crc32c)] per item.")
       .def_property_readonly("size", [](const PyDcpFile& f) { return f.file->file_size(); });
+  DefWrite<PyDcpFile>(cls, "Queue the item's next bytes. With copy_host=False host memory must stay unchanged until finish().");
+}
 
-  py::class_<PySafetensorsFile>(m, "SafetensorsFile")
-      .def(py::init([](PyStager& s, const std::string& path) {
-             return PySafetensorsFile{Take(SafetensorsFileWriter::Create(s.stager.get(), path))};
-           }),
-           py::keep_alive<1, 2>(), py::arg("stager"), py::arg("path"))
+void BindSafetensorsFile(py::module_& m) {
+  py::class_<PySafetensorsFile> cls(m, "SafetensorsFile");
+  cls.def(py::init([](PyStager& s, const std::string& path) {
+            return PySafetensorsFile{Take(SafetensorsFileWriter::Create(s.stager.get(), path))};
+          }),
+          py::keep_alive<1, 2>(), py::arg("stager"), py::arg("path"))
       .def("add_tensor", [](PySafetensorsFile& f, const std::string& name, const std::string& dtype,
                             const std::vector<uint64_t>& shape, uint64_t nbytes) {
              return Take(f.file->AddTensor(name, dtype, shape, nbytes));
@@ -181,29 +180,15 @@ PYBIND11_MODULE(_writer, m) {
       .def("seal", [](PySafetensorsFile& f, const std::map<std::string, std::string>& metadata) {
              Check(f.file->Seal(metadata));
            }, py::arg("metadata"), "Lay the file out (every tensor added) with `metadata` as __metadata__.")
-      .def("write", [](PySafetensorsFile& f, uint32_t item, uintptr_t ptr, uint64_t nbytes, int device, uint64_t stream,
-                       bool copy_host) {
-             Status s;
-             {
-               py::gil_scoped_release nogil;
-               s = f.file->Write(item, Slice{reinterpret_cast<const void*>(ptr), nbytes, device, stream}, copy_host);
-             }
-             Check(s);
-           },
-           py::arg("item"), py::arg("ptr"), py::arg("nbytes"), py::arg("device") = kHostDevice, py::arg("stream") = 0,
-           py::arg("copy_host") = false,
-           "Queue the tensor's next bytes. With copy_host=False host memory must stay unchanged until finish().")
       .def("finish", [](PySafetensorsFile& f) {
-        Result<std::vector<SafetensorsItemResult>> r = Status::Incomplete("not run");
-        {
-          py::gil_scoped_release nogil;
-          r = f.file->Finish();
-        }
         py::list out;
-        for (const SafetensorsItemResult& i : Take(std::move(r))) out.append(py::make_tuple(i.offset, i.length, i.crc32c));
+        for (const SafetensorsItemResult& i : FinishFile(f)) out.append(py::make_tuple(i.offset, i.length, i.crc32c));
         return out;
       }, "Drain, fsync: [(offset, length, crc32c)] of each tensor's raw bytes, in add_tensor order.");
+  DefWrite<PySafetensorsFile>(cls, "Queue the tensor's next bytes. With copy_host=False host memory must stay unchanged until finish().");
+}
 
+void BindCommit(py::module_& m) {
   m.def("commit_rows", [](const std::string& abs_root, const std::string& dir, const py::list& tensors,
                           const py::list& chunks, const py::list& bytes, const std::string& format) {
     return RowsSummary(Take(BuildCommitRows(abs_root, ToWritten(dir, format, tensors, chunks, bytes))));
@@ -224,4 +209,30 @@ PYBIND11_MODULE(_writer, m) {
   }, py::arg("abs_root"), py::arg("dir"), py::arg("tensors"), py::arg("chunks"), py::arg("bytes"),
      py::arg("format") = "dcp",
      "Builds the rows like commit_rows, then writes <abs_root>/<dir>/.ckptfs/commit.sst (durably, last).");
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_writer, m) {
+  m.doc() = "ckptfs writer: stager, DCP and safetensors rank files, commit rows (C++)";
+  m.attr("built_with_cuda") = BuiltWithCuda();
+
+  m.def("crc32c", [](py::buffer b, uint32_t crc) {
+    py::buffer_info info = b.request();
+    const uint64_t n = uint64_t(info.size) * uint64_t(info.itemsize);
+    py::gil_scoped_release nogil;
+    return Crc32c(crc, info.ptr, n);
+  }, py::arg("data"), py::arg("crc") = 0, "CRC32C of a contiguous buffer (continues `crc`).");
+
+  m.def("sync_dir", [](const std::string& d) {
+    py::gil_scoped_release nogil;
+    Status s = SyncDir(d);
+    py::gil_scoped_acquire gil;
+    Check(s);
+  }, "fsync a directory so entries made in it are durable.");
+
+  BindStager(m);
+  BindDcpFile(m);
+  BindSafetensorsFile(m);
+  BindCommit(m);
 }
