@@ -1,8 +1,9 @@
 """``ckptfs.torch.StorageWriter``: torch.distributed.checkpoint saves through
 the ckptfs stager (docs/WRITER.md).
 
-By default the files are standard DCP: one ``__R_0.distcp`` per rank
-whose tensor items are torch.save archives (framed in C++ around the raw
+By default the files are standard DCP: ``io_threads`` files
+``__R_0.distcp``, ``__R_1.distcp``, ... per rank (one per I/O thread, as
+torch's FileSystemWriter with thread_count), whose tensor items are torch.save archives (framed in C++ around the raw
 bytes, which come straight from the ring) and BYTE_IO items stored raw,
 plus ``.metadata``, so stock ``dcp.load`` with ``FileSystemReader`` reads
 them without ckptfs.
@@ -26,7 +27,7 @@ Save protocol (every step durable before the next):
   1. coordinator, before any rank writes (``prepare_global_plan``): remove
      ``.ckptfs/commit.sst`` and ``.metadata`` of an earlier save into the
      same directory, fsync the directory;
-  2. each rank (``write_data``): stage and write its items, fsync its file;
+  2. each rank (``write_data``): stage and write its items, fsync its files;
      its WriteResults carry its rows (ShardMeta -> ByteMeta + CRC32C);
   3. coordinator (``finish``): fsync the directory, write ``.metadata``
      (tmp, fsync, rename, fsync dir), then build the commit rows from every
@@ -61,6 +62,7 @@ import os
 import pickle
 import threading
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,7 +171,10 @@ class _StagedFile:
         self.items: list[tuple[Any, int, Any]] = []  # (WriteItem, item id, data kept alive)
         self.devices: set[tuple[int, int]] = set()
 
-    def write_all(self, copy_host: bool) -> None:
+    def write_all(self, copy_host: bool, streams: dict[int, int]) -> None:
+        """Pushes every item's bytes; ``streams`` maps each CUDA device to the
+        producer's stream, taken on the training thread (torch's current
+        stream is per thread, and this may run on a helper thread)."""
         for write_item, item, data in self.items:
             if isinstance(data, memoryview):
                 if data.nbytes:
@@ -182,11 +187,14 @@ class _StagedFile:
             _host_or_cuda(write_item.index.fqn, data)
             if data.is_cuda:
                 device = data.device.index
-                stream = torch.cuda.current_stream(data.device).cuda_stream
+                stream = streams[device]
                 self.devices.add((device, stream))
                 self.file.write(item, data.data_ptr(), nbytes, device, stream, True)
             else:
                 self.file.write(item, data.data_ptr(), nbytes, -1, 0, copy_host)
+
+    def cuda_devices(self) -> set[int]:
+        return {d.device.index for _, _, d in self.items if isinstance(d, torch.Tensor) and d.is_cuda}
 
     def finish(self) -> list[CkptfsWriteResult]:
         written = self.file.finish()
@@ -203,14 +211,60 @@ class _StagedFile:
         return ("tensor", write_item.index.fqn, tuple(chunk.offsets), tuple(chunk.sizes), self.name, offset, length, crc)
 
 
+def _split_items(items: list, files: int) -> list[list]:
+    """The items of a rank's ``files`` DCP files, as torch's FileSystemWriter
+    splits them over its threads: BYTE_IO items round-robin, then tensors
+    from the largest, each to the file with the fewest bytes. Empty files
+    are dropped (the first is kept: a rank always writes one file)."""
+    buckets: list[list] = [[] for _ in range(files)]
+    sizes = [0] * files
+    byte_items = [wi for wi in items if wi.type == WriteItemType.BYTE_IO]
+    tensors = sorted((wi for wi in items if wi.type != WriteItemType.BYTE_IO), key=_item_bytes, reverse=True)
+    for i, wi in enumerate(byte_items):
+        buckets[i % files].append(wi)
+    for wi in tensors:
+        k = sizes.index(min(sizes))
+        buckets[k].append(wi)
+        sizes[k] += _item_bytes(wi)
+    return [b for i, b in enumerate(buckets) if b or i == 0]
+
+
+def _item_bytes(wi) -> int:
+    props = wi.tensor_data.properties
+    return torch.empty((), dtype=props.dtype).element_size() * int(torch.Size(wi.tensor_data.chunk.sizes).numel())
+
+
+def _on_each(files: list, fn) -> list:
+    """``fn(file)`` for every file, concurrently when there are several
+    (the C++ calls release the GIL); raises the first file's error after
+    every call has returned."""
+    if len(files) <= 1:
+        return [fn(f) for f in files]
+    with ThreadPoolExecutor(max_workers=len(files), thread_name_prefix="ckptfs-save") as pool:
+        futures = [pool.submit(fn, f) for f in files]
+        return [fu.result() for fu in futures]
+
+
+def _write_files(files: list, copy_host: bool) -> None:
+    """Every file's bytes into its stager, one producer thread per file."""
+    devices = set().union(*(f.cuda_devices() for f in files)) if files else set()
+    streams = {d: torch.cuda.current_stream(d).cuda_stream for d in devices}
+    _on_each(files, lambda f: f.write_all(copy_host, streams))
+
+
+def _finish_files(files: list) -> list:
+    """Drains and fsyncs every file (concurrently); their results, in file order."""
+    return [r for rl in _on_each(files, lambda f: f.finish()) for r in rl]
+
+
 def _contiguous(data) -> torch.Tensor:
     t = data.detach()
     return t if t.is_contiguous() else t.contiguous()
 
 
 class _RankFile(_StagedFile):
-    """One rank's ``__R_0.distcp``: torch.save archives for tensors (framed
-    in C++), BYTE_IO items raw."""
+    """One of a rank's ``__R_K.distcp`` files: torch.save archives for
+    tensors (framed in C++), BYTE_IO items raw."""
 
     def __init__(self, stager_key: tuple, directory: Path, name: str):
         super().__init__(stager_key, name)
@@ -273,14 +327,15 @@ class _HfRankFile(_StagedFile):
 class StorageWriter(_TorchStorageWriter, AsyncStager):
     """Writes a checkpoint into ``path`` through the ckptfs stager.
 
-    ``layout="dcp"`` (default): standard DCP, ``__R_0.distcp`` per rank and
-    ``.metadata``. ``layout="hf"``: torch's sharded safetensors, one
+    ``layout="dcp"`` (default): standard DCP, ``__R_K.distcp`` per rank and
+    I/O thread, and ``.metadata``. ``layout="hf"``: torch's sharded safetensors, one
     ``shard-RRRRR-model-00001-of-00001.safetensors`` per rank with
     DCP_SHARDING_INFO, as ``HuggingFaceStorageWriter(save_distributed=True)``
     writes them (stock ``HuggingFaceStorageReader`` loads them); tensors only.
 
     ``buffer_bytes`` x ``buffers`` is the ring (default 2 x 256 MiB), the
-    only host memory a save adds; ``io_threads`` pwrite filled buffers;
+    only host memory a save adds; ``io_threads`` pwrite filled buffers
+    (DCP: each into its own file, with its share of the ring);
     ``zip_crc32`` fills the zip CRC-32 of each torch.save archive (DCP only;
     torch's loader does not check it, other zip readers do; off saves one
     pass over the bytes).
@@ -301,7 +356,7 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         self.is_coordinator = False
         self.rank = 0
         self._staged: dict[MetadataIndex, CkptfsWriteResult] | None = None
-        self._staged_file: _StagedFile | None = None
+        self._staged_files: list[_StagedFile] = []
         self.last_rows: dict | None = None  # the coordinator's rows of the last save (tests, tools)
 
     # --- StorageWriter -------------------------------------------------------
@@ -337,10 +392,9 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         if self._staged is not None:
             results = self._take_staged(plan)
         else:
-            rank_file = self._plan_file(plan, planner)
-            if rank_file is not None:
-                rank_file.write_all(copy_host=False)
-            results = rank_file.finish() if rank_file is not None else []
+            files = self._plan_files(plan, planner)
+            _write_files(files, copy_host=False)
+            results = _finish_files(files)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -385,12 +439,12 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         if dist.is_initialized():
             dist.barrier()  # nobody writes before the coordinator uncommitted
         final = planner.finish_plan(global_plans[rank])
-        rank_file = self._plan_file(final, planner)
-        if rank_file is not None:
-            rank_file.write_all(copy_host=True)
-            for device, stream in rank_file.devices:
-                rank_file.stager.fence_producer(device, stream)
-        self._staged_file = rank_file
+        files = self._plan_files(final, planner)
+        _write_files(files, copy_host=True)
+        for f in files:
+            for device, stream in f.devices:
+                f.stager.fence_producer(device, stream)
+        self._staged_files = files
         self._staged = {}
         return state_dict
 
@@ -409,28 +463,35 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
             return [dataclasses.replace(p, storage_data={"shard_index": i}) for i, p in enumerate(plans, start=1)]
         return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
 
-    def _plan_file(self, plan: SavePlan, planner: SavePlanner) -> _StagedFile | None:
-        """This rank's file with its items planned; None for an HF rank with
-        nothing to save (torch's writer writes no file then)."""
-        key = (self.buffer_bytes, self.buffers, self.io_threads, self.zip_crc32)
+    def _plan_files(self, plan: SavePlan, planner: SavePlanner) -> list[_StagedFile]:
+        """This rank's files with their items planned. DCP: up to
+        ``io_threads`` files ``__R_0.distcp``, ``__R_1.distcp``, ... (as
+        torch's FileSystemWriter with thread_count), each with its own
+        stager and I/O thread, so no two threads write into one file. HF:
+        the rank's one shard, or none when it has nothing to save (torch's
+        writer writes no file then)."""
         if self.layout == "hf":
             if not plan.items:
-                return None
+                return []
             shard = plan.storage_data.get("shard_index", self.rank + 1)
-            rank_file: _StagedFile = _HfRankFile(key, self.path, _gen_file_name(1, 1, shard))
+            key = (self.buffer_bytes, self.buffers, self.io_threads, self.zip_crc32)
+            files: list[_StagedFile] = [_HfRankFile(key, self.path, _gen_file_name(1, 1, shard))]
+            buckets = [plan.items]
         else:
             prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{self.rank}_"
-            rank_file = _RankFile(key, self.path, f"{prefix}0.distcp")
-        # BYTE_IO items first, as torch's writer orders them.
-        items = sorted(plan.items, key=lambda wi: wi.type != WriteItemType.BYTE_IO)
-        for wi in items:
-            rank_file.add(wi, planner.resolve_data(wi))
-        rank_file.seal()
-        return rank_file
+            buckets = _split_items(plan.items, self.io_threads)
+            n = len(buckets)  # the ring and the I/O threads are shared out, not multiplied
+            key = (max(1, self.buffer_bytes // n), self.buffers, max(1, self.io_threads // n), self.zip_crc32)
+            files = [_RankFile(key, self.path, f"{prefix}{i}.distcp") for i in range(n)]
+        for f, bucket in zip(files, buckets):
+            for wi in bucket:
+                f.add(wi, planner.resolve_data(wi))
+            f.seal()
+        return files
 
     def _take_staged(self, plan: SavePlan) -> list[WriteResult]:
-        rank_file, self._staged_file, self._staged = self._staged_file, None, None
-        results = {r.index: r for r in rank_file.finish()} if rank_file is not None else {}
+        files, self._staged_files, self._staged = self._staged_files, [], None
+        results = {r.index: r for r in _finish_files(files)}
         missing = [wi.index for wi in plan.items if wi.index not in results]
         if missing:
             raise RuntimeError(f"ckptfs StorageWriter: the save's plan has {len(missing)} item(s) that stage() "

@@ -48,8 +48,20 @@ def saved(request, tmp_path_factory) -> dict:
             "oracle": torch.load(job["oracle"], weights_only=False)}
 
 
+def _item_files(directory: str) -> dict[tuple, str]:
+    """(fqn, chunk offsets) -> the .distcp file holding the item, from torch's .metadata."""
+    md = dcp.FileSystemReader(directory).read_metadata()
+    return {(k.fqn, tuple(k.offset) if k.offset is not None else None): v.relative_path
+            for k, v in md.storage_data.items()}
+
+
 def test_files_are_standard_dcp(saved):
-    assert sorted(os.listdir(saved["dir"])) == [".ckptfs", ".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # One file per I/O thread (io_threads=2), named as torch's
+    # FileSystemWriter(thread_count=2) names them; torch's .metadata
+    # places items in every one of them and in no other.
+    files = set(_item_files(saved["dir"]).values())
+    assert files == {f"__{r}_{k}.distcp" for r in range(2) for k in range(2)}, files
+    assert sorted(os.listdir(saved["dir"])) == sorted([".ckptfs", ".metadata", *files])
     assert os.listdir(os.path.join(saved["dir"], ".ckptfs")) == ["commit.sst"]
 
 
@@ -187,6 +199,23 @@ def test_verify_rereads_every_chunk_against_its_crc32c(saved, tmp_path):
     assert report["checksummed_bytes"] == nbytes
 
 
+def test_verify_says_when_a_writers_checksums_are_not_used(saved, tmp_path):
+    """A copy of the step has new file identities, so the store refuses
+    its commit record and scans the files: verify must say it checked no
+    writer checksum, not pass in silence."""
+    from harness import run_ckptfs
+    copy = tmp_path / "root" / "step_3"
+    shutil.copytree(saved["dir"], copy)
+    p = run_ckptfs("verify", str(copy), "--json", index_dir=str(tmp_path / "idx"), text_stdout=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    report = json.loads(p.stdout)
+    assert report["problems"] == [] and report["checksummed_chunks"] == 0, report
+    assert len(report["warnings"]) == 1 and "without the writer's checksums" in report["warnings"][0], report
+    assert "without the writer's checksums" in p.stderr, p.stderr
+    p = run_ckptfs("verify", saved["dir"], "--json", index_dir=str(tmp_path / "idx2"), text_stdout=True)
+    assert json.loads(p.stdout)["warnings"] == [], p.stdout
+
+
 @pytest.fixture(scope="module")
 def rotten(tmp_path_factory) -> dict:
     """A save whose chunk of tp.row_i64 on rank 1 (rows 3..4) has one byte
@@ -204,7 +233,8 @@ def test_verify_names_the_flipped_chunk(rotten, tmp_path):
     assert p.returncode != 0, p.stdout
     problems = json.loads(p.stdout)["problems"]
     assert len(problems) == 1, problems
-    assert "tp.row_i64" in problems[0] and "__1_0.distcp" in problems[0] and "CRC32C" in problems[0], problems
+    name = _item_files(rotten["dir"])[("tp.row_i64", (3, 0))]
+    assert "tp.row_i64" in problems[0] and name in problems[0] and "CRC32C" in problems[0], problems
 
 
 def test_verify_checksums_mount_fails_only_the_flipped_chunk(rotten, tmp_path):
@@ -223,7 +253,11 @@ def test_verify_checksums_mount_fails_only_the_flipped_chunk(rotten, tmp_path):
         assert err.value.errno == errno.EIO
         assert "tp.row_i64" in m.log() and "CRC32C" in m.log(), m.log()
         # Every other tensor, rank 1's chunks in the same file included, is served.
-        for name in ("tp.row_bf16", "tp.col_f32", "tp.col_i32", "tp.one_row"):
+        files = _item_files(rotten["dir"])
+        others = ("tp.row_bf16", "tp.col_f32", "tp.col_i32", "tp.one_row")
+        flipped_file = files[("tp.row_i64", (3, 0))]
+        assert any(f == flipped_file for (n, _), f in files.items() if n in others), files
+        for name in others:
             got = np.load(m.p("tensors", f"{name}.npy"))
             assert np.array_equal(got, oracle[name].float().numpy() if name.endswith("bf16")
                                   else oracle[name].numpy()), name
