@@ -3,9 +3,11 @@
 
 1. ckptfs mounts an empty training root; the mount watches it.
 2. A small Llama trains data-parallel on 2 gloo ranks (tools/demo_train.py)
-   and saves a checkpoint every few steps with torch.distributed.checkpoint:
-   weights as DTensors sharded tensor-parallel style, plus AdamW state.
-3. As soon as each step's save commits (its .metadata lands), the mount
+   and saves a checkpoint every few steps with torch.distributed.checkpoint
+   through ckptfs's writer (ckptfs.torch.StorageWriter): weights as
+   DTensors sharded tensor-parallel style, plus AdamW state.
+3. As soon as each step's save commits (the writer's commit record lands
+   last: every chunk's place and CRC32C, no file parsed), the mount
    shows MNT/step_N/consolidated/; the eval loop here loads it with
    transformers and checks its logits equal the trained model's at that
    step, bit for bit. No conversion, no second copy.
@@ -130,6 +132,8 @@ def main() -> int:
             print(f"training failed: {trainer.errors[0]}", file=sys.stderr)
             failures += 1
         run("ls", "-l", str(mnt / f"step_{wanted[-1]}" / "consolidated"))
+        step("4. every chunk of the last step re-read against the CRC32C its writer recorded")
+        run(ckptfs, "verify", str(root / f"step_{wanted[-1]}"))
         print(f"\n   the mount's log: {work / 'ckptfs.log'}")
         if failures:
             print("DEMO FAILED", file=sys.stderr)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what is needed, builds, then runs the main job on a built-in demo:
 # a small Llama trains on 2 gloo ranks and saves a checkpoint every few steps
-# (torch.distributed.checkpoint) into a root that ckptfs has mounted live; an
+# (torch.distributed.checkpoint through ckptfs.torch.StorageWriter) into a root that ckptfs has mounted live; an
 # eval loop loads each new step from MNT/step_N/consolidated/ with
 # transformers as soon as it appears and checks the logits bit for bit.
 set -euo pipefail

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """The training half of the ckptfs demo: a tiny Llama trained data-parallel
 on 2 gloo ranks (CPU), saving a checkpoint every few steps with
-torch.distributed.checkpoint into ROOT/step_N/.
+torch.distributed.checkpoint through ckptfs's writer
+(``ckptfs.torch.StorageWriter``) into ROOT/step_N/: standard DCP files,
+a CRC32C per chunk, and the commit record a live mount picks up.
 
 Weights are saved as DTensors sharded the way tensor-parallel training
 shards them (q/k/v/gate/up/embed/lm_head on dim 0, o/down on dim 1, norms
@@ -81,7 +83,8 @@ def save_step(model, opt, mesh, job: dict, step: int) -> None:
         torch.save({"input_ids": torch.tensor(EVAL_IDS), "logits": logits},
                    os.path.join(job["refs"], f"step_{step}.pt"))
     dist.barrier()
-    dcp.save(state_dict(model, opt, mesh), checkpoint_id=out)
+    from ckptfs.torch import StorageWriter
+    dcp.save(state_dict(model, opt, mesh), storage_writer=StorageWriter(out))
     if rank == 0:
         with open(os.path.join(job["refs"], f"step_{step}.saved"), "w") as f:
             f.write(repr(time.time()))
