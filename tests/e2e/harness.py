@@ -49,7 +49,7 @@ def spawn_ranks(script: str, world_size: int, job: dict, *, name: str,
     JOB_FILE; INIT_FILE is a not-yet-existing path in a private temp dir, for
     ``init_process_group("gloo", init_method=f"file://{INIT_FILE}")``.
 
-    Every rank gets ``OMP_NUM_THREADS=MKL_NUM_THREADS=1``, the caller's
+    Every rank gets ``OMP_NUM_THREADS=MKL_NUM_THREADS=1``, ``PYTHONFAULTHANDLER=1``, the caller's
     ``env`` overrides on top of os.environ, and ``GLOO_SOCKET_IFNAME=lo``
     unless already set. Each rank's stdout+stderr goes to its own log file
     (never a pipe: a chatty rank cannot block the others at a barrier).
@@ -67,7 +67,9 @@ def spawn_ranks(script: str, world_size: int, job: dict, *, name: str,
     job_file = os.path.join(tmpd, "job.json")
     with open(job_file, "w") as f:
         json.dump(job, f)
-    full_env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    # PYTHONFAULTHANDLER: a rank that aborts (SIGABRT from C++) leaves its
+    # Python stack in its log, which the error below shows.
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
     full_env.update(env or {})
     full_env.setdefault("GLOO_SOCKET_IFNAME", "lo")
     procs: list[subprocess.Popen] = []

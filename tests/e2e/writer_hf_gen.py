@@ -136,6 +136,9 @@ def _worker(rank: int, world: int, init_file: str, job: dict) -> None:
     try:
         mesh = init_device_mesh("cpu", (world,))
         {"save": _job_save, "load": _job_load, "non_tensor": _job_non_tensor}[job["kind"]](job, mesh)
+        # No rank tears gloo down while a peer may still be in a collective
+        # with it (torch's teardown has aborted a rank that did).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
