@@ -348,6 +348,9 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
+        if min(buffer_bytes, buffers, io_threads) < 1:
+            raise ValueError(f"buffer_bytes, buffers and io_threads must be >= 1, not {buffer_bytes}, {buffers}, "
+                             f"{io_threads}")
         self.path = Path(path)
         self.layout = layout
         self.buffer_bytes, self.buffers, self.io_threads = buffer_bytes, buffers, io_threads

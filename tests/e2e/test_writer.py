@@ -261,3 +261,34 @@ def test_verify_checksums_mount_fails_only_the_flipped_chunk(rotten, tmp_path):
             got = np.load(m.p("tensors", f"{name}.npy"))
             assert np.array_equal(got, oracle[name].float().numpy() if name.endswith("bf16")
                                   else oracle[name].numpy()), name
+
+
+@pytest.mark.parametrize("io_threads", [1, 3])
+def test_one_file_per_io_thread_in_one_process(tmp_path, io_threads):
+    """dcp.save(no_dist=True): io_threads files, the items split as
+    torch's FileSystemWriter(thread_count) splits them, and stock dcp.load
+    reads every tensor back."""
+    from ckptfs.torch import StorageWriter
+    g = torch.Generator().manual_seed(7)
+    sd = {f"w{i}": torch.randn(64 * (i + 1), 33, generator=g) for i in range(5)}
+    sd["step"] = 12
+    dcp.save(sd, storage_writer=StorageWriter(tmp_path / "s", io_threads=io_threads, buffer_bytes=4096),
+             no_dist=True)
+    files = sorted(set(_item_files(str(tmp_path / "s")).values()))
+    assert files == [f"__0_{k}.distcp" for k in range(io_threads)], files
+    # The split is torch's: every item lands in the file torch's own writer puts it in.
+    ref = str(tmp_path / "ref")
+    dcp.save(sd, storage_writer=dcp.FileSystemWriter(ref, thread_count=io_threads), no_dist=True)
+    ours, theirs = _item_files(str(tmp_path / "s")), _item_files(ref)
+    assert ours == theirs, (ours, theirs)
+    target = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else 0) for k, v in sd.items()}
+    dcp.load(target, storage_reader=dcp.FileSystemReader(str(tmp_path / "s")), no_dist=True)
+    assert all(_equal(sd[k], target[k]) for k in sd), target
+
+
+def test_bad_ring_or_thread_counts_are_refused(tmp_path):
+    from ckptfs.torch import StorageWriter
+    with pytest.raises(ValueError, match="io_threads"):
+        StorageWriter(tmp_path, io_threads=0)
+    with pytest.raises(ValueError, match="buffers"):
+        StorageWriter(tmp_path, buffers=0)
