@@ -24,6 +24,10 @@ namespace {
 // less, part of each piece is not read ahead (a loss of speed only).
 constexpr uint64_t kHintChunk = 512 << 10;
 
+// Read-ahead is planned and hinted this much of the virtual file at a time,
+// in file order (one FUSE request's worth).
+constexpr uint64_t kHintSlice = 1 << 20;
+
 }  // namespace
 
 SourceReader::SourceReader(std::string root, const std::vector<SourceFile>* files, GroupPolicy policy,
@@ -194,11 +198,22 @@ void SourceReader::ReadAhead(ReadStream& stream, const std::shared_ptr<const Lay
   auto generation = stream.generation();
   const uint64_t want = generation->load();
   // Planned on the hint thread: the request that got here is answered first.
-  hints_.Post([this, layout, w, generation, want] {
-    auto plan = Plan(*layout, w.offset, w.length);
+  hints_.Post([this, layout, w, generation, want] { HintWindow(*layout, w, generation.get(), want); });
+}
+
+void SourceReader::HintWindow(const Layout& layout, ReadStream::Window w, const std::atomic<uint64_t>* generation,
+                              uint64_t want) {
+  // A slice at a time, in the virtual file's order. Grouped by source file
+  // over the whole window, the hints queued all of one file's pieces before
+  // the next file's: the reader's next request, which needs a piece of
+  // every file, waited behind most of the window's I/O.
+  const uint64_t end = w.offset + w.length;
+  for (uint64_t at = w.offset; at < end; at += kHintSlice) {
+    if (generation->load(std::memory_order_relaxed) != want) return;
+    auto plan = Plan(layout, at, std::min(kHintSlice, end - at));
     if (!plan.ok()) return;  // the read of those bytes will say why
-    Hint(GroupReads(plan->copies, policy_), 0, generation.get(), want);
-  });
+    Hint(GroupReads(plan->copies, policy_), 0, generation, want);
+  }
 }
 
 void SourceReader::SetChecksumGate(std::unique_ptr<ChecksumGate> gate) { gate_ = std::move(gate); }

@@ -91,6 +91,11 @@ class SourceReader {
   // `generation` no longer equals `want` (null: never stops).
   void Hint(const std::vector<SourceRead>& reads, size_t first, const std::atomic<uint64_t>* generation,
             uint64_t want);
+  // Hints the sources of window `w` of the virtual file laid out by
+  // `layout`, in the file's order (see kHintSlice), while `generation`
+  // still equals `want`.
+  void HintWindow(const Layout& layout, ReadStream::Window w, const std::atomic<uint64_t>* generation,
+                  uint64_t want);
   Status ReadOne(const SourceRead& r, char* dst, char* converted, std::vector<char>& scratch);
   const std::string& PathOf(FileId id) const { return (*files_)[id].path; }
   // The decoded bytes of derived source `id`, from the cache or decoded now.
