@@ -44,25 +44,35 @@ Result<SafetensorsHeader> ReadHeader(const std::string& abs, uint64_t size) {
   return ParseSafetensorsHeader(text, n);
 }
 
-// {fqn: saved_offsets} from DCP_SHARDING_INFO; nullopt when the file is not
-// sharded.
-Result<std::optional<std::map<std::string, std::vector<uint64_t>>>> ShardingInfo(
-    const SafetensorsHeader& h) {
+// DCP_SHARDING_INFO, checked: {fqn: {"saved_offsets": [non-negative ints]}};
+// nullopt when the file is not sharded. The parsed object is kept and looked
+// up as it is: copying it into a map of its own doubled the small
+// allocations per entry, and those churn malloc for every file of a scan.
+Result<std::optional<json>> ShardingInfo(const SafetensorsHeader& h) {
   auto it = h.metadata.find("DCP_SHARDING_INFO");
   if (it == h.metadata.end()) it = h.metadata.find("dcp_custom_metadata");
-  if (it == h.metadata.end()) return std::optional<std::map<std::string, std::vector<uint64_t>>>();
+  if (it == h.metadata.end()) return std::optional<json>();
   json j = json::parse(it->second, nullptr, false);
   if (!j.is_object()) return Status::Corruption(it->first + " is not a JSON object");
-  std::map<std::string, std::vector<uint64_t>> out;
   for (auto& [fqn, v] : j.items()) {
     if (!v.is_object() || !v.contains("saved_offsets") || !v["saved_offsets"].is_array())
       return Status::Corruption(it->first + "['" + fqn + "'] has no saved_offsets list");
     for (const json& x : v["saved_offsets"])
       if (!x.is_number_unsigned() && !(x.is_number_integer() && x.get<int64_t>() >= 0))
         return Status::Corruption(it->first + "['" + fqn + "'] saved_offsets are not non-negative integers");
-    out[fqn] = v["saved_offsets"].get<std::vector<uint64_t>>();
   }
-  return std::optional(std::move(out));
+  return std::optional(std::move(j));
+}
+
+// The saved_offsets of `fqn` in a checked ShardingInfo, when it has `rank` of them.
+bool SavedOffsets(const json& info, const std::string& fqn, size_t rank, Dims& out) {
+  auto it = info.find(fqn);
+  if (it == info.end()) return false;
+  const json& offsets = it->at("saved_offsets");
+  if (offsets.size() != rank) return false;
+  out.resize(rank);
+  for (size_t d = 0; d < rank; ++d) out[d] = offsets[d].get<uint64_t>();
+  return true;
 }
 
 // The shard files record no world size, so a missing last rank shrinks
@@ -100,22 +110,18 @@ struct SafetensorsScan {
 // Adds the entries of one file's header as chunks.
 void AddEntries(const std::string& rel, const std::string& name, FileId id, uint64_t file_size,
                 const SafetensorsHeader& header,
-                const std::optional<std::map<std::string, std::vector<uint64_t>>>& info,
+                const std::optional<json>& info,
                 const std::map<std::string, std::string>& weight_map, SafetensorsScan& scan, Checkpoint& out) {
   for (const SafetensorsEntry& e : header.entries) {
     Chunk c;
     c.shard.box.lengths = e.shape;
     c.shard.box.offsets.assign(e.shape.size(), 0);
-    if (info) {
-      auto it = info->find(e.name);
-      if (it == info->end() || it->second.size() != e.shape.size()) {
-        AddProblem(out,
-                   rel + ": tensor '" + e.name + "' has no saved_offsets of rank " + std::to_string(e.shape.size()) +
-                       " in DCP_SHARDING_INFO",
-                   true);
-        continue;
-      }
-      c.shard.box.offsets = it->second;
+    if (info && !SavedOffsets(*info, e.name, e.shape.size(), c.shard.box.offsets)) {
+      AddProblem(out,
+                 rel + ": tensor '" + e.name + "' has no saved_offsets of rank " + std::to_string(e.shape.size()) +
+                     " in DCP_SHARDING_INFO",
+                 true);
+      continue;
     }
     c.bytes = {id, header.data_start() + e.begin, e.end - e.begin};
     c.basic.dtype = e.dtype;
