@@ -22,6 +22,7 @@
 #include "indexer/format_reader.h"
 #include "indexer/posix_io.h"
 #include "indexer/readers.h"
+#include "indexer/sharding_info.h"
 
 namespace ckptfs {
 namespace {
@@ -44,25 +45,14 @@ Result<SafetensorsHeader> ReadHeader(const std::string& abs, uint64_t size) {
   return ParseSafetensorsHeader(text, n);
 }
 
-// {fqn: saved_offsets} from DCP_SHARDING_INFO; nullopt when the file is not
-// sharded.
-Result<std::optional<std::map<std::string, std::vector<uint64_t>>>> ShardingInfo(
-    const SafetensorsHeader& h) {
+// The file's DCP_SHARDING_INFO (or dcp_custom_metadata); nullopt when the
+// file is not sharded.
+Result<std::optional<ShardingInfo>> ReadShardingInfo(const SafetensorsHeader& h) {
   auto it = h.metadata.find("DCP_SHARDING_INFO");
   if (it == h.metadata.end()) it = h.metadata.find("dcp_custom_metadata");
-  if (it == h.metadata.end()) return std::optional<std::map<std::string, std::vector<uint64_t>>>();
-  json j = json::parse(it->second, nullptr, false);
-  if (!j.is_object()) return Status::Corruption(it->first + " is not a JSON object");
-  std::map<std::string, std::vector<uint64_t>> out;
-  for (auto& [fqn, v] : j.items()) {
-    if (!v.is_object() || !v.contains("saved_offsets") || !v["saved_offsets"].is_array())
-      return Status::Corruption(it->first + "['" + fqn + "'] has no saved_offsets list");
-    for (const json& x : v["saved_offsets"])
-      if (!x.is_number_unsigned() && !(x.is_number_integer() && x.get<int64_t>() >= 0))
-        return Status::Corruption(it->first + "['" + fqn + "'] saved_offsets are not non-negative integers");
-    out[fqn] = v["saved_offsets"].get<std::vector<uint64_t>>();
-  }
-  return std::optional(std::move(out));
+  if (it == h.metadata.end()) return std::optional<ShardingInfo>();
+  ASSIGN_OR_RETURN(ShardingInfo info, ShardingInfo::Parse(it->first, it->second));
+  return std::optional(std::move(info));
 }
 
 // The shard files record no world size, so a missing last rank shrinks
@@ -100,23 +90,21 @@ struct SafetensorsScan {
 // Adds the entries of one file's header as chunks.
 void AddEntries(const std::string& rel, const std::string& name, FileId id, uint64_t file_size,
                 const SafetensorsHeader& header,
-                const std::optional<std::map<std::string, std::vector<uint64_t>>>& info,
+                const std::optional<ShardingInfo>& info,
                 const std::map<std::string, std::string>& weight_map, SafetensorsScan& scan, Checkpoint& out) {
   for (const SafetensorsEntry& e : header.entries) {
     Chunk c;
     c.shard.box.lengths = e.shape;
     c.shard.box.offsets.assign(e.shape.size(), 0);
-    if (info) {
-      auto it = info->find(e.name);
-      if (it == info->end() || it->second.size() != e.shape.size()) {
-        AddProblem(out,
-                   rel + ": tensor '" + e.name + "' has no saved_offsets of rank " + std::to_string(e.shape.size()) +
-                       " in DCP_SHARDING_INFO",
-                   true);
-        continue;
-      }
-      c.shard.box.offsets = it->second;
+    const Dims* offsets = info ? info->Find(e.name) : nullptr;
+    if (info && (!offsets || offsets->size() != e.shape.size())) {
+      AddProblem(out,
+                 rel + ": tensor '" + e.name + "' has no saved_offsets of rank " + std::to_string(e.shape.size()) +
+                     " in DCP_SHARDING_INFO",
+                 true);
+      continue;
     }
+    if (offsets) c.shard.box.offsets = *offsets;
     c.bytes = {id, header.data_start() + e.begin, e.end - e.begin};
     c.basic.dtype = e.dtype;
     if (c.bytes.offset + c.bytes.length > file_size)
@@ -147,7 +135,7 @@ void ReadFile(const DirListing& dir, FileTable& files, const std::string& name,
   if (!header.ok()) return AddProblem(out, rel + ": " + header.status().message(), true);
   Status size_ok = CheckSafetensorsFileSize(*header, sf.size);
   if (!size_ok.ok()) AddProblem(out, rel + ": " + size_ok.message(), false);
-  auto info = ShardingInfo(*header);
+  auto info = ReadShardingInfo(*header);
   if (!info.ok()) return AddProblem(out, rel + ": " + info.status().message(), true);
   if (info->has_value()) scan.sharded = true;
   std::smatch m;
