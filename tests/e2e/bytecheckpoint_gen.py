@@ -546,5 +546,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "_worker":
         with open(sys.argv[5]) as f:
             _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.load(f))
+        from harness import end_rank
+        end_rank()
     else:
         main()

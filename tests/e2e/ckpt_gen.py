@@ -472,7 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "_worker":          # internal: one rank
         with open(argv[4]) as f:
             _worker(int(argv[1]), int(argv[2]), argv[3], json.load(f))
-        return 0
+        from harness import end_rank
+        end_rank()
     args = ap.parse_args(argv)
 
     if args.cmd == "hf-sharded":

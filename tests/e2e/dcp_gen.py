@@ -1078,7 +1078,8 @@ def main(argv: list[str] | None = None) -> int:
     if argv and argv[0] == "_worker":          # internal: one rank
         with open(argv[4]) as f:
             _worker(int(argv[1]), int(argv[2]), argv[3], json.load(f))
-        return 0
+        from harness import end_rank
+        end_rank()
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     a = sub.add_parser("all")

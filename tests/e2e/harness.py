@@ -19,6 +19,7 @@ generator module, which imports this one.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
@@ -35,6 +36,20 @@ DEFAULT_BIN = "/work/main/build/ckptfs"
 # ---------------------------------------------------------------------------
 # N gloo ranks as subprocesses
 # ---------------------------------------------------------------------------
+
+
+def end_rank() -> None:
+    """Ends a rank process whose work is done and whose process group is
+    destroyed, skipping only the interpreter's own finalization: there,
+    torch's gloo threads have aborted finished ranks ("terminate called
+    without an active exception", no Python frame on the stack). atexit
+    handlers still run (ckptfs's pooled stagers join their I/O threads in
+    one), so only torch's teardown is left out. Call it on success only: a
+    rank that raised exits through the interpreter with its traceback."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn_ranks(script: str, world_size: int, job: dict, *, name: str,

@@ -434,7 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(job_file) as f:
             job = json.load(f)
         _worker(rank, ws, init_file, job)
-        return 0
+        from harness import end_rank
+        end_rank()
     if len(argv) != 1:
         print(__doc__)
         return 2

@@ -15,7 +15,7 @@ import torch
 BIN = os.environ.get("CKPTFS_BIN", os.path.join(os.path.dirname(__file__), "..", "..", "build", "ckptfs"))
 
 WORKER = textwrap.dedent("""
-    import sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+    import os, sys, torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import distribute_tensor, Shard
     rank, world, init, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
@@ -30,6 +30,10 @@ WORKER = textwrap.dedent("""
     if rank == 0:
         torch.save(full, out + "-full.pt")
     dist.destroy_process_group()
+    # Done: exit before the interpreter's finalization, where torch's gloo
+    # threads have aborted finished ranks (tests/e2e/harness.py, end_rank).
+    sys.stdout.flush()
+    os._exit(0)
 """)
 
 
