@@ -2,7 +2,7 @@
 """Saving a host state dict: ckptfs StorageWriter vs torch's FileSystemWriter
 (thread_count 1 and 4) vs a raw write of the same bytes with fsync.
 
-    python3 tools/bench_writer.py [--gib 2] [--dir /tmp/bench_writer] [--repeat 1]
+    python3 tools/bench_writer.py [--gib 2] [--dir /tmp/bench_writer] [--repeat 1] [--async]
 
 One process, no torch.distributed (dcp.save(no_dist=True)). The state dict
 is 2 GiB of float32/bfloat16 tensors of Llama-like shapes (embedding, MLP
@@ -11,6 +11,12 @@ drops it afterwards; the page cache is flushed (sync) between runs, and
 every writer fsyncs its files, so each figure includes getting the bytes to
 disk. Prints seconds, GB/s and the ratio to the raw write. Run it on a
 quiet machine: it measures the disk and memory bandwidth it is given.
+
+--async also times `dcp.async_save` (a gloo process group of one, in
+this process) with StorageWriter and with torch's default (FileSystemWriter
+and its stager, which copies the state dict into host memory): the
+training thread's stall (until async_save returns) and the whole save
+(until its future is done), best of --repeat each.
 """
 
 from __future__ import annotations
@@ -74,11 +80,41 @@ def run(name: str, fn, sd: dict, base: str, nbytes: int, repeat: int) -> float:
     return best
 
 
+def run_async(name: str, writer_kwargs, sd: dict, base: str, repeat: int) -> None:
+    stall = total = float("inf")
+    for i in range(repeat):
+        path = os.path.join(base, f"async_{name.replace(' ', '_')}_{i}")
+        os.sync()
+        t0 = time.perf_counter()
+        fut = dcp.async_save(sd, **writer_kwargs(path))
+        t1 = time.perf_counter()
+        fut.result()
+        t2 = time.perf_counter()
+        stall, total = min(stall, t1 - t0), min(total, t2 - t0)
+        shutil.rmtree(path)
+    print(f"{name:34s} stall {stall:6.2f} s   whole save {total:6.2f} s", flush=True)
+
+
+def async_figures(sd: dict, base: str, repeat: int) -> None:
+    import tempfile
+    import torch.distributed as dist
+    from ckptfs.torch import StorageWriter
+    init = os.path.join(tempfile.mkdtemp(prefix="bench_writer_pg_"), "store")
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    try:
+        print("\ndcp.async_save: the training thread's stall and the whole save (best of each):")
+        run_async("async ckptfs StorageWriter", lambda p: {"storage_writer": StorageWriter(p)}, sd, base, repeat)
+        run_async("async torch default", lambda p: {"checkpoint_id": p}, sd, base, repeat)
+    finally:
+        dist.destroy_process_group()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=2.0)
     ap.add_argument("--dir", default="/tmp/bench_writer")
     ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--async", dest="async_", action="store_true", help="also time dcp.async_save")
     args = ap.parse_args()
     from ckptfs.torch import StorageWriter
 
@@ -101,6 +137,8 @@ def main() -> int:
     print("\nthroughput relative to the raw write (higher is better):")
     for name, t in times.items():
         print(f"  {name:34s} {raw / t:5.2f}x")
+    if args.async_:
+        async_figures(sd, args.dir, args.repeat)
     shutil.rmtree(args.dir, ignore_errors=True)
     return 0
 
