@@ -73,7 +73,7 @@ from torch.distributed.checkpoint._hf_utils import (
     CUSTOM_METADATA_KEY, DCP_VERSION_KEY, FORMAT_KEY, FORMAT_VALUE, HF_DCP_VERSION, SAVED_OFFSETS_KEY, SUFFIX,
     _gen_file_name)
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo, _StoragePrefix
+from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo, _StoragePrefix
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata, Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata)
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
@@ -212,26 +212,14 @@ class _StagedFile:
 
 
 def _split_items(items: list, files: int) -> list[list]:
-    """The items of a rank's ``files`` DCP files, as torch's FileSystemWriter
-    splits them over its threads: BYTE_IO items round-robin, then tensors
-    from the largest, each to the file with the fewest bytes. Empty files
-    are dropped (the first is kept: a rank always writes one file)."""
-    buckets: list[list] = [[] for _ in range(files)]
-    sizes = [0] * files
-    byte_items = [wi for wi in items if wi.type == WriteItemType.BYTE_IO]
-    tensors = sorted((wi for wi in items if wi.type != WriteItemType.BYTE_IO), key=_item_bytes, reverse=True)
-    for i, wi in enumerate(byte_items):
-        buckets[i % files].append(wi)
-    for wi in tensors:
-        k = sizes.index(min(sizes))
-        buckets[k].append(wi)
-        sizes[k] += _item_bytes(wi)
+    """The items of a rank's ``files`` DCP files, split by torch's own rule
+    (FileSystemWriter with thread_count: BYTE_IO items round-robin, then
+    tensors from the largest, each to the file with the fewest bytes), each
+    file's BYTE_IO items first as torch's writer writes them. Empty files are
+    dropped (the first is kept: a rank always writes one file)."""
+    buckets = [sorted(b, key=lambda wi: wi.type != WriteItemType.BYTE_IO)
+               for b in _split_by_size_and_type(files, items)]
     return [b for i, b in enumerate(buckets) if b or i == 0]
-
-
-def _item_bytes(wi) -> int:
-    props = wi.tensor_data.properties
-    return torch.empty((), dtype=props.dtype).element_size() * int(torch.Size(wi.tensor_data.chunk.sizes).numel())
 
 
 def _on_each(files: list, fn) -> list:
@@ -247,7 +235,7 @@ def _on_each(files: list, fn) -> list:
 
 def _write_files(files: list, copy_host: bool) -> None:
     """Every file's bytes into its stager, one producer thread per file."""
-    devices = set().union(*(f.cuda_devices() for f in files)) if files else set()
+    devices = set().union(*(f.cuda_devices() for f in files))
     streams = {d: torch.cuda.current_stream(d).cuda_stream for d in devices}
     _on_each(files, lambda f: f.write_all(copy_host, streams))
 
