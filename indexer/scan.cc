@@ -148,13 +148,17 @@ bool CommitPointIsNewest(const std::string& root, const std::string& rel) {
     if (::lstat((listing->abs + "/" + name).c_str(), &st) != 0) return INT64_MAX;
     return int64_t(st.st_ctim.tv_sec) * 1'000'000'000 + st.st_ctim.tv_nsec;
   };
-  const std::string record = ".ckptfs/commit.sst";
+  const std::string record = kCommitRecord;
   const bool has_record = ctime(record) != INT64_MAX;
   if (!has_record && !listing->has_file(".metadata")) return false;
   const int64_t commit = ctime(has_record ? record : ".metadata");
   for (const std::string& f : listing->files)
     if ((has_record || f != ".metadata") && ctime(f) > commit) return false;
   return true;
+}
+
+std::string CommitRecordPath(const std::string& root, const std::string& dir) {
+  return root + "/" + (dir.empty() ? "" : dir + "/") + kCommitRecord;
 }
 
 std::vector<std::string> FindInterruptedSaves(const std::string& root) {

@@ -35,6 +35,12 @@ std::vector<std::string> FindInterruptedSaves(const std::string& root);
 // index was built.
 std::vector<std::string> FindCheckpointDirs(const std::string& root);
 
+// ckptfs's writer's commit record, relative to its checkpoint's directory,
+// and its absolute path for checkpoint directory `dir` ("" for the root
+// itself) of `root`.
+inline constexpr char kCommitRecord[] = ".ckptfs/commit.sst";
+std::string CommitRecordPath(const std::string& root, const std::string& dir);
+
 // True when directory `rel` of `root` holds a commit point written after
 // every other file in it: ckptfs's writer's commit record
 // (.ckptfs/commit.sst, written last in both its layouts) when there is one,

@@ -90,7 +90,7 @@ static std::unique_ptr<Store> OpenStore(const Common& c, Store::Access access, i
 // One scanned checkpoint into the store: from its writer's commit record
 // when it has one whose sources are unchanged, else from the scan.
 static Status StoreCheckpoint(Store& store, const std::string& root, const Checkpoint& ck) {
-  const std::string sst = root + "/" + (ck.dir.empty() ? "" : ck.dir + "/") + ".ckptfs/commit.sst";
+  const std::string sst = CommitRecordPath(root, ck.dir);
   char real[PATH_MAX];
   if (::access(sst.c_str(), F_OK) == 0) {
     // Only a record that really lies in this checkpoint (no symlink out of

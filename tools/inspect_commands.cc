@@ -449,7 +449,7 @@ std::vector<std::string> UncheckedWriterSaves(const std::string& root, const std
   std::vector<std::string> out;
   for (const LoadedCheckpoint& l : loaded) {
     const Checkpoint& ck = *l.ckpt;
-    const std::string record = root + "/" + (ck.dir.empty() ? "" : ck.dir + "/") + ".ckptfs/commit.sst";
+    const std::string record = CommitRecordPath(root, ck.dir);
     bool any_crc = false;
     for (const auto& t : ck.tensors)
       for (const Chunk& c : t->chunks) any_crc |= c.has_crc32c;
