@@ -6,13 +6,21 @@
 namespace ckptfs {
 namespace {
 
+// The chunks' boxes, unpacked once for the pairwise checks.
+std::vector<Box> BoxesOf(const TensorMeta& t) {
+  std::vector<Box> boxes;
+  boxes.reserve(t.chunks.size());
+  for (const Chunk& c : t.chunks) boxes.push_back(c.box());
+  return boxes;
+}
+
 // Bytes a chunk's stored layout spans: the last element's offset + 1.
 std::optional<uint64_t> StoredBytes(const Chunk& c, DType dtype) {
-  const Box& b = c.shard.box;
+  const Box b = c.box();
   if (b.numel() == 0) return 0;
-  if (c.basic.strides.empty()) return ByteSize(dtype, b.numel());
+  if (c.strides().empty()) return ByteSize(dtype, b.numel());
   uint64_t last = 0;
-  for (size_t i = 0; i < b.rank(); ++i) last += (b.lengths[i] - 1) * c.basic.strides[i];
+  for (size_t i = 0; i < b.rank(); ++i) last += (b.lengths[i] - 1) * c.strides()[i];
   return ByteSize(dtype, last + 1);
 }
 
@@ -21,13 +29,14 @@ std::optional<uint64_t> StoredBytes(const Chunk& c, DType dtype) {
 // outside all of them, so checking one point per cell is exact. The grid can
 // be large for pathological inputs, so the search is capped.
 std::optional<Box> FindHole(const TensorMeta& t) {
+  const std::vector<Box> boxes = BoxesOf(t);
   size_t rank = t.shape.size();
   std::vector<std::vector<uint64_t>> edges(rank);
   for (size_t d = 0; d < rank; ++d) {
     std::set<uint64_t> e{0, t.shape[d]};
-    for (const Chunk& c : t.chunks) {
-      e.insert(c.shard.box.offsets[d]);
-      e.insert(c.shard.box.offsets[d] + c.shard.box.lengths[d]);
+    for (const Box& b : boxes) {
+      e.insert(b.offsets[d]);
+      e.insert(b.offsets[d] + b.lengths[d]);
     }
     for (uint64_t x : e)
       if (x <= t.shape[d]) edges[d].push_back(x);
@@ -40,9 +49,7 @@ std::optional<Box> FindHole(const TensorMeta& t) {
       cell.lengths.push_back(edges[d][idx[d] + 1] - edges[d][idx[d]]);
     }
     if (!cell.empty()) {
-      bool covered = std::any_of(t.chunks.begin(), t.chunks.end(), [&](const Chunk& c) {
-        return Contains(c.shard.box, cell);
-      });
+      bool covered = std::any_of(boxes.begin(), boxes.end(), [&](const Box& b) { return Contains(b, cell); });
       if (!covered) return cell;
     }
     size_t d = rank;
@@ -68,28 +75,30 @@ std::vector<std::string> CheckCoverage(const TensorMeta& t) {
     return problems;
   }
   uint64_t covered = 0;
-  for (const Chunk& c : t.chunks) {
-    const std::string where = who + ": chunk " + ToString(c.shard.box);
-    if (!InBounds(c.shard.box, t.shape)) {
+  const std::vector<Box> boxes = BoxesOf(t);
+  for (size_t i = 0; i < t.chunks.size(); ++i) {
+    const Chunk& c = t.chunks[i];
+    const std::string where = who + ": chunk " + ToString(boxes[i]);
+    if (!InBounds(boxes[i], t.shape)) {
       problems.push_back(where + " lies outside the tensor");
       continue;
     }
-    if (c.basic.dtype != t.dtype) {
-      problems.push_back(where + " has dtype " + std::string(DTypeName(c.basic.dtype)) +
+    if (c.dtype() != t.dtype) {
+      problems.push_back(where + " has dtype " + std::string(DTypeName(c.dtype())) +
                          ", tensor has " + std::string(DTypeName(t.dtype)));
     }
     auto need = StoredBytes(c, t.dtype);
-    if (!need || *need > c.bytes.length) {
+    if (!need || *need > c.length()) {
       problems.push_back(where + " needs " + (need ? std::to_string(*need) : "overflowing") +
-                         " bytes but its item holds " + std::to_string(c.bytes.length));
+                         " bytes but its item holds " + std::to_string(c.length()));
     }
-    covered += c.shard.box.numel();
+    covered += boxes[i].numel();
   }
   if (!problems.empty()) return problems;
   for (size_t i = 0; i < t.chunks.size(); ++i) {
     for (size_t j = i + 1; j < t.chunks.size(); ++j) {
-      const Box& a = t.chunks[i].shard.box;
-      const Box& b = t.chunks[j].shard.box;
+      const Box& a = boxes[i];
+      const Box& b = boxes[j];
       if (a.offsets == b.offsets && a.lengths != b.lengths) {
         problems.push_back(who + ": replicas at offsets " + ToString(a) + " and " + ToString(b) +
                            " disagree in shape");
@@ -113,10 +122,12 @@ std::vector<std::string> CheckCoverage(const TensorMeta& t) {
 size_t DropReplicas(TensorMeta& t) {
   size_t before = t.chunks.size();
   std::vector<Chunk> kept;
+  std::vector<Box> kept_boxes;
   for (Chunk& c : t.chunks) {
-    bool dup = std::any_of(kept.begin(), kept.end(),
-                           [&](const Chunk& k) { return k.shard.box == c.shard.box; });
-    if (!dup) kept.push_back(std::move(c));
+    Box b = c.box();
+    if (std::find(kept_boxes.begin(), kept_boxes.end(), b) != kept_boxes.end()) continue;
+    kept_boxes.push_back(std::move(b));
+    kept.push_back(std::move(c));
   }
   t.chunks = std::move(kept);
   return before - t.chunks.size();

@@ -13,7 +13,6 @@
 #include <map>
 #include <memory>
 #include <string>
-#include <type_traits>
 #include <vector>
 
 #include "core/box.h"
@@ -24,45 +23,6 @@ namespace ckptfs {
 // Index of a source file in its checkpoint's file table (Checkpoint::files).
 using FileId = uint32_t;
 
-// A value (a string, a vector) that nearly every chunk leaves empty, kept out
-// of the chunk: one pointer, null when empty, where the value itself would
-// take 24 or 32 bytes in each of a million chunks. Reads as a const T& (an
-// empty T when null); assigning an empty T frees it.
-template <class T>
-class OutOfLine {
- public:
-  OutOfLine() = default;
-  OutOfLine(T v) { *this = std::move(v); }  // NOLINT: implicit, as a T
-  OutOfLine(const OutOfLine& o) : p_(o.p_ ? std::make_unique<T>(*o.p_) : nullptr) {}
-  OutOfLine(OutOfLine&&) noexcept = default;
-  OutOfLine& operator=(const OutOfLine& o) { return *this = o.get(); }
-  OutOfLine& operator=(OutOfLine&&) noexcept = default;
-  OutOfLine& operator=(T v) {
-    p_ = v.empty() ? nullptr : std::make_unique<T>(std::move(v));
-    return *this;
-  }
-  OutOfLine& operator=(const char* s) requires std::is_same_v<T, std::string> { return *this = T(s); }
-
-  const T& get() const {
-    static const T kEmpty;
-    return p_ ? *p_ : kEmpty;
-  }
-  operator const T&() const { return get(); }  // NOLINT: implicit, as a T
-  bool empty() const { return !p_; }
-  size_t size() const { return get().size(); }
-  auto operator[](size_t i) const { return get()[i]; }
-  void clear() { p_.reset(); }
-
-  friend bool operator==(const OutOfLine& a, const OutOfLine& b) { return a.get() == b.get(); }
-  friend T operator+(T a, const OutOfLine& b) requires std::is_same_v<T, std::string> {
-    a += b.get();
-    return a;
-  }
-
- private:
-  std::unique_ptr<T> p_;
-};
-
 // The tensor's fqn is TensorMeta::fqn, held once for all its chunks.
 struct ShardMeta {
   Box box;
@@ -72,27 +32,83 @@ struct ByteMeta {
   FileId file = 0;
   uint64_t offset = 0;  // absolute byte offset in the source file
   uint64_t length = 0;
+  bool operator==(const ByteMeta&) const = default;
 };
 
 struct BasicMeta {
   DType dtype = DType::kF32;
   // Element strides of the stored box; empty means row-major (contiguous).
-  OutOfLine<std::vector<uint64_t>> strides;
+  std::vector<uint64_t> strides;
 };
 
-// 104 bytes, none on the heap for a row-major, readable chunk of rank <= 2
-// (Dims, OutOfLine): a million chunks fit in about 100 MiB.
-struct Chunk {
-  ShardMeta shard;
-  ByteMeta bytes;
-  BasicMeta basic;
+// One row of each: where a box of the tensor is stored and how to read it.
+//
+// A checkpoint holds one per shard piece (a million for a large MoE
+// checkpoint), so the three are packed into 48 bytes with nothing on the heap
+// for the usual chunk: rank <= 2 with dims below 2^32, offset and length
+// below 2^48, row-major, readable. Anything else (a wider box, strides, an
+// unavailable reason) moves to one heap block. Read and written through the
+// accessors; the packing is invisible to callers.
+class Chunk {
+ public:
+  Chunk();
+  Chunk(const Box& box, const ByteMeta& bytes, DType dtype = DType::kF32);
+  Chunk(const Chunk& o);
+  Chunk(Chunk&&) noexcept;
+  Chunk& operator=(const Chunk& o);
+  Chunk& operator=(Chunk&&) noexcept;
+  ~Chunk();
+
+  // ShardMeta: the box in the global tensor.
+  Box box() const;
+  size_t rank() const;
+  void set_box(const Box& box);
+
+  // ByteMeta: where the box's bytes are.
+  ByteMeta bytes() const;
+  FileId file() const { return file_; }
+  uint64_t offset() const;
+  uint64_t length() const;
+  void set_bytes(const ByteMeta& bytes);
+
+  // BasicMeta: the stored dtype and element strides (empty: row-major).
+  DType dtype() const { return dtype_; }
+  void set_dtype(DType dtype) { dtype_ = dtype; }
+  const std::vector<uint64_t>& strides() const;
+  void set_strides(std::vector<uint64_t> strides);
+
   // Non-empty when the box is known but its bytes cannot be served (the
   // shard file is truncated, say). Reads touching it fail with this reason.
-  OutOfLine<std::string> unavailable;
+  const std::string& unavailable() const;
+  void set_unavailable(std::string why);
+
   // CRC32C of the chunk's stored bytes, when its writer recorded one
   // (ckptfs's own writer does; checkpoints indexed by a scan have none).
-  bool has_crc32c = false;
-  uint32_t crc32c = 0;
+  bool has_crc32c() const { return flags_ & kHasCrc; }
+  uint32_t crc32c() const { return crc32c_; }
+  void set_crc32c(uint32_t crc) {
+    crc32c_ = crc;
+    flags_ |= kHasCrc;
+  }
+
+ private:
+  struct Extra;
+  enum : uint8_t { kHasCrc = 1, kWideBox = 2, kWideBytes = 4 };
+  Extra& extra();
+  void DropEmptyExtra();
+
+  uint32_t offsets_[2] = {0, 0};  // the box, when not kWideBox
+  uint32_t lengths_[2] = {0, 0};
+  uint32_t offset_lo_ = 0;  // the bytes' offset and length (48 bits
+  uint32_t length_lo_ = 0;  // each), when not kWideBytes
+  uint16_t offset_hi_ = 0;
+  uint16_t length_hi_ = 0;
+  FileId file_ = 0;
+  uint32_t crc32c_ = 0;
+  DType dtype_ = DType::kF32;
+  uint8_t rank_ = 0;
+  uint8_t flags_ = 0;
+  std::unique_ptr<Extra> extra_;
 };
 
 struct TensorMeta {

@@ -27,19 +27,18 @@ Result<UnitGeometry> ToUnits(const TensorMeta& t, const Box& target) {
   if (g == 1) {
     u.target = target;
     for (const Chunk& c : t.chunks) {
-      u.chunks.push_back(c.shard.box);
-      u.strides.push_back(c.basic.strides.empty() ? RowMajorStrides(c.shard.box.lengths)
-                                                  : c.basic.strides.get());
+      u.chunks.push_back(c.box());
+      u.strides.push_back(c.strides().empty() ? RowMajorStrides(u.chunks.back().lengths) : c.strides());
     }
     return u;
   }
   // Packed sub-byte dtype: only row-major chunks whose edges fall on byte
   // boundaries can be sliced.
   for (const Chunk& c : t.chunks)
-    if (!c.basic.strides.empty())
+    if (!c.strides().empty())
       return Status::NotSupported("strided chunk of packed dtype " + std::string(DTypeName(t.dtype)));
   std::vector<Box> boxes{target};
-  for (const Chunk& c : t.chunks) boxes.push_back(c.shard.box);
+  for (const Chunk& c : t.chunks) boxes.push_back(c.box());
   const size_t n = t.shape.size();
   auto divisible = [&](const Box& b, size_t d) {
     return b.offsets[d] % g == 0 && b.lengths[d] % g == 0;
@@ -133,10 +132,10 @@ Status PlanChunk(const UnitGeometry& g, size_t ci, const std::vector<uint64_t>& 
   for (uint64_t r = lo; r < nruns; ++r) {
     uint64_t rb = ts * unit, re = (ts + run) * unit;
     if (rb >= b) break;
-    if (!chunk.unavailable.empty())
-      return Status::Incomplete("chunk " + ToString(chunk.shard.box) + ": " + chunk.unavailable);
+    if (!chunk.unavailable().empty())
+      return Status::Incomplete("chunk " + ToString(chunk.box()) + ": " + chunk.unavailable());
     uint64_t from = std::max(a, rb), to = std::min(b, re);
-    out.push_back({chunk.bytes.file, chunk.bytes.offset + ss * unit + (from - rb), from + dst_base,
+    out.push_back({chunk.file(), chunk.offset() + ss * unit + (from - rb), from + dst_base,
                    to - from});
     // Odometer step over the outer dimensions.
     for (size_t j = nd; j-- > 0;) {

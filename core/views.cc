@@ -74,9 +74,9 @@ std::string Unservable(const TensorSlice& s) {
     if (b.empty()) continue;
     bool readable = true;
     for (const Chunk& c : s.tensor->chunks)
-      if (!c.unavailable.empty() && Intersect(c.shard.box, b)) {
+      if (!c.unavailable().empty() && Intersect(c.box(), b)) {
         readable = false;
-        if (why.empty()) why = c.unavailable.get();
+        if (why.empty()) why = c.unavailable();
       }
     if (readable) return "";
   }

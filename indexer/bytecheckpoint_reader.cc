@@ -107,10 +107,8 @@ Result<Chunk> ItemChunk(const StorageInfo& si, const std::string& meta, const st
   const uint64_t skip = ref->storage_offset * (DTypeBits(t.dtype) / 8);
   if (skip > si.length || si.offset + si.length > files.at(id).size)
     return Status::Corruption(who + ": the item runs past the end of " + si.relative_path + " (truncated?)");
-  Chunk c;
-  c.shard = {box};
-  c.basic = {t.dtype, NormalizeStrides(ref->shape, ref->strides)};
-  c.bytes = {id, si.offset + skip, si.length - skip};
+  Chunk c(box, {id, si.offset + skip, si.length - skip}, t.dtype);
+  c.set_strides(NormalizeStrides(ref->shape, ref->strides));
   return c;
 }
 
@@ -161,11 +159,9 @@ void AddFlatPieces(const Chunk& chunk, const Box& box, DType dtype, const std::v
     proto.shape = p.shape;
     TensorMeta& dst = Target(all, part, prefix + p.name + suffix, proto);
     for (const auto& [piece_box, first] : FlatRangeToBoxes(p.shape, lo - p.offset, hi - p.offset)) {
-      Chunk c = chunk;
-      c.shard = {piece_box};
-      c.basic.strides.clear();
-      c.bytes.offset = chunk.bytes.offset + (p.offset + first - begin) * itemsize;
-      c.bytes.length = piece_box.numel() * itemsize;
+      Chunk c(piece_box, {chunk.file(), chunk.offset() + (p.offset + first - begin) * itemsize,
+                          piece_box.numel() * itemsize}, chunk.dtype());
+      c.set_unavailable(chunk.unavailable());
       dst.chunks.push_back(std::move(c));
     }
   }

@@ -16,7 +16,7 @@ std::string Hex(uint32_t v) {
 }
 
 std::string Where(const Checkpoint& ckpt, const TensorMeta& t, size_t c) {
-  const ByteMeta& b = t.chunks[c].bytes;
+  const ByteMeta b = t.chunks[c].bytes();
   return t.fqn + " chunk " + std::to_string(c) + " (" + ckpt.files[b.file].path + " bytes [" +
          std::to_string(b.offset) + ", " + std::to_string(b.offset + b.length) + "))";
 }
@@ -47,20 +47,20 @@ ChecksumReport VerifyChunkChecksums(const Checkpoint& ckpt, SourceReader& reader
   for (const auto& t : ckpt.tensors)
     for (size_t c = 0; c < t->chunks.size(); ++c) {
       const Chunk& chunk = t->chunks[c];
-      if (!chunk.has_crc32c) continue;
+      if (!chunk.has_crc32c()) continue;
       ++report.chunks;
-      if (!chunk.unavailable.empty()) {
-        report.problems.push_back(Where(ckpt, *t, c) + ": " + chunk.unavailable);
+      if (!chunk.unavailable().empty()) {
+        report.problems.push_back(Where(ckpt, *t, c) + ": " + chunk.unavailable());
         continue;
       }
-      auto got = ChecksumOf(chunk.bytes, reader, buf, [&](uint64_t n) {
+      auto got = ChecksumOf(chunk.bytes(), reader, buf, [&](uint64_t n) {
         report.bytes += n;
         if (on_bytes) on_bytes(report.bytes);
       });
       if (!got.ok()) report.problems.push_back(Where(ckpt, *t, c) + ": " + got.status().message());
-      else if (*got != chunk.crc32c)
+      else if (*got != chunk.crc32c())
         report.problems.push_back(Where(ckpt, *t, c) + ": CRC32C " + Hex(*got) + ", the writer recorded " +
-                                  Hex(chunk.crc32c));
+                                  Hex(chunk.crc32c()));
     }
   return report;
 }
@@ -69,10 +69,10 @@ ChecksumGate::ChecksumGate(const Checkpoint& ckpt) : ckpt_(ckpt) {
   for (const auto& t : ckpt.tensors)
     for (size_t c = 0; c < t->chunks.size(); ++c) {
       const Chunk& chunk = t->chunks[c];
-      if (chunk.has_crc32c && chunk.unavailable.empty())
-        entries_.push_back({chunk.bytes.offset, chunk.bytes.length, chunk.crc32c, t.get(), uint32_t(c)});
+      if (chunk.has_crc32c() && chunk.unavailable().empty())
+        entries_.push_back({chunk.offset(), chunk.length(), chunk.crc32c(), t.get(), uint32_t(c)});
     }
-  auto file_of = [](const Entry& e) { return e.tensor->chunks[e.chunk].bytes.file; };
+  auto file_of = [](const Entry& e) { return e.tensor->chunks[e.chunk].file(); };
   std::sort(entries_.begin(), entries_.end(), [&](const Entry& a, const Entry& b) {
     return std::make_pair(file_of(a), a.offset) < std::make_pair(file_of(b), b.offset);
   });
@@ -111,7 +111,7 @@ Status ChecksumGate::CheckRange(FileId file, uint64_t offset, uint64_t length, c
 
 Status ChecksumGate::Verify(size_t e, const RawRead& read) {
   const Entry& entry = entries_[e];
-  const FileId file = entry.tensor->chunks[entry.chunk].bytes.file;
+  const FileId file = entry.tensor->chunks[entry.chunk].file();
   constexpr uint64_t kPiece = 8 << 20;
   std::vector<char> buf(std::min(kPiece, entry.length));
   uint32_t crc = 0;

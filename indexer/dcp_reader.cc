@@ -97,7 +97,7 @@ void AddChunk(TensorMeta& t, Chunk c, const std::map<std::string, Shape>& reform
   // Saved as [X/x, Y/y, ..., x*y*...]: block shape b[d] = orig[d] / saved[d].
   Shape block(n);
   for (size_t d = 0; d < n; ++d) block[d] = saved[d] ? t.shape[d] / saved[d] : 0;
-  const Box& box = c.shard.box;
+  const Box box = c.box();
   for (size_t d = 0; d < n; ++d)
     if (box.lengths[d] != 1) {
       AddProblem(out, "tensor '" + t.fqn + "' chunk " + ToString(box) + ": a flattened chunk must span one block",
@@ -107,12 +107,10 @@ void AddChunk(TensorMeta& t, Chunk c, const std::map<std::string, Shape>& reform
   const uint64_t itemsize = DTypeBits(t.dtype) / 8;
   const uint64_t begin = box.offsets[n], end = begin + box.lengths[n];
   for (const auto& [piece, flat] : FlatRangeToBoxes(block, begin, end)) {
-    Chunk p = c;
-    p.shard.box = piece;
-    for (size_t d = 0; d < n; ++d) p.shard.box.offsets[d] += box.offsets[d] * block[d];
-    p.bytes.offset = c.bytes.offset + (flat - begin) * itemsize;
-    p.bytes.length = piece.numel() * itemsize;
-    p.basic.strides.clear();
+    Box global = piece;
+    for (size_t d = 0; d < n; ++d) global.offsets[d] += box.offsets[d] * block[d];
+    Chunk p(global, {c.file(), c.offset() + (flat - begin) * itemsize, piece.numel() * itemsize}, c.dtype());
+    p.set_unavailable(c.unavailable());
     t.chunks.push_back(std::move(p));
   }
 }
@@ -191,19 +189,19 @@ Result<TorchArchive> ReadItem(const StorageInfo& si, int fd, FileId id, FileTabl
 void PlaceChunk(const TorchArchive& archive, const std::string& rel, FileId data_file, const TensorMeta& t,
                        Chunk& c) {
   if (archive.tensors.size() != 1) {
-    c.unavailable = rel + ": the item holds " + std::to_string(archive.tensors.size()) + " tensors, not 1";
+    c.set_unavailable(rel + ": the item holds " + std::to_string(archive.tensors.size()) + " tensors, not 1");
     return;
   }
   const TorchTensorRecord& r = archive.tensors[0];
   if (r.dtype != t.dtype) {
-    c.unavailable = rel + ": the item is " + std::string(DTypeName(r.dtype)) + ", the metadata says " +
-                    std::string(DTypeName(t.dtype));
-  } else if (r.shape != c.shard.box.lengths) {
-    c.unavailable = rel + ": the item's shape " + ShapeToString(r.shape) + " is not the chunk's " +
-                    ShapeToString(c.shard.box.lengths);
+    c.set_unavailable(rel + ": the item is " + std::string(DTypeName(r.dtype)) + ", the metadata says " +
+                      std::string(DTypeName(t.dtype)));
+  } else if (r.shape != c.box().lengths) {
+    c.set_unavailable(rel + ": the item's shape " + ShapeToString(r.shape) + " is not the chunk's " +
+                      ShapeToString(c.box().lengths));
   } else {
-    c.bytes = {data_file, r.data_offset, r.storage_bytes_available};
-    c.basic.strides = NormalizeStrides(r.shape, r.strides);
+    c.set_bytes({data_file, r.data_offset, r.storage_bytes_available});
+    c.set_strides(NormalizeStrides(r.shape, r.strides));
   }
 }
 
@@ -219,20 +217,17 @@ void AddTensorChunk(const DirListing& dir, FileTable& files, const DcpPlan& plan
   const std::string rel = JoinPath(dir.rel, si.relative_path);
   auto id = files.Add(rel);
   if (!id.ok()) return AddProblem(out, who + ": " + id.status().message(), true);
-  Chunk c;
-  c.shard = {box};
-  c.basic.dtype = t.dtype;
-  c.bytes = {*id, si.offset, si.length};
+  Chunk c(box, {*id, si.offset, si.length}, t.dtype);
   auto& fd = fds[rel];
   if (!fd) fd = std::make_unique<ScopedFd>(::open(files.Abs(*id).c_str(), O_RDONLY | O_CLOEXEC));
   const std::string item = rel + " item at " + std::to_string(si.offset);
   FileId data_file = *id;
   Result<TorchArchive> archive = ReadItem(si, fd->get(), *id, files, item, data_file);
   if (!archive.ok())
-    c.unavailable = archive.status().message();
+    c.set_unavailable(archive.status().message());
   else
     PlaceChunk(*archive, rel, data_file, t, c);
-  if (!c.unavailable.empty()) AddProblem(out, who + ": " + c.unavailable, false);
+  if (!c.unavailable().empty()) AddProblem(out, who + ": " + c.unavailable(), false);
   AddChunk(t, std::move(c), plan.saved_shape, out);
 }
 

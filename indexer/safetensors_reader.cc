@@ -93,9 +93,6 @@ void AddEntries(const std::string& rel, const std::string& name, FileId id, uint
                 const std::optional<ShardingInfo>& info,
                 const std::map<std::string, std::string>& weight_map, SafetensorsScan& scan, Checkpoint& out) {
   for (const SafetensorsEntry& e : header.entries) {
-    Chunk c;
-    c.shard.box.lengths = e.shape;
-    c.shard.box.offsets.assign(e.shape.size(), 0);
     const Dims* offsets = info ? info->Find(e.name) : nullptr;
     if (info && (!offsets || offsets->size() != e.shape.size())) {
       AddProblem(out,
@@ -104,12 +101,11 @@ void AddEntries(const std::string& rel, const std::string& name, FileId id, uint
                  true);
       continue;
     }
-    if (offsets) c.shard.box.offsets = *offsets;
-    c.bytes = {id, header.data_start() + e.begin, e.end - e.begin};
-    c.basic.dtype = e.dtype;
-    if (c.bytes.offset + c.bytes.length > file_size)
-      c.unavailable = rel + " is truncated: " + std::to_string(file_size) + " bytes, but this chunk ends at byte " +
-                      std::to_string(c.bytes.offset + c.bytes.length);
+    Box box{offsets ? *offsets : Dims(e.shape.size(), 0), e.shape};
+    Chunk c(box, {id, header.data_start() + e.begin, e.end - e.begin}, e.dtype);
+    if (c.offset() + c.length() > file_size)
+      c.set_unavailable(rel + " is truncated: " + std::to_string(file_size) + " bytes, but this chunk ends at byte " +
+                        std::to_string(c.offset() + c.length()));
     if (auto w = weight_map.find(e.name); w != weight_map.end() && w->second != name)
       AddProblem(out, rel + ": holds '" + e.name + "', which the index places in " + w->second, false);
     TensorMeta& t = scan.tensors[e.name];
@@ -160,9 +156,9 @@ void CheckShardRanks(const DirListing& dir, const std::set<uint64_t>& ranks, Che
 // disagree on the number of dimensions get that problem instead.
 void SetShapes(std::map<std::string, TensorMeta>& tensors) {
   for (auto& [fqn, t] : tensors) {
-    const size_t rank = t.chunks.front().shard.box.rank();
+    const size_t rank = t.chunks.front().rank();
     bool ranks_agree = std::all_of(t.chunks.begin(), t.chunks.end(),
-                                   [rank](const Chunk& c) { return c.shard.box.rank() == rank; });
+                                   [rank](const Chunk& c) { return c.rank() == rank; });
     if (!ranks_agree) {
       t.problem = "tensor '" + fqn + "': chunks disagree on the number of dimensions";
       continue;
@@ -170,7 +166,7 @@ void SetShapes(std::map<std::string, TensorMeta>& tensors) {
     t.shape.assign(rank, 0);
     for (const Chunk& c : t.chunks)
       for (size_t d = 0; d < rank; ++d)
-        t.shape[d] = std::max(t.shape[d], c.shard.box.offsets[d] + c.shard.box.lengths[d]);
+        t.shape[d] = std::max(t.shape[d], c.box().offsets[d] + c.box().lengths[d]);
   }
 }
 

@@ -135,16 +135,16 @@ std::string EncodeTensor(const TensorMeta& t) {
   w.Str(t.problem);
   w.Var(t.chunks.size());
   for (const Chunk& c : t.chunks) {
-    w.U8((c.basic.strides.empty() ? 0 : kHasStrides) | (c.unavailable.empty() ? 0 : kHasUnavailable) |
-         (c.has_crc32c ? kHasCrc : 0));
-    w.Vec(c.shard.box.offsets);
-    w.Vec(c.shard.box.lengths);
-    w.Var(c.bytes.file);
-    w.Var(c.bytes.offset);
-    w.Var(c.bytes.length);
-    if (!c.basic.strides.empty()) w.Vec(c.basic.strides.get());
-    if (!c.unavailable.empty()) w.Str(c.unavailable.get());
-    if (c.has_crc32c) w.Fixed32(c.crc32c);
+    w.U8((c.strides().empty() ? 0 : kHasStrides) | (c.unavailable().empty() ? 0 : kHasUnavailable) |
+         (c.has_crc32c() ? kHasCrc : 0));
+    w.Vec(c.box().offsets);
+    w.Vec(c.box().lengths);
+    w.Var(c.file());
+    w.Var(c.offset());
+    w.Var(c.length());
+    if (!c.strides().empty()) w.Vec(c.strides());
+    if (!c.unavailable().empty()) w.Str(c.unavailable());
+    if (c.has_crc32c()) w.Fixed32(c.crc32c());
   }
   return w.Take();
 }
@@ -164,20 +164,18 @@ Result<TensorMeta> DecodeTensor(std::string_view fqn, std::string_view value) {
   t.chunks.resize(r.Count());
   for (Chunk& c : t.chunks) {
     uint8_t flags = r.U8();
-    c.shard.box.offsets = r.Vec();
-    c.shard.box.lengths = r.Vec();
+    Box box;
+    box.offsets = r.Vec();
+    box.lengths = r.Vec();
+    if (box.offsets.size() != box.lengths.size())
+      return Status::Corruption("tensor '" + t.fqn + "': chunk box offsets and lengths differ in rank");
     uint64_t file = r.Var();
     if (file > UINT32_MAX) return Status::Corruption("tensor '" + t.fqn + "': file id out of range");
-    c.bytes.file = FileId(file);
-    c.bytes.offset = r.Var();
-    c.bytes.length = r.Var();
-    c.basic.dtype = t.dtype;
-    if (flags & kHasStrides) c.basic.strides = r.Vec();
-    if (flags & kHasUnavailable) c.unavailable = r.Str();
-    c.has_crc32c = flags & kHasCrc;
-    if (c.has_crc32c) c.crc32c = r.Fixed32();
-    if (c.shard.box.offsets.size() != c.shard.box.lengths.size())
-      return Status::Corruption("tensor '" + t.fqn + "': chunk box offsets and lengths differ in rank");
+    uint64_t offset = r.Var();
+    c = Chunk(box, {FileId(file), offset, r.Var()}, t.dtype);
+    if (flags & kHasStrides) c.set_strides(r.Vec());
+    if (flags & kHasUnavailable) c.set_unavailable(r.Str());
+    if (flags & kHasCrc) c.set_crc32c(r.Fixed32());
   }
   if (!r.ok() || !r.done()) return Status::Corruption("tensor '" + t.fqn + "': truncated or overlong row");
   return t;
@@ -217,11 +215,11 @@ json TensorValueToJson(std::string_view fqn, std::string_view value) {
   if (!t.ok()) return {{"undecodable", t.status().message()}};
   json chunks = json::array();
   for (const Chunk& c : t->chunks) {
-    json cj = {{"offsets", Shape(c.shard.box.offsets)}, {"lengths", Shape(c.shard.box.lengths)},
-               {"file", c.bytes.file}, {"offset", c.bytes.offset}, {"length", c.bytes.length}};
-    if (!c.basic.strides.empty()) cj["strides"] = c.basic.strides.get();
-    if (!c.unavailable.empty()) cj["unavailable"] = c.unavailable.get();
-    if (c.has_crc32c) cj["crc32c"] = c.crc32c;
+    json cj = {{"offsets", Shape(c.box().offsets)}, {"lengths", Shape(c.box().lengths)},
+               {"file", c.file()}, {"offset", c.offset()}, {"length", c.length()}};
+    if (!c.strides().empty()) cj["strides"] = c.strides();
+    if (!c.unavailable().empty()) cj["unavailable"] = c.unavailable();
+    if (c.has_crc32c()) cj["crc32c"] = c.crc32c();
     chunks.push_back(std::move(cj));
   }
   json j = {{"dtype", std::string(DTypeName(t->dtype))}, {"shape", t->shape}, {"chunks", chunks}};
@@ -268,7 +266,7 @@ Result<std::vector<Row>> EncodeCheckpoint(const Checkpoint& ckpt, const std::str
   for (const auto& t : ckpt.tensors) {
     if (!seen.insert(t->fqn).second) return Status::InvalidArgument("tensor '" + t->fqn + "' listed twice");
     for (const Chunk& c : t->chunks)
-      if (bad_file(c.bytes.file)) return Status::InvalidArgument("tensor '" + t->fqn + "' names an unknown file");
+      if (bad_file(c.file())) return Status::InvalidArgument("tensor '" + t->fqn + "' names an unknown file");
     chunks += t->chunks.size();
     out.push_back({DataKey(ckpt.dir, kTensorTag, t->fqn), EncodeTensor(*t)});
   }
@@ -412,7 +410,7 @@ Result<Checkpoint> CheckpointDecoder::Finish() {
     if (bad(b.file)) return Status::Corruption(what + "item " + key + " names an unknown file");
   for (const auto& t : ckpt_.tensors)
     for (const Chunk& c : t->chunks)
-      if (bad(c.bytes.file)) return Status::Corruption(what + "tensor '" + t->fqn + "' names an unknown file");
+      if (bad(c.file())) return Status::Corruption(what + "tensor '" + t->fqn + "' names an unknown file");
   return std::move(ckpt_);
 }
 

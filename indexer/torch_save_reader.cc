@@ -89,10 +89,8 @@ class TorchSaveReader : public FormatReader {
         t.path = path.size() > 1 ? path : std::vector<std::string>{};
         t.dtype = r.dtype;
         t.shape = r.shape;
-        Chunk c;
-        c.shard = {Box::Whole(r.shape)};
-        c.basic = {r.dtype, NormalizeStrides(r.shape, r.strides)};
-        c.bytes = {*id, r.data_offset, r.storage_bytes_available};
+        Chunk c(Box::Whole(r.shape), {*id, r.data_offset, r.storage_bytes_available}, r.dtype);
+        c.set_strides(NormalizeStrides(r.shape, r.strides));
         t.chunks.push_back(std::move(c));
       }
     }

@@ -39,13 +39,13 @@ std::string Where(const Checkpoint& ck) { return Where(ck.dir); }
 std::string TensorProblem(const TensorMeta& t) {
   if (!t.problem.empty()) return t.problem;
   for (const Chunk& c : t.chunks)
-    if (!c.unavailable.empty()) return "chunk " + ToString(c.shard.box) + ": " + c.unavailable;
+    if (!c.unavailable().empty()) return "chunk " + ToString(c.box()) + ": " + c.unavailable();
   return "";
 }
 
 std::set<std::string> FilesOf(const TensorMeta& t, const Checkpoint& ckpt) {
   std::set<std::string> out;
-  for (const Chunk& c : t.chunks) out.insert(std::filesystem::path(ckpt.files[c.bytes.file].path).filename());
+  for (const Chunk& c : t.chunks) out.insert(std::filesystem::path(ckpt.files[c.file()].path).filename());
   return out;
 }
 
@@ -177,11 +177,11 @@ int RunInspect(VirtualFs& fs, const std::string& name, bool as_json) {
   }
   json chunks = json::array();
   for (const Chunk& c : t->chunks)
-    chunks.push_back({{"box", ToString(c.shard.box)},
-                      {"file", owner->files[c.bytes.file].path},
-                      {"bytes", {c.bytes.offset, c.bytes.offset + c.bytes.length}},
-                      {"strides", c.basic.strides.get()},
-                      {"unavailable", c.unavailable.get()}});
+    chunks.push_back({{"box", ToString(c.box())},
+                      {"file", owner->files[c.file()].path},
+                      {"bytes", {c.offset(), c.offset() + c.length()}},
+                      {"strides", c.strides()},
+                      {"unavailable", c.unavailable()}});
   json out = {{"checkpoint", owner->dir}, {"name", t->fqn}, {"dtype", std::string(DTypeName(t->dtype))},
               {"shape", t->shape}, {"numel", t->numel()}, {"bytes", t->nbytes()}, {"chunks", chunks}};
   if (std::string p = TensorProblem(*t); !p.empty()) out["problem"] = p;
@@ -281,15 +281,15 @@ void UnreadableChunks(const std::string& root, const Checkpoint& ck, const std::
   SourceReader reader(root, &ck.files);
   for (const auto& t : ck.tensors)
     for (const Chunk& ch : t->chunks) {
-      const std::string where = Where(ck) + ": tensor '" + t->fqn + "' chunk " + ToString(ch.shard.box);
-      if (!ch.unavailable.empty()) {
-        problems->push_back(where + " is unreadable: " + ch.unavailable);
+      const std::string where = Where(ck) + ": tensor '" + t->fqn + "' chunk " + ToString(ch.box());
+      if (!ch.unavailable().empty()) {
+        problems->push_back(where + " is unreadable: " + ch.unavailable());
         continue;
       }
-      if (ch.bytes.length == 0 || changed[ch.bytes.file]) continue;
+      if (ch.length() == 0 || changed[ch.file()]) continue;
       ReadPlan plan;
       plan.length = 1;
-      plan.copies.push_back({ch.bytes.file, ch.bytes.offset + ch.bytes.length - 1, 0, 1});
+      plan.copies.push_back({ch.file(), ch.offset() + ch.length() - 1, 0, 1});
       char byte;
       Status st = reader.Execute(plan, &byte);
       if (!st.ok()) problems->push_back(where + " is unreadable: " + st.message());
@@ -428,7 +428,7 @@ ChecksumReport CheckChunkChecksums(const std::vector<LoadedCheckpoint>& loaded, 
   for (const LoadedCheckpoint& l : loaded)
     for (const auto& t : l.ckpt->tensors)
       for (const Chunk& c : t->chunks)
-        if (c.has_crc32c) total += c.bytes.length;
+        if (c.has_crc32c()) total += c.length();
   if (total == 0) return all;
   Progress progress("checksums", total, "bytes");
   for (const LoadedCheckpoint& l : loaded) {
@@ -452,7 +452,7 @@ std::vector<std::string> UncheckedWriterSaves(const std::string& root, const std
     const std::string record = CommitRecordPath(root, ck.dir);
     bool any_crc = false;
     for (const auto& t : ck.tensors)
-      for (const Chunk& c : t->chunks) any_crc |= c.has_crc32c;
+      for (const Chunk& c : t->chunks) any_crc |= c.has_crc32c();
     if (any_crc || ::access(record.c_str(), F_OK) != 0) continue;
     out.push_back((ck.dir.empty() ? std::string(".") : ck.dir) +
                   ": saved by ckptfs's writer, but indexed from its files without the writer's checksums (its "

@@ -68,11 +68,7 @@ Checkpoint Synthetic(uint64_t tensors, uint64_t chunks) {
     t->dtype = DType::kBF16;
     t->shape = {4 * chunks, 1024};
     for (uint64_t r = 0; r < chunks; ++r) {
-      Chunk ch;
-      ch.shard = {Box{{4 * r, 0}, {4, 1024}}};
-      ch.bytes = {FileId(r), 8 + i * 8192, 8192};
-      ch.basic.dtype = t->dtype;
-      t->chunks.push_back(std::move(ch));
+      t->chunks.emplace_back(Box{{4 * r, 0}, {4, 1024}}, ByteMeta{FileId(r), 8 + i * 8192, 8192}, t->dtype);
     }
     c.tensors.push_back(std::move(t));
   }

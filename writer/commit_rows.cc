@@ -74,14 +74,9 @@ Result<Checkpoint> BuildCommitRows(const std::string& abs_root, const WrittenChe
     auto chunks = by_fqn[wt.fqn];
     std::sort(chunks.begin(), chunks.end(), [](auto* a, auto* b) { return a->offsets < b->offsets; });
     for (const WrittenChunk* c : chunks) {
-      Chunk ch;
-      ch.shard = {Box{c->offsets, c->sizes}};
-      ASSIGN_OR_RETURN(ch.bytes.file, ids.Get(c->file));
-      ch.bytes.offset = c->offset;
-      ch.bytes.length = c->length;
-      ch.basic.dtype = *dtype;
-      ch.has_crc32c = true;
-      ch.crc32c = c->crc32c;
+      ASSIGN_OR_RETURN(FileId file, ids.Get(c->file));
+      Chunk ch(Box{c->offsets, c->sizes}, {file, c->offset, c->length}, *dtype);
+      ch.set_crc32c(c->crc32c);
       t->chunks.push_back(std::move(ch));
     }
     auto problems = CheckCoverage(*t);

@@ -58,10 +58,10 @@ py::dict RowsSummary(const Checkpoint& rows) {
     py::list chunks;
     for (size_t c = 0; c < tm.chunks.size(); ++c) {
       const Chunk& ch = tm.chunks[c];
-      chunks.append(py::dict(py::arg("offsets") = Shape(ch.shard.box.offsets),
-                             py::arg("sizes") = Shape(ch.shard.box.lengths),
-                             py::arg("file") = rows.files[ch.bytes.file].path, py::arg("offset") = ch.bytes.offset,
-                             py::arg("length") = ch.bytes.length, py::arg("crc32c") = ch.crc32c));
+      chunks.append(py::dict(py::arg("offsets") = Shape(ch.box().offsets),
+                             py::arg("sizes") = Shape(ch.box().lengths),
+                             py::arg("file") = rows.files[ch.file()].path, py::arg("offset") = ch.offset(),
+                             py::arg("length") = ch.length(), py::arg("crc32c") = ch.crc32c()));
     }
     tensors.append(py::dict(py::arg("fqn") = tm.fqn, py::arg("path") = tm.path,
                             py::arg("dtype") = std::string(DTypeName(tm.dtype)), py::arg("shape") = tm.shape,

@@ -7,9 +7,9 @@ namespace {
 
 Chunk MakeChunk(Box box, DType dtype = DType::kF32) {
   Chunk c;
-  c.shard.box = box;
-  c.basic.dtype = dtype;
-  c.bytes.length = *ByteSize(dtype, box.numel());
+  c.set_box(box);
+  c.set_dtype(dtype);
+  c.set_bytes({0, 0, *ByteSize(dtype, box.numel())});
   return c;
 }
 
@@ -58,7 +58,7 @@ TEST(Coverage, OutOfBoundsChunk) {
 
 TEST(Coverage, ChunkWithTooFewBytes) {
   auto t = Tensor({4}, {Box{{0}, {4}}});
-  t.chunks[0].bytes.length = 15;
+  t.chunks[0].set_bytes({0, 0, 15});
   auto p = CheckCoverage(t);
   ASSERT_EQ(p.size(), 1u);
   EXPECT_NE(p[0].find("needs 16 bytes"), std::string::npos) << p[0];

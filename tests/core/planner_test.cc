@@ -139,8 +139,8 @@ TEST_F(PlannerProperty, RandomTensorsShardingsAndRangesMatchPerElementReference)
     std::vector<std::string> contents(nfiles);
     for (const Box& box : Tile(shape, rng)) {
       Chunk c;
-      c.shard.box = box;
-      c.basic.dtype = dtype;
+      c.set_box(box);
+      c.set_dtype(dtype);
       std::vector<uint64_t> strides = RowMajorStrides(box.lengths);
       if (box.rank() > 1 && rng() % 3 == 0) {  // transposed storage
         std::vector<size_t> perm(box.rank());
@@ -151,19 +151,18 @@ TEST_F(PlannerProperty, RandomTensorsShardingsAndRangesMatchPerElementReference)
           strides[perm[k]] = s;
           s *= box.lengths[perm[k]];
         }
-        c.basic.strides = strides;
+        c.set_strides(strides);
       }
       int f = rng() % nfiles;
       contents[f].append(rng() % 10, 'g');  // garbage between items
-      c.bytes.file = f;
-      c.bytes.offset = contents[f].size();
+      const uint64_t offset = contents[f].size();
       std::string item(box.numel() * isz, '\0');
       ForEachIndex(box, [&](const std::vector<uint64_t>& idx) {
         uint64_t s = 0;
         for (size_t d = 0; d < box.rank(); ++d) s += (idx[d] - box.offsets[d]) * strides[d];
         std::memcpy(&item[s * isz], &global[Flat(idx, shape) * isz], isz);
       });
-      c.bytes.length = item.size();
+      c.set_bytes({FileId(f), offset, item.size()});
       contents[f] += item;
       tensor->chunks.push_back(c);
     }
@@ -240,9 +239,9 @@ ColumnSplit MakeColumnSplit(uint64_t rows, uint64_t cols) {
   uint64_t half = cols / 2;
   for (uint64_t k = 0; k < 2; ++k) {
     Chunk c;
-    c.shard.box = Box{{0, k * half}, {rows, half}};
-    c.basic.dtype = DType::kF32;
-    c.bytes = {0, k * rows * half * 4, rows * half * 4};
+    c.set_box(Box{{0, k * half}, {rows, half}});
+    c.set_dtype(DType::kF32);
+    c.set_bytes({0, k * rows * half * 4, rows * half * 4});
     s.tensor->chunks.push_back(c);
   }
   EXPECT_TRUE(s.layout.AddTensor(s.tensor, Box::Whole(s.tensor->shape)).ok());
@@ -268,9 +267,9 @@ TEST(Planner, RowShardedTensorCoalescesIntoOneCopy) {
   t->shape = {8, 4};
   for (uint64_t k = 0; k < 2; ++k) {
     Chunk c;
-    c.shard.box = Box{{k * 4, 0}, {4, 4}};
-    c.basic.dtype = DType::kBF16;
-    c.bytes = {0, 100 + k * 32, 32};  // adjacent in the file
+    c.set_box(Box{{k * 4, 0}, {4, 4}});
+    c.set_dtype(DType::kBF16);
+    c.set_bytes({0, 100 + k * 32, 32});  // adjacent in the file
     t->chunks.push_back(c);
   }
   Layout layout;
@@ -301,7 +300,7 @@ TEST(Planner, HoleIsAnErrorNotZeros) {
 
 TEST(Planner, UnavailableChunkFailsOnlyReadsThatTouchIt) {
   auto s = MakeColumnSplit(4, 8);
-  s.tensor->chunks[1].unavailable = "shard-00002 is truncated";
+  s.tensor->chunks[1].set_unavailable("shard-00002 is truncated");
   auto bad = Plan(s.layout, 0, s.layout.size());
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("shard-00002 is truncated"), std::string::npos);
@@ -332,9 +331,9 @@ TEST(Planner, PackedF4SplitOnByteBoundariesOfTheInnerDim) {
   // Column split at element 4 (byte 2 of each row): chunk bytes are rows of 2.
   for (uint64_t k = 0; k < 2; ++k) {
     Chunk c;
-    c.shard.box = Box{{0, k * 4}, {2, 4}};
-    c.basic.dtype = DType::kF4;
-    c.bytes = {0, k * 4, 4};
+    c.set_box(Box{{0, k * 4}, {2, 4}});
+    c.set_dtype(DType::kF4);
+    c.set_bytes({0, k * 4, 4});
     t->chunks.push_back(c);
   }
   Layout layout;
@@ -358,9 +357,9 @@ TEST(Planner, PackedF6RowSlabsFlattenToBytes) {
   t->shape = {4, 2};  // rows of 2 elements = 1.5 bytes: only 2-row slabs are whole bytes
   for (uint64_t k = 0; k < 2; ++k) {
     Chunk c;
-    c.shard.box = Box{{k * 2, 0}, {2, 2}};
-    c.basic.dtype = t->dtype;
-    c.bytes = {0, 10 + k * 3 + k * 5, 3};
+    c.set_box(Box{{k * 2, 0}, {2, 2}});
+    c.set_dtype(t->dtype);
+    c.set_bytes({0, 10 + k * 3 + k * 5, 3});
     t->chunks.push_back(c);
   }
   Layout layout;
@@ -381,9 +380,9 @@ TEST(Planner, PackedSplitOffByteBoundaryIsNotSupported) {
   t->shape = {2, 6};
   for (uint64_t k = 0; k < 2; ++k) {  // columns 0-2 and 3-5: 1.5 bytes per row
     Chunk c;
-    c.shard.box = Box{{0, k * 3}, {2, 3}};
-    c.basic.dtype = t->dtype;
-    c.bytes = {0, k * 3, 3};
+    c.set_box(Box{{0, k * 3}, {2, 3}});
+    c.set_dtype(t->dtype);
+    c.set_bytes({0, k * 3, 3});
     t->chunks.push_back(c);
   }
   Layout layout;

@@ -116,9 +116,9 @@ TEST(PlaceTensor, RanksTileSplitTensorsAndReplicateTheRest) {
       }
       for (const Box& b : boxes) {
         Chunk c;
-        c.shard.box = b;
-        c.basic.dtype = t.dtype;
-        c.bytes.length = *ByteSize(t.dtype, b.numel());
+        c.set_box(b);
+        c.set_dtype(t.dtype);
+        c.set_bytes({0, 0, *ByteSize(t.dtype, b.numel())});
         if (b.numel() > 0) covered.chunks.push_back(c);
       }
       EXPECT_TRUE(CheckCoverage(covered).empty()) << t.fqn << " tp" << spec.tp;

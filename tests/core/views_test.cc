@@ -17,9 +17,9 @@ std::shared_ptr<const TensorMeta> Whole(const std::string& fqn, DType dtype, Sha
   t->dtype = dtype;
   t->shape = shape;
   Chunk c;
-  c.shard.box = Box::Whole(shape);
-  c.basic.dtype = dtype;
-  c.bytes = {0, 0, t->nbytes()};
+  c.set_box(Box::Whole(shape));
+  c.set_dtype(dtype);
+  c.set_bytes({0, 0, t->nbytes()});
   t->chunks.push_back(c);
   return t;
 }
@@ -344,7 +344,7 @@ TEST(MeshView, BuildTimeIsLinearInTensors) {
 
 std::shared_ptr<const TensorMeta> Broken(const std::string& fqn) {
   auto t = std::const_pointer_cast<TensorMeta>(Whole(fqn, DType::kF32, {4}));
-  t->chunks[0].unavailable = "shard.safetensors is truncated";
+  t->chunks[0].set_unavailable("shard.safetensors is truncated");
   return t;
 }
 

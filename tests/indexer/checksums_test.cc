@@ -46,13 +46,12 @@ class ChecksumsTest : public ::testing::Test {
     t->fqn = "w";
     for (auto [off, len] : {std::pair<uint64_t, uint64_t>{0, 1000}, {1000, data_.size() - 1000}}) {
       Chunk c;
-      c.bytes = {0, off, len};
-      c.has_crc32c = true;
-      c.crc32c = BitwiseCrc32c(data_.substr(off, len));
+      c.set_bytes({0, off, len});
+      c.set_crc32c(BitwiseCrc32c(data_.substr(off, len)));
       t->chunks.push_back(c);
     }
     Chunk plain;  // no recorded checksum: not read
-    plain.bytes = {0, 0, 16};
+    plain.set_bytes({0, 0, 16});
     t->chunks.push_back(plain);
     ckpt_.tensors.push_back(t);
   }
@@ -77,7 +76,7 @@ TEST_F(ChecksumsTest, MatchingChunksAreCountedAndReadInFull) {
 }
 
 TEST_F(ChecksumsTest, AWrongRecordedValueIsNamedWithItsRange) {
-  tensor_->chunks[1].crc32c ^= 0x100;
+  tensor_->chunks[1].set_crc32c(tensor_->chunks[1].crc32c() ^ 0x100);
   ChecksumReport r = Verify();
   ASSERT_EQ(r.problems.size(), 1u);
   const std::string& p = r.problems[0];
@@ -132,7 +131,7 @@ TEST_F(GateTest, GoodChunksServeTheirBytesAndAreVerifiedOnce) {
 }
 
 TEST_F(GateTest, ABadChunkFailsEveryReadTouchingItAndOnlyThose) {
-  tensor_->chunks[1].crc32c ^= 0x100;
+  tensor_->chunks[1].set_crc32c(tensor_->chunks[1].crc32c() ^ 0x100);
   auto reader = GatedReader();
   for (int attempt = 0; attempt < 2; ++attempt) {
     auto bad = Read(*reader, 20000, 100);
@@ -148,8 +147,8 @@ TEST_F(GateTest, ABadChunkFailsEveryReadTouchingItAndOnlyThose) {
 }
 
 TEST_F(GateTest, BytesOutsideEveryChecksummedChunkPassUnchecked) {
-  tensor_->chunks[0].crc32c ^= 1;
-  tensor_->chunks[0].bytes = {0, 100, 900};  // bytes [0, 100) belong to no checksummed chunk
+  tensor_->chunks[0].set_crc32c(tensor_->chunks[0].crc32c() ^ 1);
+  tensor_->chunks[0].set_bytes({0, 100, 900});  // bytes [0, 100) belong to no checksummed chunk
   auto reader = GatedReader();
   auto head = Read(*reader, 0, 100);
   ASSERT_TRUE(head.ok()) << head.status().message();

@@ -66,8 +66,8 @@ TEST_F(IndexTest, ScanWriteLoadRoundTrip) {
   const TensorMeta& t = *loaded->tensors[0];
   EXPECT_EQ(t.shape, (Shape{4, 3}));
   ASSERT_EQ(t.chunks.size(), 2u);
-  EXPECT_EQ(t.chunks[1].shard.box, (Box{{2, 0}, {2, 3}}));
-  EXPECT_EQ(t.chunks[1].bytes.offset, catalog->checkpoints[0].tensors[0]->chunks[1].bytes.offset);
+  EXPECT_EQ(t.chunks[1].box(), (Box{{2, 0}, {2, 3}}));
+  EXPECT_EQ(t.chunks[1].offset(), catalog->checkpoints[0].tensors[0]->chunks[1].offset());
   Catalog reloaded;
   reloaded.root = catalog->root;
   reloaded.checkpoints.push_back(std::move(*loaded));
@@ -139,8 +139,8 @@ TEST_F(IndexTest, TruncatedShardMarksOnlyItsChunksUnavailable) {
   auto catalog = ScanSource((dir_ / "ckpt").string());
   ASSERT_TRUE(catalog.ok());
   const Checkpoint& ck = catalog->checkpoints[0];
-  EXPECT_TRUE(ck.tensors[0]->chunks[0].unavailable.empty());
-  EXPECT_NE(ck.tensors[1]->chunks[0].unavailable.get().find("truncated"), std::string::npos);
+  EXPECT_TRUE(ck.tensors[0]->chunks[0].unavailable().empty());
+  EXPECT_NE(ck.tensors[1]->chunks[0].unavailable().find("truncated"), std::string::npos);
   ASSERT_FALSE(ck.problems.empty());
   EXPECT_NE(ck.problems[0].find("truncated"), std::string::npos);
 }

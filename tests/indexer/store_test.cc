@@ -60,15 +60,15 @@ void ExpectSameCheckpoint(const Checkpoint& a, const Checkpoint& b) {
     ASSERT_EQ(s.chunks.size(), t.chunks.size()) << s.fqn;
     for (size_t k = 0; k < s.chunks.size(); ++k) {
       const Chunk &c = s.chunks[k], &d = t.chunks[k];
-      EXPECT_EQ(c.shard.box, d.shard.box);
-      EXPECT_EQ(c.bytes.file, d.bytes.file);
-      EXPECT_EQ(c.bytes.offset, d.bytes.offset);
-      EXPECT_EQ(c.bytes.length, d.bytes.length);
-      EXPECT_EQ(c.basic.dtype, d.basic.dtype);
-      EXPECT_EQ(c.basic.strides, d.basic.strides);
-      EXPECT_EQ(c.unavailable, d.unavailable);
-      EXPECT_EQ(c.has_crc32c, d.has_crc32c);
-      EXPECT_EQ(c.crc32c, d.crc32c);
+      EXPECT_EQ(c.box(), d.box());
+      EXPECT_EQ(c.file(), d.file());
+      EXPECT_EQ(c.offset(), d.offset());
+      EXPECT_EQ(c.length(), d.length());
+      EXPECT_EQ(c.dtype(), d.dtype());
+      EXPECT_EQ(c.strides(), d.strides());
+      EXPECT_EQ(c.unavailable(), d.unavailable());
+      EXPECT_EQ(c.has_crc32c(), d.has_crc32c());
+      EXPECT_EQ(c.crc32c(), d.crc32c());
     }
   }
 }
@@ -81,7 +81,7 @@ std::shared_ptr<const TensorMeta> Tensor(const std::string& fqn, DType dtype, Sh
   t->shape = std::move(shape);
   t->path = std::move(path);
   for (Chunk& c : chunks) {
-    c.basic.dtype = dtype;
+    c.set_dtype(dtype);
   }
   t->chunks = std::move(chunks);
   return t;
@@ -89,8 +89,8 @@ std::shared_ptr<const TensorMeta> Tensor(const std::string& fqn, DType dtype, Sh
 
 Chunk MakeChunk(Box box, FileId file, uint64_t offset, uint64_t length) {
   Chunk c;
-  c.shard.box = std::move(box);
-  c.bytes = {file, offset, length};
+  c.set_box(std::move(box));
+  c.set_bytes({file, offset, length});
   return c;
 }
 
@@ -121,12 +121,11 @@ Checkpoint FullCheckpoint(const std::string& dir) {
   derived.base_length = 40;
   c.files.push_back(derived);
   Chunk strided = MakeChunk({{0, 2}, {4, 2}}, 1, 100, 32);
-  strided.basic.strides = {1, 4};
+  strided.set_strides({1, 4});
   Chunk broken = MakeChunk({{2, 0}, {2, 4}}, 0, 700, 32);
-  broken.unavailable = "__0_0.distcp is truncated";
+  broken.set_unavailable("__0_0.distcp is truncated");
   Chunk crc = MakeChunk({{2, 2}, {2, 2}}, 4, 0, 16);
-  crc.has_crc32c = true;
-  crc.crc32c = 0xdeadbeef;
+  crc.set_crc32c(0xdeadbeef);
   c.tensors = {
       Tensor("model.embed", DType::kBF16, {8}, {MakeChunk({{0}, {8}}, 0, 512, 16)}, {"model", "embed"}),
       Tensor("model.w", DType::kF32, {4, 4},

@@ -46,17 +46,17 @@ TEST(CommitRows, ChunksBecomeRowsWithTheirFilesAndCrcs) {
   EXPECT_EQ(w.path, (std::vector<std::string>{"model", "w"}));
   EXPECT_EQ(w.dtype, DType::kBF16);
   ASSERT_EQ(w.chunks.size(), 2u);
-  EXPECT_EQ(w.chunks[0].shard.box.offsets, (std::vector<uint64_t>{0, 0}));  // sorted by box
-  EXPECT_EQ(w.chunks[0].bytes.offset, 128u);
-  EXPECT_EQ(c.files[w.chunks[0].bytes.file].path, "step_1/__0_0.distcp");
-  EXPECT_EQ(c.files[w.chunks[0].bytes.file].size, 1000u);
-  EXPECT_EQ(c.files[w.chunks[1].bytes.file].path, "step_1/__1_0.distcp");
-  EXPECT_TRUE(w.chunks[0].has_crc32c && w.chunks[1].has_crc32c);
-  EXPECT_EQ(w.chunks[0].crc32c, 0xAAAAu);
-  EXPECT_EQ(w.chunks[1].crc32c, 0xBBBBu);
+  EXPECT_EQ(w.chunks[0].box().offsets, (std::vector<uint64_t>{0, 0}));  // sorted by box
+  EXPECT_EQ(w.chunks[0].offset(), 128u);
+  EXPECT_EQ(c.files[w.chunks[0].file()].path, "step_1/__0_0.distcp");
+  EXPECT_EQ(c.files[w.chunks[0].file()].size, 1000u);
+  EXPECT_EQ(c.files[w.chunks[1].file()].path, "step_1/__1_0.distcp");
+  EXPECT_TRUE(w.chunks[0].has_crc32c() && w.chunks[1].has_crc32c());
+  EXPECT_EQ(w.chunks[0].crc32c(), 0xAAAAu);
+  EXPECT_EQ(w.chunks[1].crc32c(), 0xBBBBu);
   EXPECT_EQ(c.tensors[1]->fqn, "step");
   EXPECT_EQ(c.tensors[1]->path, (std::vector<std::string>{"step"}));
-  EXPECT_EQ(c.tensors[1]->chunks[0].crc32c, 0xCCCCu);
+  EXPECT_EQ(c.tensors[1]->chunks[0].crc32c(), 0xCCCCu);
   EXPECT_EQ(c.files.size(), 2u);
   ASSERT_EQ(c.byte_items.count("optim.param_groups"), 1u);
   EXPECT_EQ(c.byte_items.at("optim.param_groups").length, 100u);
