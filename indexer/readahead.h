@@ -5,12 +5,14 @@
 // mapped file copied front to back) waits for the disk on every request. Here
 // each open file's requests are followed (ReadStream) and, while they are
 // sequential, the source ranges the next `readahead` bytes of the virtual file
-// will need are hinted to the kernel with posix_fadvise(WILLNEED) from a
-// background thread (HintQueue). The hints only start page-cache I/O: the
-// bytes are still pread and identity-checked by SourceReader when a request
-// asks for them, so read-ahead can never serve stale bytes. Its memory is the
-// kernel's page cache (reclaimable), at most `readahead` bytes per open file
-// beyond what its reader has reached.
+// will need are brought into the page cache by a background thread
+// (HintQueue; SourceReader::Prefetch reads them into /dev/null). Read-ahead
+// only fills the page cache: the bytes are still pread and identity-checked
+// by SourceReader when a request asks for them, so read-ahead can never
+// serve stale bytes. Its memory is the kernel's page cache (reclaimable):
+// `readahead` bytes per open file beyond what its reader has reached, plus
+// what the kernel's own read-ahead of a source file adds (read_ahead_kb of
+// its device).
 #pragma once
 
 #include <atomic>

@@ -1,6 +1,7 @@
 #include "indexer/source_reader.h"
 
 #include <fcntl.h>
+#include <sys/sendfile.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -36,6 +37,7 @@ SourceReader::SourceReader(std::string root, const std::vector<SourceFile>* file
       files_(files),
       policy_(policy),
       fds_(files->size(), -1),
+      prefetch_fds_(files->size(), -1),
       stale_(files->size()),
       bytes_read_(std::make_unique<std::atomic<uint64_t>>(0)),
       any_stale_(std::make_unique<std::atomic<bool>>(false)),
@@ -79,6 +81,9 @@ SourceReader::~SourceReader() {
   hints_.Stop();
   for (int fd : fds_)
     if (fd >= 0) ::close(fd);
+  for (int fd : prefetch_fds_)
+    if (fd >= 0) ::close(fd);
+  if (null_fd_ >= 0) ::close(null_fd_);
 }
 
 uint64_t SourceReader::bytes_read() const { return bytes_read_->load(); }
@@ -171,10 +176,8 @@ Status SourceReader::ReadOne(const SourceRead& r, char* dst, char* converted, st
   return Status::OK();
 }
 
-void SourceReader::Hint(const std::vector<SourceRead>& reads, size_t first, const std::atomic<uint64_t>* generation,
-                        uint64_t want) {
+void SourceReader::Hint(const std::vector<SourceRead>& reads, size_t first) {
   for (size_t i = first; i < reads.size(); ++i) {
-    if (generation && generation->load(std::memory_order_relaxed) != want) return;
     const SourceRead& r = reads[i];
     if ((*files_)[r.file].derived()) continue;  // decoded whole, on first read
     auto fd = Fd(r.file);
@@ -184,11 +187,47 @@ void SourceReader::Hint(const std::vector<SourceRead>& reads, size_t first, cons
     // The kernel reads at most max(read_ahead_kb, max_sectors_kb) of one
     // WILLNEED and drops the rest (force_page_cache_ra), so long ranges go
     // in pieces (kHintChunk).
-    for (uint64_t at = 0; at < r.length; at += kHintChunk) {
-      if (generation && generation->load(std::memory_order_relaxed) != want) return;
+    for (uint64_t at = 0; at < r.length; at += kHintChunk)
       ::posix_fadvise(*fd, off_t(r.offset + at), off_t(std::min(kHintChunk, r.length - at)), POSIX_FADV_WILLNEED);
+  }
+}
+
+// Read-ahead reads the ranges with sendfile() into /dev/null on a second
+// descriptor of each source: the kernel's own sequential read-ahead fills
+// the page cache in large folios and nothing is copied. WILLNEED, which the
+// request overlap uses, allocates the cache in 4 KiB folios and cost the
+// daemon about twice the CPU per byte (docs/BENCHMARKS.md). The bytes are
+// only cached here; the request that needs them still preads and checks them.
+void SourceReader::Prefetch(const std::vector<SourceRead>& reads, const std::atomic<uint64_t>& generation,
+                            uint64_t want) {
+  for (const SourceRead& r : reads) {
+    if ((*files_)[r.file].derived()) continue;
+    int fd = PrefetchFd(r.file);
+    if (fd < 0) continue;  // only speed is lost; the read reports any problem
+    off_t at = off_t(r.offset);
+    const off_t end = off_t(r.offset + r.length);
+    while (at < end && generation.load(std::memory_order_relaxed) == want) {
+      ssize_t n = ::sendfile(null_fd_, fd, &at, size_t(std::min<off_t>(end - at, kHintChunk)));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;  // end of a truncated file, or an error the read will meet
     }
   }
+}
+
+int SourceReader::PrefetchFd(FileId id) {
+  if (prefetch_fds_[id] >= 0) return prefetch_fds_[id];
+  if (null_fd_ < 0) null_fd_ = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
+  auto fd = Fd(id);  // the checked descriptor: the second one must be its file
+  if (!fd.ok() || null_fd_ < 0) return -1;
+  int second = ::open((root_ + "/" + PathOf(id)).c_str(), O_RDONLY | O_CLOEXEC);
+  struct stat a, b;
+  if (second >= 0 && ::fstat(*fd, &a) == 0 && ::fstat(second, &b) == 0 && a.st_dev == b.st_dev &&
+      a.st_ino == b.st_ino) {
+    prefetch_fds_[id] = second;
+    return second;
+  }
+  if (second >= 0) ::close(second);
+  return -1;
 }
 
 void SourceReader::ReadAhead(ReadStream& stream, const std::shared_ptr<const Layout>& layout, uint64_t offset,
@@ -212,7 +251,7 @@ void SourceReader::HintWindow(const Layout& layout, ReadStream::Window w, const 
     if (generation->load(std::memory_order_relaxed) != want) return;
     auto plan = Plan(layout, at, std::min(kHintSlice, end - at));
     if (!plan.ok()) return;  // the read of those bytes will say why
-    Hint(GroupReads(plan->copies, policy_), 0, generation, want);
+    Prefetch(GroupReads(plan->copies, policy_), *generation, want);
   }
 }
 
@@ -236,7 +275,7 @@ Status SourceReader::ExecuteUngated(const ReadPlan& plan, char* dst) {
   std::vector<SourceRead> reads = GroupReads(plan.copies, policy_);
   // The first read starts at once; hinting the others first lets the disk
   // fetch them while it is waited for.
-  if (read_.overlap && reads.size() > 1) Hint(reads, 1, nullptr, 0);
+  if (read_.overlap && reads.size() > 1) Hint(reads, 1);
   std::vector<char> converted(plan.scratch_size);  // source bytes of ConvertOps
   std::vector<char> scratch;
   for (const SourceRead& r : reads) RETURN_IF_ERROR(ReadOne(r, dst, converted.data(), scratch));

@@ -13,8 +13,9 @@
 //
 // Speed (docs/BENCHMARKS.md): the reads of one request are hinted to the
 // kernel together before they are read one by one, so their disk I/O
-// overlaps; ReadAhead() hints the sources of what a sequential reader will
-// ask for next (indexer/readahead.h). Hints never replace the checked preads.
+// overlaps; ReadAhead() brings the sources of what a sequential reader will
+// ask for next into the page cache (indexer/readahead.h). Neither replaces
+// the checked preads.
 #pragma once
 
 #include <atomic>
@@ -67,8 +68,8 @@ class SourceReader {
 
   // Call after serving [offset, offset + length) of the virtual file laid
   // out by `layout` to the reader whose requests `stream` follows: when they
-  // are sequential, queues hints for the source ranges of the next bytes.
-  // Never blocks on I/O.
+  // are sequential, queues read-ahead of the source ranges of the next
+  // bytes (done by a background thread). Never blocks on I/O.
   void ReadAhead(ReadStream& stream, const std::shared_ptr<const Layout>& layout, uint64_t offset,
                  uint64_t length);
 
@@ -87,15 +88,20 @@ class SourceReader {
   Result<int> Fd(FileId id);
   // Compares the file's identity now (descriptor and path) with the indexed one.
   Status CheckUnchanged(FileId id, int fd);
-  // posix_fadvise(WILLNEED) of each read's range, stopping early once
-  // `generation` no longer equals `want` (null: never stops).
-  void Hint(const std::vector<SourceRead>& reads, size_t first, const std::atomic<uint64_t>* generation,
-            uint64_t want);
-  // Hints the sources of window `w` of the virtual file laid out by
+  // posix_fadvise(WILLNEED) of the ranges of reads[first..]: starts their
+  // I/O at once without waiting for it.
+  void Hint(const std::vector<SourceRead>& reads, size_t first);
+  // Brings the ranges of `reads` into the page cache, waiting for the
+  // I/O, while `generation` still equals `want` (see Prefetch in the .cc).
+  void Prefetch(const std::vector<SourceRead>& reads, const std::atomic<uint64_t>& generation, uint64_t want);
+  // Prefetches the sources of window `w` of the virtual file laid out by
   // `layout`, in the file's order (see kHintSlice), while `generation`
   // still equals `want`.
   void HintWindow(const Layout& layout, ReadStream::Window w, const std::atomic<uint64_t>* generation,
                   uint64_t want);
+  // A second descriptor of source `id` for Prefetch (its own read-ahead
+  // state), or -1 when there is none to have.
+  int PrefetchFd(FileId id);
   Status ReadOne(const SourceRead& r, char* dst, char* converted, std::vector<char>& scratch);
   const std::string& PathOf(FileId id) const { return (*files_)[id].path; }
   // The decoded bytes of derived source `id`, from the cache or decoded now.
@@ -106,6 +112,8 @@ class SourceReader {
   GroupPolicy policy_;
   std::mutex mu_;            // guards fds_ and stale_; never held during I/O
   std::vector<int> fds_;     // -1 until opened
+  std::vector<int> prefetch_fds_;  // -1 until opened; used by the hint thread only
+  int null_fd_ = -1;               // /dev/null, Prefetch's sink; hint thread only
   std::vector<std::string> stale_;  // non-empty: why file i may no longer be read
   std::unique_ptr<std::atomic<uint64_t>> bytes_read_;
   std::unique_ptr<std::atomic<bool>> any_stale_;
