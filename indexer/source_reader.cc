@@ -37,7 +37,6 @@ SourceReader::SourceReader(std::string root, const std::vector<SourceFile>* file
       files_(files),
       policy_(policy),
       fds_(files->size(), -1),
-      prefetch_fds_(files->size(), -1),
       stale_(files->size()),
       bytes_read_(std::make_unique<std::atomic<uint64_t>>(0)),
       any_stale_(std::make_unique<std::atomic<bool>>(false)),
@@ -81,8 +80,7 @@ SourceReader::~SourceReader() {
   hints_.Stop();
   for (int fd : fds_)
     if (fd >= 0) ::close(fd);
-  for (int fd : prefetch_fds_)
-    if (fd >= 0) ::close(fd);
+  for (const auto& [id, fd] : prefetch_fds_) ::close(fd);
   if (null_fd_ >= 0) ::close(null_fd_);
 }
 
@@ -215,19 +213,24 @@ void SourceReader::Prefetch(const std::vector<SourceRead>& reads, const std::ato
 }
 
 int SourceReader::PrefetchFd(FileId id) {
-  if (prefetch_fds_[id] >= 0) return prefetch_fds_[id];
+  for (const auto& [open_id, fd] : prefetch_fds_)
+    if (open_id == id) return fd;
   if (null_fd_ < 0) null_fd_ = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
   auto fd = Fd(id);  // the checked descriptor: the second one must be its file
   if (!fd.ok() || null_fd_ < 0) return -1;
   int second = ::open((root_ + "/" + PathOf(id)).c_str(), O_RDONLY | O_CLOEXEC);
+  if (second < 0) return -1;
   struct stat a, b;
-  if (second >= 0 && ::fstat(*fd, &a) == 0 && ::fstat(second, &b) == 0 && a.st_dev == b.st_dev &&
-      a.st_ino == b.st_ino) {
-    prefetch_fds_[id] = second;
-    return second;
+  if (::fstat(*fd, &a) != 0 || ::fstat(second, &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
+    ::close(second);
+    return -1;
   }
-  if (second >= 0) ::close(second);
-  return -1;
+  if (prefetch_fds_.size() == kPrefetchFds) {
+    ::close(prefetch_fds_.front().second);
+    prefetch_fds_.erase(prefetch_fds_.begin());
+  }
+  prefetch_fds_.emplace_back(id, second);
+  return second;
 }
 
 void SourceReader::ReadAhead(ReadStream& stream, const std::shared_ptr<const Layout>& layout, uint64_t offset,

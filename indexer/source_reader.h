@@ -24,6 +24,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/layout.h"
@@ -73,6 +74,10 @@ class SourceReader {
   void ReadAhead(ReadStream& stream, const std::shared_ptr<const Layout>& layout, uint64_t offset,
                  uint64_t length);
 
+  // Read-ahead keeps at most this many descriptors open besides the one
+  // per source file the reads use.
+  static constexpr size_t kPrefetchFds = 32;
+
   // Bytes read from source files so far (for benchmarks).
   uint64_t bytes_read() const;
 
@@ -100,7 +105,8 @@ class SourceReader {
   void HintWindow(const Layout& layout, ReadStream::Window w, const std::atomic<uint64_t>* generation,
                   uint64_t want);
   // A second descriptor of source `id` for Prefetch (its own read-ahead
-  // state), or -1 when there is none to have.
+  // state), or -1 when there is none to have (kPrefetchFds at most
+  // are kept open, oldest closed first).
   int PrefetchFd(FileId id);
   Status ReadOne(const SourceRead& r, char* dst, char* converted, std::vector<char>& scratch);
   const std::string& PathOf(FileId id) const { return (*files_)[id].path; }
@@ -112,8 +118,9 @@ class SourceReader {
   GroupPolicy policy_;
   std::mutex mu_;            // guards fds_ and stale_; never held during I/O
   std::vector<int> fds_;     // -1 until opened
-  std::vector<int> prefetch_fds_;  // -1 until opened; used by the hint thread only
-  int null_fd_ = -1;               // /dev/null, Prefetch's sink; hint thread only
+  // The hint thread's own state (Prefetch):
+  std::vector<std::pair<FileId, int>> prefetch_fds_;  // open second descriptors, oldest first
+  int null_fd_ = -1;                                   // /dev/null, Prefetch's sink
   std::vector<std::string> stale_;  // non-empty: why file i may no longer be read
   std::unique_ptr<std::atomic<uint64_t>> bytes_read_;
   std::unique_ptr<std::atomic<bool>> any_stale_;

@@ -2,8 +2,21 @@
 
 #include <gtest/gtest.h>
 
+#include <dirent.h>
+#include <stdlib.h>
+
 #include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <string>
 #include <thread>
+#include <vector>
+
+#include "core/layout.h"
+#include "core/planner.h"
+#include "indexer/file_table.h"
+#include "indexer/source_reader.h"
 
 namespace ckptfs {
 namespace {
@@ -99,6 +112,92 @@ TEST(HintQueue, BoundedWhileBusy) {
   while (ran < 3) std::this_thread::yield();
   q.Stop();
   EXPECT_EQ(ran.load(), 3);
+}
+
+size_t OpenDescriptors() {
+  size_t n = 0;
+  DIR* d = ::opendir("/proc/self/fd");
+  while (dirent* e = ::readdir(d))
+    if (e->d_name[0] != '.') ++n;
+  ::closedir(d);
+  return n - 1;  // opendir's own
+}
+
+// A [files x 16384] byte tensor, one row of 64 KiB per source file.
+struct ManyFiles {
+  std::filesystem::path dir;
+  std::vector<SourceFile> files;
+  Layout layout;
+  std::string expected;
+};
+
+ManyFiles MakeManyFiles(uint64_t n, uint64_t row) {
+  ManyFiles m;
+  char tmpl[] = "/tmp/ckptfs-readahead-XXXXXX";
+  m.dir = ::mkdtemp(tmpl);
+  auto tensor = std::make_shared<TensorMeta>();
+  tensor->fqn = "w";
+  tensor->dtype = DType::kU8;
+  tensor->shape = {n, row};
+  for (uint64_t f = 0; f < n; ++f) {
+    std::string bytes(row, char('a' + f % 26));
+    bytes[0] = char(f);
+    const std::string name = "rank" + std::to_string(f);
+    std::ofstream(m.dir / name, std::ios::binary) << bytes;
+    SourceFile sf = *StatSource((m.dir / name).string());
+    sf.path = name;
+    m.files.push_back(sf);
+    Chunk c;
+    c.set_box(Box{{f, 0}, {1, row}});
+    c.set_dtype(DType::kU8);
+    c.set_bytes({FileId(f), 0, row});
+    tensor->chunks.push_back(c);
+    m.expected += bytes;
+  }
+  EXPECT_TRUE(m.layout.AddTensor(tensor, Box::Whole(tensor->shape)).ok());
+  return m;
+}
+
+// Read-ahead opens a second descriptor per source it reads ahead; a
+// checkpoint of many files must not make it take one per file on top of
+// the reads' own (a daemon near its descriptor limit would then fail reads).
+TEST(SourceReaderReadAhead, KeepsAtMostKPrefetchFdsDescriptors) {
+  constexpr uint64_t kFiles = SourceReader::kPrefetchFds * 3, kRow = 64 << 10;
+  ManyFiles m = MakeManyFiles(kFiles, kRow);
+  auto layout = std::make_shared<const Layout>(m.layout);
+  const size_t before = OpenDescriptors();
+  {
+    SourceReader reader(m.dir.string(), &m.files);
+    ReadStream stream;
+    std::string got(m.expected.size(), '\0');
+    const uint64_t step = 4 * kRow;
+    // Three sequential requests start read-ahead of the rest of the file.
+    size_t most = 0;
+    for (uint64_t at = 0; at < 3 * step; at += step) {
+      auto plan = Plan(*layout, at, step);
+      ASSERT_TRUE(plan.ok());
+      ASSERT_TRUE(reader.Execute(*plan, got.data() + at).ok());
+      reader.ReadAhead(stream, layout, at, plan->length);
+    }
+    // Limit: one reading descriptor per file, kPrefetchFds read-ahead ones
+    // and /dev/null. Wait until read-ahead has reached it (it has then run
+    // over more files than it may keep open), checking it is never passed.
+    const size_t limit = before + kFiles + SourceReader::kPrefetchFds + 1;
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    while (most < limit && std::chrono::steady_clock::now() < deadline) {
+      // The reads open their descriptors as they go; open them all now.
+      auto plan = Plan(*layout, 0, m.expected.size());
+      ASSERT_TRUE(plan.ok());
+      ASSERT_TRUE(reader.Execute(*plan, got.data()).ok());
+      most = std::max(most, OpenDescriptors());
+      ASSERT_LE(most, limit);
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    EXPECT_EQ(most, limit) << "read-ahead never opened its descriptors";
+    EXPECT_EQ(got, m.expected);
+  }
+  EXPECT_EQ(OpenDescriptors(), before) << "descriptors left open after the reader is gone";
+  std::filesystem::remove_all(m.dir);
 }
 
 TEST(HintQueue, StoppedQueueRefusesJobs) {
