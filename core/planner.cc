@@ -11,8 +11,8 @@ namespace {
 // Sorts v by `less`, cheaply when it is a few ascending runs, as the
 // planner's lists are (one run per chunk of a tensor, or per source file):
 // the natural runs are found and merged pairwise, O(n log runs) instead of
-// std::sort's O(n log n) (planning was ~10 % of the daemon's CPU on
-// column-sharded tensors, docs/BENCHMARKS.md).
+// std::sort's O(n log n) (planning was ~19 % of the daemon's CPU on a
+// DCP-sourced file cut in rows of a few KiB, docs/BENCHMARKS.md).
 template <typename T, typename Less>
 void SortRuns(std::vector<T>& v, Less less) {
   std::vector<size_t> bounds{0};

@@ -36,7 +36,7 @@
 namespace ckptfs {
 
 struct ReadOptions {
-  // Source bytes hinted ahead of a sequential reader of one open file
+  // Source bytes read ahead of a sequential reader of one open file
   // (`ckptfs mount --readahead-mib`); 0 turns read-ahead off. 32 MiB keeps
   // a disk of ~2 GB/s busy for the ~15 ms a 2-core machine may take to
   // come back to a stream under load, and is small next to a page cache.

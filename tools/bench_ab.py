@@ -20,6 +20,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402  (the mount, cache and client helpers)
@@ -45,9 +46,9 @@ def one_pass(mount: bench.Mounted, rel: str, pattern: str) -> tuple[float, float
     if how != "drop_caches":
         raise SystemExit("bench_ab needs root to drop the page cache (cold passes)")
     cpu0 = daemon_cpu_seconds(mount.proc.pid)
-    t0 = bench.time.monotonic()
+    t0 = time.monotonic()
     n = bench.read_pass([path]) if pattern == "read" else bench.safe_open_pass([path])
-    wall = bench.time.monotonic() - t0
+    wall = time.monotonic() - t0
     return wall, daemon_cpu_seconds(mount.proc.pid) - cpu0, n
 
 
