@@ -218,16 +218,16 @@ int SourceReader::PrefetchFd(FileId id) {
   if (null_fd_ < 0) null_fd_ = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
   auto fd = Fd(id);  // the checked descriptor: the second one must be its file
   if (!fd.ok() || null_fd_ < 0) return -1;
+  if (prefetch_fds_.size() == kPrefetchFds) {  // closed first: never one more than the bound
+    ::close(prefetch_fds_.front().second);
+    prefetch_fds_.erase(prefetch_fds_.begin());
+  }
   int second = ::open((root_ + "/" + PathOf(id)).c_str(), O_RDONLY | O_CLOEXEC);
   if (second < 0) return -1;
   struct stat a, b;
   if (::fstat(*fd, &a) != 0 || ::fstat(second, &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
     ::close(second);
     return -1;
-  }
-  if (prefetch_fds_.size() == kPrefetchFds) {
-    ::close(prefetch_fds_.front().second);
-    prefetch_fds_.erase(prefetch_fds_.begin());
   }
   prefetch_fds_.emplace_back(id, second);
   return second;
