@@ -92,7 +92,10 @@ void Guard(fuse_req_t req, const char* op, Body body) {
 void ReplyError(fuse_req_t req, const FsError& e) { fuse_reply_err(req, e.err()); }
 
 void OpInit(void*, struct fuse_conn_info* conn) {
-  // Large reads: max_pages is derived from max_write by libfuse.
+  // Large reads: max_pages is derived from max_write by libfuse. On kernels
+  // that cache FUSE files in large folios, max_write also bounds their size,
+  // and the writeback cache (never asked for here) must stay off
+  // (docs/BENCHMARKS.md, "The warm gap is the kernel's").
   conn->max_write = kMaxIo;
   conn->max_readahead = kMaxIo;
   // The kernel's read-ahead and page-fault reads are background requests;
