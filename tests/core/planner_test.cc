@@ -17,6 +17,7 @@
 #include <fstream>
 #include <numeric>
 #include <random>
+#include <tuple>
 
 #include "core/convert.h"
 #include "indexer/file_table.h"
@@ -286,6 +287,42 @@ TEST(Planner, GroupReadsSplitsWhenGapsAreLarge) {
   auto reads = GroupReads(copies);
   EXPECT_EQ(reads.size(), 3u);
   for (const auto& r : reads) EXPECT_TRUE(r.direct());
+}
+
+// Random copies over a few files, interleaved and out of order: every copy
+// comes back as exactly one gather of a read of its file, reads are ordered
+// by file then offset, and a read covers its gathers within the policy.
+TEST(Planner, GroupReadsKeepsEveryCopyOnceInFileThenOffsetOrder) {
+  std::mt19937_64 rng(20261125);
+  const GroupPolicy policy;
+  for (int round = 0; round < 200; ++round) {
+    const uint64_t files = 1 + rng() % 9, n = rng() % 300;
+    std::vector<CopyOp> copies;
+    for (uint64_t i = 0, dst = 0; i < n; ++i) {
+      const uint64_t length = 1 + rng() % 5000;
+      copies.push_back({FileId(rng() % files * 7), rng() % (64 << 20), dst, length, rng() % 5 == 0});
+      dst += length;
+    }
+    using Key = std::tuple<FileId, uint64_t, uint64_t, uint64_t, bool>;
+    std::vector<Key> want, got;
+    for (const CopyOp& c : copies) want.emplace_back(c.file, c.src_offset, c.dst_offset, c.length, c.to_scratch);
+    auto reads = GroupReads(copies, policy);
+    for (size_t i = 0; i < reads.size(); ++i) {
+      const SourceRead& r = reads[i];
+      if (i > 0) {
+        const SourceRead& p = reads[i - 1];
+        ASSERT_TRUE(p.file < r.file || (p.file == r.file && p.offset <= r.offset)) << "round " << round;
+      }
+      EXPECT_LE(r.length, std::max<uint64_t>(policy.max_span, r.gathers.front().length));
+      for (const auto& g : r.gathers) {
+        ASSERT_LE(g.read_offset + g.length, r.length);
+        got.emplace_back(r.file, r.offset + g.read_offset, g.dst_offset, g.length, g.to_scratch);
+      }
+    }
+    std::sort(want.begin(), want.end());
+    std::sort(got.begin(), got.end());
+    ASSERT_EQ(got, want) << "round " << round;
+  }
 }
 
 TEST(Planner, HoleIsAnErrorNotZeros) {
