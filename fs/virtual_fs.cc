@@ -18,7 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/planner.h"
-#include "indexer/checksums.h"
+#include "source/checksums.h"
 
 namespace ckptfs {
 

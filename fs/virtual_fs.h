@@ -46,7 +46,7 @@
 #include "core/views.h"
 #include "fs/fs_error.h"
 #include "fs/source_tree.h"
-#include "indexer/source_reader.h"
+#include "source/source_reader.h"
 
 namespace ckptfs {
 
@@ -71,10 +71,10 @@ struct FsOptions {
   // would deadlock on the page lock). May be empty (no kernel cache: cat,
   // export, tests).
   std::function<void(uint64_t ino)> invalidate;
-  // Read-ahead and overlapped source reads (indexer/source_reader.h).
+  // Read-ahead and overlapped source reads (source/source_reader.h).
   ReadOptions read;
   // Check each chunk's recorded CRC32C on its first read; a mismatch is EIO
-  // for the reads touching that chunk (ChecksumGate, indexer/checksums.h).
+  // for the reads touching that chunk (ChecksumGate, source/checksums.h).
   bool verify_checksums = false;
 };
 

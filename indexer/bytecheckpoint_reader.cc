@@ -26,7 +26,7 @@
 #include "indexer/dcp_metadata.h"
 #include "indexer/format_reader.h"
 #include "indexer/pickle.h"
-#include "indexer/posix_io.h"
+#include "source/posix_io.h"
 #include "indexer/readers.h"
 #include "indexer/torch_zip.h"
 

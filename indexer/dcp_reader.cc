@@ -22,10 +22,10 @@
 #include "indexer/dcp_metadata.h"
 #include "indexer/format_reader.h"
 #include "indexer/pickle.h"
-#include "indexer/posix_io.h"
+#include "source/posix_io.h"
 #include "indexer/readers.h"
 #include "indexer/torch_zip.h"
-#include "indexer/transform.h"
+#include "source/transform.h"
 
 #include <sys/mman.h>
 

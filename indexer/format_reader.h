@@ -12,7 +12,7 @@
 
 #include "core/meta.h"
 #include "core/status.h"
-#include "indexer/file_table.h"
+#include "source/file_table.h"
 
 namespace ckptfs {
 

@@ -26,7 +26,7 @@
 #include <rocksdb/table_properties.h>
 #include <rocksdb/write_batch.h>
 
-#include "indexer/file_table.h"
+#include "source/file_table.h"
 
 namespace ckptfs {
 namespace {

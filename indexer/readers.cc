@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/coverage.h"
-#include "indexer/posix_io.h"
+#include "source/posix_io.h"
 
 namespace ckptfs {
 namespace {

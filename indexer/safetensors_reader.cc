@@ -20,7 +20,7 @@
 #include "core/coverage.h"
 #include "core/safetensors.h"
 #include "indexer/format_reader.h"
-#include "indexer/posix_io.h"
+#include "source/posix_io.h"
 #include "indexer/readers.h"
 #include "indexer/sharding_info.h"
 

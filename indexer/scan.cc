@@ -12,7 +12,7 @@
 #include <cstring>
 #include <set>
 
-#include "indexer/file_table.h"
+#include "source/file_table.h"
 #include "indexer/format_reader.h"
 #include "indexer/readers.h"
 

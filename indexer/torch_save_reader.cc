@@ -18,7 +18,7 @@
 
 #include "core/coverage.h"
 #include "indexer/format_reader.h"
-#include "indexer/posix_io.h"
+#include "source/posix_io.h"
 #include "indexer/readers.h"
 #include "indexer/torch_zip.h"
 

@@ -14,7 +14,7 @@
 #include <set>
 #include <unordered_map>
 
-#include "indexer/posix_io.h"
+#include "source/posix_io.h"
 
 namespace ckptfs {
 namespace {

@@ -27,7 +27,7 @@
 #include "tools/progress.h"
 #include "tools/store_loader.h"
 
-#include "indexer/posix_io.h"
+#include "source/posix_io.h"
 #include "tools/cli.h"
 
 namespace ckptfs {

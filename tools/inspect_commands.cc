@@ -19,11 +19,11 @@
 #include "core/convert.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
-#include "indexer/file_table.h"
+#include "source/file_table.h"
 #include "indexer/scan.h"
-#include "indexer/posix_io.h"
-#include "indexer/source_reader.h"
-#include "indexer/checksums.h"
+#include "source/posix_io.h"
+#include "source/source_reader.h"
+#include "source/checksums.h"
 #include "tools/cli.h"
 
 namespace ckptfs {

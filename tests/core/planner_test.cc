@@ -20,8 +20,8 @@
 #include <tuple>
 
 #include "core/convert.h"
-#include "indexer/file_table.h"
-#include "indexer/source_reader.h"
+#include "source/file_table.h"
+#include "source/source_reader.h"
 
 namespace ckptfs {
 namespace {

@@ -17,7 +17,7 @@
 #include <map>
 #include <sstream>
 
-#include "indexer/posix_io.h"
+#include "source/posix_io.h"
 
 namespace ckptfs {
 namespace {

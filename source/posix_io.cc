@@ -1,4 +1,4 @@
-#include "indexer/posix_io.h"
+#include "source/posix_io.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>

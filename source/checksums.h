@@ -15,7 +15,7 @@
 
 #include "core/meta.h"
 #include "core/planner.h"
-#include "indexer/source_reader.h"
+#include "source/source_reader.h"
 
 namespace ckptfs {
 

@@ -1,4 +1,4 @@
-#include "indexer/file_table.h"
+#include "source/file_table.h"
 
 #include <sys/stat.h>
 

@@ -1,7 +1,7 @@
 // VerifyChunkChecksums and ChecksumGate against CRC32C values computed here
 // from the bytes with a bitwise reference (not the library's table or
 // instruction paths).
-#include "indexer/checksums.h"
+#include "source/checksums.h"
 
 #include <unistd.h>
 
@@ -13,7 +13,7 @@
 
 #include <gtest/gtest.h>
 
-#include "indexer/file_table.h"
+#include "source/file_table.h"
 
 namespace ckptfs {
 namespace {

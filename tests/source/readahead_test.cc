@@ -1,4 +1,4 @@
-#include "indexer/readahead.h"
+#include "source/readahead.h"
 
 #include <gtest/gtest.h>
 
@@ -15,8 +15,8 @@
 
 #include "core/layout.h"
 #include "core/planner.h"
-#include "indexer/file_table.h"
-#include "indexer/source_reader.h"
+#include "source/file_table.h"
+#include "source/source_reader.h"
 
 namespace ckptfs {
 namespace {

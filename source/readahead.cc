@@ -1,4 +1,4 @@
-#include "indexer/readahead.h"
+#include "source/readahead.h"
 
 #include <algorithm>
 

@@ -1,11 +1,11 @@
-#include "indexer/transform.h"
+#include "source/transform.h"
 
 #include <zstd.h>
 
 #include <memory>
 #include <vector>
 
-#include "indexer/posix_io.h"
+#include "source/posix_io.h"
 
 namespace ckptfs {
 

@@ -14,7 +14,7 @@
 // Speed (docs/BENCHMARKS.md): the reads of one request are hinted to the
 // kernel together before they are read one by one, so their disk I/O
 // overlaps; ReadAhead() brings the sources of what a sequential reader will
-// ask for next into the page cache (indexer/readahead.h). Neither replaces
+// ask for next into the page cache (source/readahead.h). Neither replaces
 // the checked preads.
 #pragma once
 
@@ -31,7 +31,7 @@
 #include "core/meta.h"
 #include "core/planner.h"
 #include "core/status.h"
-#include "indexer/readahead.h"
+#include "source/readahead.h"
 
 namespace ckptfs {
 
@@ -63,7 +63,7 @@ class SourceReader {
   Status Execute(const ReadPlan& plan, char* dst);
 
   // From now on every Execute first passes its source ranges through
-  // `gate` (verify-on-first-read of recorded checksums; indexer/checksums.h).
+  // `gate` (verify-on-first-read of recorded checksums; source/checksums.h).
   // Call before the reader is shared between threads.
   void SetChecksumGate(std::unique_ptr<ChecksumGate> gate);
 

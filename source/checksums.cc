@@ -1,4 +1,4 @@
-#include "indexer/checksums.h"
+#include "source/checksums.h"
 
 #include <algorithm>
 #include <cstdio>

@@ -1,4 +1,4 @@
-#include "indexer/source_reader.h"
+#include "source/source_reader.h"
 
 #include <fcntl.h>
 #include <sys/sendfile.h>
@@ -11,10 +11,10 @@
 #include <cstring>
 
 #include "core/convert.h"
-#include "indexer/checksums.h"
-#include "indexer/file_table.h"
-#include "indexer/posix_io.h"
-#include "indexer/transform.h"
+#include "source/checksums.h"
+#include "source/file_table.h"
+#include "source/posix_io.h"
+#include "source/transform.h"
 
 namespace ckptfs {
 namespace {
