@@ -16,8 +16,6 @@
 // Names: `model.<name>` and `optimizer.<name>`, with key paths
 // (model, <name>) so the model-weight rule serves the model part in
 // consolidated/ under its own names.
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <map>
@@ -26,7 +24,6 @@
 #include "indexer/dcp_metadata.h"
 #include "indexer/format_reader.h"
 #include "indexer/pickle.h"
-#include "source/posix_io.h"
 #include "indexer/readers.h"
 #include "indexer/torch_zip.h"
 
@@ -188,9 +185,10 @@ class ByteCheckpointReader : public FormatReader {
     for (const char* part : kParts) {
       if (!std::binary_search(dir.dirs.begin(), dir.dirs.end(), std::string(part))) continue;
       // Cheap: the pickle names its module as a string near the start.
-      auto head = ReadFileRange(dir.abs + "/" + part + "/.metadata", 0, 512);
+      const std::string meta = JoinPath(dir.rel, std::string(part) + "/.metadata");
+      auto head = dir.source->ReadRange(meta, 0, 512);
       if (!head.ok()) {
-        auto whole = ReadWholeFile(dir.abs + "/" + part + "/.metadata");
+        auto whole = dir.source->ReadWhole(meta);
         if (!whole.ok()) continue;
         head = std::move(whole);
       }
@@ -208,7 +206,7 @@ class ByteCheckpointReader : public FormatReader {
     for (const char* part : kParts) {
       const std::string sub = JoinPath(dir.rel, part);
       const std::string meta_rel = sub + "/.metadata";
-      if (::access((files.root() + "/" + meta_rel).c_str(), R_OK) != 0) continue;
+      if (!files.source().Identify(meta_rel).ok()) continue;
       Status st = ReadPart(part, sub, files, out, all, flat);
       if (!st.ok()) AddProblem(out, st.message(), true);
     }
@@ -222,7 +220,7 @@ class ByteCheckpointReader : public FormatReader {
                          std::map<std::string, TensorMeta>& all, FlatTables& flat) {
     const std::string rel = sub + "/.metadata";
     ASSIGN_OR_RETURN(FileId meta_id, files.Add(rel));
-    ASSIGN_OR_RETURN(std::string text, ReadWholeFile(files.Abs(meta_id)));
+    ASSIGN_OR_RETURN(std::string text, files.source().ReadWhole(files.at(meta_id).path));
     auto doc = Unpickle(text);
     if (!doc.ok()) return doc.status().WithContext(rel);
     std::string foreign;

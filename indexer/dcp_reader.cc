@@ -9,8 +9,6 @@
 // offset; the chunk's ByteMeta points at the storage bytes inside it, with its
 // strides. BYTE_IO items (non-tensor values) become byte items served as
 // `bytes/<key>.pt`. A transformed item (zstd) is a clear per-chunk error.
-#include <fcntl.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -22,12 +20,9 @@
 #include "indexer/dcp_metadata.h"
 #include "indexer/format_reader.h"
 #include "indexer/pickle.h"
-#include "source/posix_io.h"
 #include "indexer/readers.h"
 #include "indexer/torch_zip.h"
 #include "source/transform.h"
-
-#include <sys/mman.h>
 
 namespace ckptfs {
 namespace {
@@ -43,33 +38,25 @@ struct DcpPlan {
   std::vector<std::unique_ptr<const PickleDocument>> docs;    // keep values alive while reading
 };
 
-// One descriptor per .distcp file, opened at its first item.
-using FdCache = std::map<std::string, std::unique_ptr<ScopedFd>>;
+// One open object per .distcp file, opened at its first item.
+using ObjectCache = std::map<std::string, Result<std::unique_ptr<SourceObject>>>;
 
 // Decoded items are held in memory while indexing; this bounds one.
 constexpr uint64_t kMaxDecodedItem = 8ull << 30;
 
-Result<std::string> Decode(const StorageInfo& si, int fd, const std::string& what) {
+Result<std::string> Decode(const StorageInfo& si, const SourceObject& in, const std::string& what) {
   if (si.transforms.size() != 1 || TransformName(si.transforms[0]).empty()) {
     std::string all;
     for (const auto& t : si.transforms) all += (all.empty() ? "" : ", ") + t;
     return Status::NotSupported(what + ": transform " + all + " is not supported (ckptfs decodes stream.zstd/1)");
   }
-  return DecodeItem(TransformName(si.transforms[0]), fd, si.offset, si.length, kMaxDecodedItem, what);
+  return DecodeItem(TransformName(si.transforms[0]), in, si.offset, si.length, kMaxDecodedItem, what);
 }
 
-// Parses a decoded item through an in-memory file (the archive reader
-// works on descriptors).
-Result<TorchArchive> ReadDecoded(const std::string& bytes, const std::string& what) {
-  ScopedFd mem(::memfd_create("ckptfs-item", MFD_CLOEXEC));
-  if (mem.get() < 0) return Status::IOError(what + ": memfd_create: " + std::strerror(errno));
-  for (size_t done = 0; done < bytes.size();) {
-    ssize_t n = ::write(mem.get(), bytes.data() + done, bytes.size() - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return Status::IOError(what + ": memfd write: " + std::strerror(errno));
-    done += n;
-  }
-  return ReadTorchArchive(mem.get(), 0, bytes.size(), what + " (decoded)");
+// Parses a decoded item held in memory.
+Result<TorchArchive> ReadDecoded(std::string bytes, const std::string& what) {
+  const uint64_t n = bytes.size();
+  return ReadTorchArchive(MemoryObject(std::move(bytes)), 0, n, what + " (decoded)");
 }
 
 // `.metadata`, else the per-rank `__R.metadata` files newer torch writes
@@ -119,7 +106,7 @@ void AddChunk(TensorMeta& t, Chunk c, const std::map<std::string, Shape>& reform
 // problem that makes the checkpoint incomplete.
 void LoadMetadataFile(const std::string& rel, FileTable& files, DcpPlan& plan, Checkpoint& out) {
   auto id = files.Add(rel);
-  auto text = id.ok() ? ReadWholeFile(files.Abs(*id)) : Result<std::string>(id.status());
+  auto text = id.ok() ? files.source().ReadWhole(rel) : Result<std::string>(id.status());
   if (!text.ok()) return AddProblem(out, rel + ": " + text.status().message(), true);
   auto doc = Unpickle(*text);
   if (!doc.ok()) return AddProblem(out, rel + ": " + doc.status().message(), true);
@@ -177,12 +164,12 @@ void ApplyReformulation(DcpPlan& plan, Checkpoint& out) {
 // The archive of an item; a transformed item is decoded once here to index
 // it, and again (into a bounded cache) when read, so its chunk points into
 // the decoded bytes: `data_file` becomes their derived file.
-Result<TorchArchive> ReadItem(const StorageInfo& si, int fd, FileId id, FileTable& files,
+Result<TorchArchive> ReadItem(const StorageInfo& si, const SourceObject& in, FileId id, FileTable& files,
                                      const std::string& item, FileId& data_file) {
-  if (si.transforms.empty()) return ReadTorchArchive(fd, si.offset, si.length, item);
-  ASSIGN_OR_RETURN(std::string decoded, Decode(si, fd, item));
+  if (si.transforms.empty()) return ReadTorchArchive(in, si.offset, si.length, item);
+  ASSIGN_OR_RETURN(std::string decoded, Decode(si, in, item));
   data_file = files.AddDerived(id, si.offset, si.length, TransformName(si.transforms[0]), decoded.size());
-  return ReadDecoded(decoded, item);
+  return ReadDecoded(std::move(decoded), item);
 }
 
 // Points `c` at the item's one tensor, or says why it cannot be.
@@ -209,7 +196,7 @@ void PlaceChunk(const TorchArchive& archive, const std::string& rel, FileId data
 // found through storage_data and parsed; a chunk whose item cannot be used
 // is kept, unavailable, with its reason.
 void AddTensorChunk(const DirListing& dir, FileTable& files, const DcpPlan& plan, const std::string& fqn,
-                           const Box& box, TensorMeta& t, FdCache& fds, Checkpoint& out) {
+                           const Box& box, TensorMeta& t, ObjectCache& objects, Checkpoint& out) {
   const std::string who = "tensor '" + fqn + "' chunk " + ToString(box);
   auto it = plan.storage.find({fqn, box.offsets});
   if (it == plan.storage.end()) return AddProblem(out, who + ": no item in the metadata's storage_data", false);
@@ -218,11 +205,13 @@ void AddTensorChunk(const DirListing& dir, FileTable& files, const DcpPlan& plan
   auto id = files.Add(rel);
   if (!id.ok()) return AddProblem(out, who + ": " + id.status().message(), true);
   Chunk c(box, {*id, si.offset, si.length}, t.dtype);
-  auto& fd = fds[rel];
-  if (!fd) fd = std::make_unique<ScopedFd>(::open(files.Abs(*id).c_str(), O_RDONLY | O_CLOEXEC));
+  auto it_obj = objects.find(rel);
+  if (it_obj == objects.end()) it_obj = objects.emplace(rel, files.Open(*id)).first;
   const std::string item = rel + " item at " + std::to_string(si.offset);
   FileId data_file = *id;
-  Result<TorchArchive> archive = ReadItem(si, fd->get(), *id, files, item, data_file);
+  Result<TorchArchive> archive = it_obj->second.ok()
+                                     ? ReadItem(si, **it_obj->second, *id, files, item, data_file)
+                                     : Result<TorchArchive>(it_obj->second.status().WithContext(item));
   if (!archive.ok())
     c.set_unavailable(archive.status().message());
   else
@@ -248,8 +237,8 @@ void AddByteItems(const DirListing& dir, FileTable& files, const std::map<std::s
       out.byte_items[key] = {*id, si.offset, si.length};
       continue;
     }
-    ScopedFd fd(::open(files.Abs(*id).c_str(), O_RDONLY | O_CLOEXEC));
-    auto decoded = Decode(si, fd.get(), "item '" + key + "'");
+    auto in = files.Open(*id);
+    auto decoded = in.ok() ? Decode(si, **in, "item '" + key + "'") : Result<std::string>(in.status());
     if (!decoded.ok()) {
       AddProblem(out, decoded.status().message(), false);
       continue;
@@ -275,10 +264,10 @@ class DcpReader : public FormatReader {
     for (const std::string& meta_name : MetadataFiles(dir))
       LoadMetadataFile(JoinPath(dir.rel, meta_name), files, plan, out);
     ApplyReformulation(plan, out);
-    FdCache fds;
+    ObjectCache objects;
     for (const auto& [fqn, boxes] : plan.declared) {
       TensorMeta& t = plan.tensors[fqn];
-      for (const Box& box : boxes) AddTensorChunk(dir, files, plan, fqn, box, t, fds, out);
+      for (const Box& box : boxes) AddTensorChunk(dir, files, plan, fqn, box, t, objects, out);
     }
     AddByteItems(dir, files, plan.byte_storage, out);
     FinishTensors(plan.tensors, out);

@@ -16,9 +16,11 @@
 
 namespace ckptfs {
 
+// One directory of the source (source/source.h), as the readers see it.
+// Readers read its files through the FileTable's source.
 struct DirListing {
+  const Source* source = nullptr;  // what the listing is of
   std::string rel;                 // relative to the source root; "" for it
-  std::string abs;
   std::vector<std::string> files;  // names of regular files, sorted
   std::vector<std::string> dirs;   // names of subdirectories, sorted
   bool has_file(const std::string& name) const;

@@ -26,7 +26,7 @@
 #include <rocksdb/table_properties.h>
 #include <rocksdb/write_batch.h>
 
-#include "source/file_table.h"
+#include "source/posix_source.h"
 
 namespace ckptfs {
 namespace {
@@ -552,12 +552,16 @@ Status WriteCommitRecord(const std::string& abs_root, const Checkpoint& ckpt, co
 }
 
 Status CheckSources(const std::string& root, const std::vector<SourceFile>& files) {
+  return CheckSources(*PosixSourceAt(root), files);
+}
+
+Status CheckSources(const Source& source, const std::vector<SourceFile>& files) {
   std::string changed;
   int count = 0;
   for (const SourceFile& f : files) {
     if (f.derived()) continue;  // its base file is checked
-    auto now = StatSource(root + "/" + f.path);
-    std::string what = now.ok() ? DescribeChange(f, *now) : now.status().message();
+    auto now = source.Identify(f.path);
+    std::string what = now.ok() ? source.DescribeChange(f, *now) : now.status().message();
     if (what.empty()) continue;
     if (++count <= 3) changed += (changed.empty() ? "" : "; ") + f.path + ": " + what;
   }

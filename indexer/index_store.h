@@ -29,6 +29,10 @@
 #include "core/status.h"
 #include "indexer/store_rows.h"
 
+namespace ckptfs {
+class Source;
+}
+
 namespace rocksdb {
 class DB;
 }
@@ -130,5 +134,6 @@ Status WriteCommitRecord(const std::string& abs_root, const Checkpoint& ckpt, co
 Status CheckSources(const Catalog& catalog);
 // The same for files of one root (`files` as Store::LoadFiles returns them).
 Status CheckSources(const std::string& root, const std::vector<SourceFile>& files);
+Status CheckSources(const Source& source, const std::vector<SourceFile>& files);
 
 }  // namespace ckptfs

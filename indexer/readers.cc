@@ -1,10 +1,6 @@
 // Helpers the format readers share (indexer/readers.h).
 #include "indexer/readers.h"
 
-#include <dirent.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 
 #include <set>
@@ -12,7 +8,6 @@
 #include <nlohmann/json.hpp>
 
 #include "core/coverage.h"
-#include "source/posix_io.h"
 
 namespace ckptfs {
 namespace {
@@ -27,26 +22,13 @@ bool IsWeightOrShardIndex(const std::string& name) {
   return name == "fqn_to_file_index_mapping.json";
 }
 
-struct Entries {
-  std::vector<std::string> files, dirs;
-};
-
-// Regular files and directories in `abs` (following links), sorted.
-Entries ListEntries(const std::string& abs) {
-  Entries e;
-  DIR* d = ::opendir(abs.c_str());
-  if (!d) return e;
-  while (struct dirent* ent = ::readdir(d)) {
-    std::string name = ent->d_name;
-    struct stat st;
-    if (name == "." || name == ".." || ::stat((abs + "/" + name).c_str(), &st) != 0) continue;
-    if (S_ISREG(st.st_mode)) e.files.push_back(name);
-    else if (S_ISDIR(st.st_mode)) e.dirs.push_back(name);
-  }
-  ::closedir(d);
-  std::sort(e.files.begin(), e.files.end());
-  std::sort(e.dirs.begin(), e.dirs.end());
-  return e;
+// Regular files and directories (links to either followed) of `rel`, sorted.
+SourceListing ListEntries(const Source& source, const std::string& rel) {
+  auto l = source.List(rel);
+  if (!l.ok()) return {};
+  l->dirs.insert(l->dirs.end(), l->linked_dirs.begin(), l->linked_dirs.end());
+  std::sort(l->dirs.begin(), l->dirs.end());
+  return std::move(*l);
 }
 
 // Deep enough for any model folder (sentence-transformers nests one level);
@@ -60,7 +42,7 @@ constexpr size_t kMaxSidecarFiles = 10'000;
 // only when `with_weights` (a folder modules.json names).
 void AddFolder(const std::string& rel, const std::string& prefix, int depth, bool with_weights, FileTable& files,
                Checkpoint& out) {
-  const Entries e = ListEntries(files.root() + "/" + rel);
+  const SourceListing e = ListEntries(files.source(), rel);
   for (const std::string& name : e.files) {
     if (name[0] == '.' || (!with_weights && IsWeightOrShardIndex(name))) continue;
     if (out.sidecars.size() >= kMaxSidecarFiles || out.sidecars.count(prefix + name)) continue;
@@ -73,19 +55,19 @@ void AddFolder(const std::string& rel, const std::string& prefix, int depth, boo
 
 // Whether a folder holds weights anywhere below it (a checkpoint of its
 // own, say), within the same bounds as AddFolder.
-bool HoldsWeights(const std::string& abs, int depth) {
-  const Entries e = ListEntries(abs);
+bool HoldsWeights(const Source& source, const std::string& rel, int depth) {
+  const SourceListing e = ListEntries(source, rel);
   if (std::any_of(e.files.begin(), e.files.end(), IsWeightOrShardIndex)) return true;
   if (depth >= kMaxSidecarDepth) return !e.dirs.empty();
   return std::any_of(e.dirs.begin(), e.dirs.end(),
-                     [&](const std::string& d) { return d[0] != '.' && HoldsWeights(abs + "/" + d, depth + 1); });
+                     [&](const std::string& d) { return d[0] != '.' && HoldsWeights(source, JoinPath(rel, d), depth + 1); });
 }
 
 // The module folders sentence-transformers' modules.json names ("path":
 // "2_Dense"): the model needs them whole, weights included.
-std::set<std::string> ModuleFolders(const std::string& modules_json_path) {
+std::set<std::string> ModuleFolders(const Source& source, const std::string& modules_json) {
   std::set<std::string> out;
-  auto text = ReadWholeFile(modules_json_path);
+  auto text = source.ReadWhole(modules_json);
   auto j = text.ok() ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
   if (!j.is_array()) return out;
   for (const auto& m : j)
@@ -111,9 +93,9 @@ std::vector<uint64_t> NormalizeStrides(const std::vector<uint64_t>& shape, const
   return {};
 }
 
-std::vector<std::string> IndexedFiles(const DirListing& dir, const std::string& index_name, Checkpoint& out,
-                                      std::map<std::string, std::string>* weight_map) {
-  auto text = ReadWholeFile(dir.abs + "/" + index_name);
+std::vector<std::string> IndexedFiles(const Source& source, const DirListing& dir, const std::string& index_name,
+                                      Checkpoint& out, std::map<std::string, std::string>* weight_map) {
+  auto text = source.ReadWhole(JoinPath(dir.rel, index_name));
   auto j = text.ok() ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
   if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
     AddProblem(out, JoinPath(dir.rel, index_name) + ": no weight_map object", true);
@@ -144,7 +126,7 @@ void AddSidecarFiles(const DirListing& dir, FileTable& files, Checkpoint& out) {
   const std::string meta_rel = JoinPath(dir.rel, ".hf_metadata");
   if (std::find(dir.dirs.begin(), dir.dirs.end(), ".hf_metadata") != dir.dirs.end())
     AddFolder(meta_rel, "", 0, false, files, out);
-  std::set<std::string> modules = ModuleFolders(dir.abs + "/modules.json");
+  std::set<std::string> modules = ModuleFolders(files.source(), JoinPath(dir.rel, "modules.json"));
   for (const std::string& name : dir.files) {
     if (name[0] == '.' || IsWeightOrShardIndex(name) || out.sidecars.count(name)) continue;
     if (auto id = files.Add(JoinPath(dir.rel, name)); id.ok()) out.sidecars[name] = *id;
@@ -152,7 +134,7 @@ void AddSidecarFiles(const DirListing& dir, FileTable& files, Checkpoint& out) {
   for (const std::string& name : dir.dirs) {
     if (name[0] == '.') continue;
     const bool module = modules.count(name) > 0;
-    if (!module && HoldsWeights(dir.abs + "/" + name, 1)) continue;  // another checkpoint, not metadata
+    if (!module && HoldsWeights(files.source(), JoinPath(dir.rel, name), 1)) continue;  // another checkpoint, not metadata
     AddFolder(JoinPath(dir.rel, name), name + "/", 1, module, files, out);
   }
 }

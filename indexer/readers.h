@@ -42,15 +42,17 @@ std::vector<uint64_t> NormalizeStrides(const std::vector<uint64_t>& shape, const
 // `pytorch_model.bin.index.json`) maps tensors to; fills *weight_map when
 // given. A missing or malformed weight_map is recorded on `out` as making the
 // checkpoint incomplete.
-std::vector<std::string> IndexedFiles(const DirListing& dir, const std::string& index_name, Checkpoint& out,
-                                      std::map<std::string, std::string>* weight_map = nullptr);
+std::vector<std::string> IndexedFiles(const Source& source, const DirListing& dir, const std::string& index_name,
+                                      Checkpoint& out, std::map<std::string, std::string>* weight_map = nullptr);
 
 // Drops replicated chunks, runs the coverage check (recording each tensor's
 // problem on it and on `out`), and moves the tensors into out.tensors.
 void FinishTensors(std::map<std::string, TensorMeta>& tensors, Checkpoint& out);
 
 // Reads {fqn: 1-based file index} (NeMo's fqn_to_file_index_mapping.json, or
-// a mapping given on the command line) into out.file_index.
+// a mapping given on the command line) into out.file_index: from the local
+// file `path`, or from `text` (named `what` in errors).
 Status LoadFileIndexMapping(const std::string& path, Checkpoint& out);
+Status ParseFileIndexMapping(const std::string& text, const std::string& what, Checkpoint& out);
 
 }  // namespace ckptfs

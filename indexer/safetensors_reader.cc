@@ -5,9 +5,6 @@
 //    shard-RRRRR-model-IIIII-of-NNNNN.safetensors, each holding the writing
 //    rank's local chunks, placed by `saved_offsets` in the
 //    DCP_SHARDING_INFO (or dcp_custom_metadata) entry of __metadata__.
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
@@ -33,15 +30,14 @@ bool EndsWith(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-Result<SafetensorsHeader> ReadHeader(const std::string& abs, uint64_t size) {
-  ScopedFd fd(::open(abs.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) return Status::IOError(std::strerror(errno));
+Result<SafetensorsHeader> ReadHeader(const FileTable& files, FileId id, uint64_t size) {
+  if (size < 8) return DecodeHeaderLength(std::string_view(), size).status();
+  ASSIGN_OR_RETURN(std::unique_ptr<SourceObject> in, files.Open(id));
   char prefix[8];
-  if (size < 8) return DecodeHeaderLength(std::string_view(prefix, 0), size).status();
-  RETURN_IF_ERROR(PreadFull(fd.get(), prefix, 8, 0, abs));
+  RETURN_IF_ERROR(in->ReadAt(0, 8, prefix));
   ASSIGN_OR_RETURN(uint64_t n, DecodeHeaderLength(std::string_view(prefix, 8), size));
   std::string text(n, '\0');
-  RETURN_IF_ERROR(PreadFull(fd.get(), text.data(), n, 8, abs));
+  RETURN_IF_ERROR(in->ReadAt(8, n, text.data()));
   return ParseSafetensorsHeader(text, n);
 }
 
@@ -58,8 +54,8 @@ Result<std::optional<ShardingInfo>> ReadShardingInfo(const SafetensorsHeader& h)
 // The shard files record no world size, so a missing last rank shrinks
 // shapes without leaving a hole. config.json, when there is one, says what
 // the shapes should be: a disagreement marks the checkpoint incomplete.
-void CheckAgainstConfig(const std::string& path, Checkpoint& out) {
-  auto text = ReadWholeFile(path);
+void CheckAgainstConfig(const Source& source, const std::string& rel, Checkpoint& out) {
+  auto text = source.ReadWhole(rel);
   json cfg = text.ok() ? json::parse(*text, nullptr, false) : json();
   if (!cfg.is_object()) return;
   auto dim = [&](const char* key) -> std::optional<uint64_t> {
@@ -127,7 +123,7 @@ void ReadFile(const DirListing& dir, FileTable& files, const std::string& name,
   auto id = files.Add(rel);
   if (!id.ok()) return AddProblem(out, id.status().message(), true);
   const SourceFile& sf = files.at(*id);
-  auto header = ReadHeader(files.Abs(*id), sf.size);
+  auto header = ReadHeader(files, *id, sf.size);
   if (!header.ok()) return AddProblem(out, rel + ": " + header.status().message(), true);
   Status size_ok = CheckSafetensorsFileSize(*header, sf.size);
   if (!size_ok.ok()) AddProblem(out, rel + ": " + size_ok.message(), false);
@@ -175,10 +171,12 @@ void SetShapes(std::map<std::string, TensorMeta>& tensors) {
 void AddSidecars(const DirListing& dir, FileTable& files, Checkpoint& out) {
   const std::string meta_rel = JoinPath(dir.rel, ".hf_metadata");
   AddSidecarFiles(dir, files, out);
-  if (auto it = out.sidecars.find("config.json"); it != out.sidecars.end()) CheckAgainstConfig(files.Abs(it->second), out);
-  const std::string mapping = files.root() + "/" + JoinPath(meta_rel, "fqn_to_file_index_mapping.json");
-  if (::access(mapping.c_str(), R_OK) != 0) return;
-  Status st = LoadFileIndexMapping(mapping, out);
+  if (auto it = out.sidecars.find("config.json"); it != out.sidecars.end())
+    CheckAgainstConfig(files.source(), files.at(it->second).path, out);
+  const std::string mapping = JoinPath(meta_rel, "fqn_to_file_index_mapping.json");
+  if (!files.source().Identify(mapping).ok()) return;
+  auto text = files.source().ReadWhole(mapping);
+  Status st = text.ok() ? ParseFileIndexMapping(*text, mapping, out) : text.status();
   if (!st.ok()) AddProblem(out, st.message(), false);
   // The mapping is the one record of which tensors were saved: a tensor it
   // names that no shard holds means a shard file is missing. A set, not a
@@ -207,7 +205,7 @@ class SafetensorsReader : public FormatReader {
     std::vector<std::string> names;
     std::map<std::string, std::string> weight_map;
     if (dir.has_file("model.safetensors.index.json")) {
-      names = IndexedFiles(dir, "model.safetensors.index.json", out, &weight_map);
+      names = IndexedFiles(files.source(), dir, "model.safetensors.index.json", out, &weight_map);
     } else {
       for (const auto& f : dir.files)
         if (EndsWith(f, ".safetensors")) names.push_back(f);
@@ -232,6 +230,10 @@ class SafetensorsReader : public FormatReader {
 
 Status LoadFileIndexMapping(const std::string& path, Checkpoint& out) {
   ASSIGN_OR_RETURN(std::string text, ReadWholeFile(path));
+  return ParseFileIndexMapping(text, path, out);
+}
+
+Status ParseFileIndexMapping(const std::string& text, const std::string& path, Checkpoint& out) {
   json j = json::parse(text, nullptr, false);
   if (!j.is_object()) return Status::Corruption(path + ": not a JSON object {fqn: file index}");
   std::map<std::string, int> mapping;

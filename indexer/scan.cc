@@ -1,18 +1,14 @@
 #include "indexer/scan.h"
 
-#include <dirent.h>
-#include <sys/stat.h>
-
 #include <algorithm>
 #include <functional>
-#include <cerrno>
 #include <chrono>
 #include <climits>
 #include <cstdlib>
-#include <cstring>
 #include <set>
 
 #include "source/file_table.h"
+#include "source/posix_source.h"
 #include "indexer/format_reader.h"
 #include "indexer/readers.h"
 
@@ -36,43 +32,26 @@ std::vector<std::unique_ptr<FormatReader>> AllReaders() {
 
 namespace {
 
-Result<DirListing> ListDir(const std::string& root, const std::string& rel) {
+Result<DirListing> ListDir(const Source& source, const std::string& rel) {
+  ASSIGN_OR_RETURN(SourceListing l, source.List(rel));
   DirListing d;
+  d.source = &source;
   d.rel = rel;
-  d.abs = rel.empty() ? root : root + "/" + rel;
-  DIR* dir = ::opendir(d.abs.c_str());
-  if (!dir) return Status::IOError(d.abs + ": " + std::strerror(errno));
-  while (struct dirent* e = ::readdir(dir)) {
-    std::string name = e->d_name;
-    if (name == "." || name == "..") continue;
-    // A symlinked directory is never descended into: inside the root it is
-    // indexed once under its target's name (and the mount shows the link,
-    // which the kernel follows to the same views); outside the root it is
-    // not ours to serve. A symlinked file is offered to the readers, which
-    // refuse one that resolves outside the root (FileTable::Add).
-    struct stat st;
-    if (::lstat((d.abs + "/" + name).c_str(), &st) != 0) continue;
-    if (S_ISDIR(st.st_mode)) d.dirs.push_back(name);
-    else if (S_ISREG(st.st_mode)) d.files.push_back(name);
-    else if (S_ISLNK(st.st_mode) && ::stat((d.abs + "/" + name).c_str(), &st) == 0 && S_ISREG(st.st_mode))
-      d.files.push_back(name);
-  }
-  ::closedir(dir);
-  std::sort(d.files.begin(), d.files.end());
-  std::sort(d.dirs.begin(), d.dirs.end());
+  d.files = std::move(l.files);
+  d.dirs = std::move(l.dirs);
   return d;
 }
 
 // Offers `listing` to the readers; the first that recognises it reads the
 // checkpoint. nullopt when none does.
-Result<std::optional<Checkpoint>> ReadCheckpoint(const std::string& root, const DirListing& listing,
+Result<std::optional<Checkpoint>> ReadCheckpoint(const Source& source, const DirListing& listing,
                                                  const std::vector<std::unique_ptr<FormatReader>>& readers,
                                                  const ScanOptions& options, std::vector<std::string>* claimed) {
   for (const auto& r : readers) {
     if (!r->Recognise(listing)) continue;
     Checkpoint ckpt;
     ckpt.dir = listing.rel;
-    FileTable files(root);
+    FileTable files(source);
     RETURN_IF_ERROR(r->Read(listing, files, ckpt));
     ckpt.files = files.Take();
     if (claimed) *claimed = r->ClaimedSubdirs(listing);
@@ -107,14 +86,14 @@ namespace {
 // Walks `root` by file names alone, as ScanSource walks it: `visit` gets each
 // directory with the reader that recognises it (null when none does), and
 // the walk goes on into its subdirectories except those that reader claims.
-void WalkByNames(const std::string& root,
+void WalkByNames(const Source& source,
                  const std::function<void(const DirListing&, const FormatReader*)>& visit) {
   auto readers = AllReaders();
   std::vector<std::string> pending{""};
   while (!pending.empty()) {
     std::string rel = pending.back();
     pending.pop_back();
-    auto listing = ListDir(root, rel);
+    auto listing = ListDir(source, rel);
     if (!listing.ok()) continue;
     const FormatReader* reader = nullptr;
     for (const auto& r : readers)
@@ -131,22 +110,20 @@ void WalkByNames(const std::string& root,
 
 }  // namespace
 
-std::vector<std::string> FindCheckpointDirs(const std::string& root) {
+std::vector<std::string> FindCheckpointDirs(const Source& source) {
   std::vector<std::string> out;
-  WalkByNames(root, [&](const DirListing& d, const FormatReader* reader) {
+  WalkByNames(source, [&](const DirListing& d, const FormatReader* reader) {
     if (reader) out.push_back(d.rel);
   });
   std::sort(out.begin(), out.end());
   return out;
 }
 
-bool CommitPointIsNewest(const std::string& root, const std::string& rel) {
-  auto listing = ListDir(root, rel);
+bool CommitPointIsNewest(const Source& source, const std::string& rel) {
+  auto listing = ListDir(source, rel);
   if (!listing.ok()) return false;
-  auto ctime = [&](const std::string& name) -> int64_t {
-    struct stat st;
-    if (::lstat((listing->abs + "/" + name).c_str(), &st) != 0) return INT64_MAX;
-    return int64_t(st.st_ctim.tv_sec) * 1'000'000'000 + st.st_ctim.tv_nsec;
+  auto ctime = [&](const std::string& name) {
+    return source.ChangeTimeNs(JoinRel(rel, name)).value_or(INT64_MAX);
   };
   const std::string record = kCommitRecord;
   const bool has_record = ctime(record) != INT64_MAX;
@@ -158,12 +135,14 @@ bool CommitPointIsNewest(const std::string& root, const std::string& rel) {
 }
 
 std::string CommitRecordPath(const std::string& root, const std::string& dir) {
-  return root + "/" + (dir.empty() ? "" : dir + "/") + kCommitRecord;
+  return root + "/" + CommitRecordRel(dir);
 }
 
-std::vector<std::string> FindInterruptedSaves(const std::string& root) {
+std::string CommitRecordRel(const std::string& dir) { return JoinRel(dir, kCommitRecord); }
+
+std::vector<std::string> FindInterruptedSaves(const Source& source) {
   std::vector<std::string> out;
-  WalkByNames(root, [&](const DirListing& d, const FormatReader* reader) {
+  WalkByNames(source, [&](const DirListing& d, const FormatReader* reader) {
     if (reader) return;  // a checkpoint: its problems are the reader's to report
     if (std::string what = MissingCommitPoint(d); !what.empty())
       out.push_back((d.rel.empty() ? "." : d.rel) + ": " + what + " (not served; save it again or remove it)");
@@ -172,38 +151,35 @@ std::vector<std::string> FindInterruptedSaves(const std::string& root) {
   return out;
 }
 
-Result<std::optional<Checkpoint>> ScanCheckpointDir(const std::string& root, const std::string& rel,
+Result<std::optional<Checkpoint>> ScanCheckpointDir(const Source& source, const std::string& rel,
                                                     const ScanOptions& options) {
-  ASSIGN_OR_RETURN(DirListing listing, ListDir(root, rel));
-  return ReadCheckpoint(root, listing, AllReaders(), options, nullptr);
+  ASSIGN_OR_RETURN(DirListing listing, ListDir(source, rel));
+  return ReadCheckpoint(source, listing, AllReaders(), options, nullptr);
 }
 
-Result<Catalog> ScanSource(const std::string& root_arg, const ScanOptions& options) {
-  char real[PATH_MAX];
-  if (!::realpath(root_arg.c_str(), real))
-    return Status::IOError(root_arg + ": " + std::strerror(errno));
-  Catalog catalog;
-  catalog.root = real;
-  struct stat st;
-  if (::stat(real, &st) != 0 || !S_ISDIR(st.st_mode))
-    return Status::InvalidArgument(root_arg + ": not a directory");
+Result<Catalog> ScanSource(const std::string& root, const ScanOptions& options) {
+  ASSIGN_OR_RETURN(std::shared_ptr<PosixSource> source, PosixSource::OpenRoot(root));
+  return ScanSource(*source, options);
+}
 
+Result<Catalog> ScanSource(const Source& source, const ScanOptions& options) {
+  Catalog catalog;
+  catalog.root = source.root();
   auto readers = AllReaders();
   std::vector<std::string> pending{""};
-  std::set<std::pair<dev_t, ino_t>> seen;  // symlinked directories can loop
+  std::set<std::string> seen;  // bind mounts can loop
   size_t done = 0;
   while (!pending.empty()) {
     std::string rel = pending.back();
     pending.pop_back();
-    auto listing = ListDir(catalog.root, rel);
+    auto listing = ListDir(source, rel);
     if (!listing.ok()) {
       if (rel.empty()) return listing.status();
       continue;
     }
-    struct stat ds;
-    if (::stat(listing->abs.c_str(), &ds) != 0 || !seen.insert({ds.st_dev, ds.st_ino}).second) continue;
+    if (!seen.insert(source.DirKey(rel)).second) continue;
     std::vector<std::string> claimed;
-    ASSIGN_OR_RETURN(std::optional<Checkpoint> ckpt, ReadCheckpoint(catalog.root, *listing, readers, options, &claimed));
+    ASSIGN_OR_RETURN(std::optional<Checkpoint> ckpt, ReadCheckpoint(source, *listing, readers, options, &claimed));
     if (ckpt) catalog.checkpoints.push_back(std::move(*ckpt));
     for (auto it = listing->dirs.rbegin(); it != listing->dirs.rend(); ++it)
       if (std::find(claimed.begin(), claimed.end(), *it) == claimed.end())

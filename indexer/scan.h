@@ -9,6 +9,7 @@
 
 #include "core/meta.h"
 #include "core/status.h"
+#include "source/source.h"
 
 namespace ckptfs {
 
@@ -19,29 +20,33 @@ struct ScanOptions {
   std::string file_index_mapping;
 };
 
-// Fails only when `root` cannot be read at all; problems inside checkpoints
-// are recorded on them.
+// Fails only when the root cannot be read at all; problems inside
+// checkpoints are recorded on them. Catalog::root is source.root().
+Result<Catalog> ScanSource(const Source& source, const ScanOptions& options = {});
+// The same for the local directory `root` (resolved first).
 Result<Catalog> ScanSource(const std::string& root, const ScanOptions& options = {});
 
-// Directories under `root` (absolute, resolved) that hold shard files no
+// Directories of the source that hold shard files no
 // reader recognises as a checkpoint, each with what is missing: a DCP save
 // interrupted before its .metadata was written, say. They are never served;
 // `ckptfs check` names them.
-std::vector<std::string> FindInterruptedSaves(const std::string& root);
+std::vector<std::string> FindInterruptedSaves(const Source& source);
 
-// Directories under `root` (absolute, resolved) that some reader recognises
+// Directories of the source that some reader recognises
 // as a checkpoint, found from file names alone (nothing is parsed): what
 // ScanSource would read. Lets a command see checkpoints saved since the
 // index was built.
-std::vector<std::string> FindCheckpointDirs(const std::string& root);
+std::vector<std::string> FindCheckpointDirs(const Source& source);
 
 // ckptfs's writer's commit record, relative to its checkpoint's directory,
 // and its absolute path for checkpoint directory `dir` ("" for the root
 // itself) of `root`.
 inline constexpr char kCommitRecord[] = ".ckptfs/commit.sst";
 std::string CommitRecordPath(const std::string& root, const std::string& dir);
+// Its path relative to the source root.
+std::string CommitRecordRel(const std::string& dir);
 
-// True when directory `rel` of `root` holds a commit point written after
+// True when directory `rel` of the source holds a commit point written after
 // every other file in it: ckptfs's writer's commit record
 // (.ckptfs/commit.sst, written last in both its layouts) when there is one,
 // else DCP's .metadata, which torch renames into place after all shards are
@@ -50,11 +55,11 @@ std::string CommitRecordPath(const std::string& root, const std::string& dir);
 // half-written shards. Formats without such a file (safetensors folders
 // not written by ckptfs, torch.save files) have none: they are indexed
 // again only by `ckptfs index`.
-bool CommitPointIsNewest(const std::string& root, const std::string& rel);
+bool CommitPointIsNewest(const Source& source, const std::string& rel);
 
-// Reads directory `rel` of `root` (absolute, resolved) alone, as the scan
-// would: a checkpoint, or nullopt when no reader recognises it.
-Result<std::optional<Checkpoint>> ScanCheckpointDir(const std::string& root, const std::string& rel,
+// Reads directory `rel` of the source alone, as the scan would: a
+// checkpoint, or nullopt when no reader recognises it.
+Result<std::optional<Checkpoint>> ScanCheckpointDir(const Source& source, const std::string& rel,
                                                     const ScanOptions& options = {});
 
 }  // namespace ckptfs

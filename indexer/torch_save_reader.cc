@@ -18,7 +18,6 @@
 
 #include "core/coverage.h"
 #include "indexer/format_reader.h"
-#include "source/posix_io.h"
 #include "indexer/readers.h"
 #include "indexer/torch_zip.h"
 
@@ -42,7 +41,7 @@ class TorchSaveReader : public FormatReader {
     out.format = "torch-save";
     std::vector<std::string> names;
     if (dir.has_file("pytorch_model.bin.index.json")) {
-      names = IndexedFiles(dir, "pytorch_model.bin.index.json", out);
+      names = IndexedFiles(files.source(), dir, "pytorch_model.bin.index.json", out);
     } else {
       for (const auto& f : dir.files)
         if (IsHfShard(f) || IsGeneric(f)) names.push_back(f);
@@ -61,7 +60,8 @@ class TorchSaveReader : public FormatReader {
         problem(id.status().message(), true);
         continue;
       }
-      auto archive = ReadTorchArchiveFile(files.Abs(*id));
+      auto in = files.Open(*id);
+      auto archive = in.ok() ? ReadTorchArchive(**in, 0, files.at(*id).size, rel) : Result<TorchArchive>(in.status());
       if (!archive.ok()) {
         problem(rel + ": " + archive.status().message(), true);
         continue;

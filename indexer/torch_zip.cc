@@ -15,6 +15,7 @@
 #include <unordered_map>
 
 #include "source/posix_io.h"
+#include "source/posix_source.h"
 
 namespace ckptfs {
 namespace {
@@ -43,13 +44,13 @@ uint64_t Le(std::string_view s, size_t at, int bytes) {
 // reads cost no syscall.
 class RangeReader {
  public:
-  RangeReader(int fd, uint64_t base, uint64_t length, const std::string& what)
-      : fd_(fd), base_(base), length_(length), what_(what) {}
+  RangeReader(const SourceObject& src, uint64_t base, uint64_t length, const std::string& what)
+      : src_(src), base_(base), length_(length), what_(what) {}
 
   Status LoadTail(uint64_t len) {
     tail_start_ = length_ - len;
     tail_.assign(len, '\0');
-    return PreadFull(fd_, tail_.data(), len, base_ + tail_start_, what_);
+    return src_.ReadAt(base_ + tail_start_, len, tail_.data());
   }
   const std::string& tail() const { return tail_; }
   uint64_t tail_start() const { return tail_start_; }
@@ -58,12 +59,12 @@ class RangeReader {
     if (rel >= tail_start_ && rel - tail_start_ <= tail_.size() && len <= tail_.size() - (rel - tail_start_))
       return tail_.substr(rel - tail_start_, len);
     std::string out(len, '\0');
-    RETURN_IF_ERROR(PreadFull(fd_, out.data(), len, base_ + rel, what_));
+    RETURN_IF_ERROR(src_.ReadAt(base_ + rel, len, out.data()));
     return out;
   }
 
  private:
-  int fd_;
+  const SourceObject& src_;
   uint64_t base_, length_;
   const std::string& what_;
   std::string tail_;
@@ -278,7 +279,8 @@ Result<ZipDirectory> ReadDirectory(RangeReader& in, uint64_t base, uint64_t leng
 
 Result<ZipDirectory> ReadZipDirectory(int fd, uint64_t base, uint64_t length, const std::string& what,
                                       const TorchZipLimits& limits) {
-  RangeReader in(fd, base, length, what);
+  FdObject src(fd, what);
+  RangeReader in(src, base, length, what);
   return ReadDirectory(in, base, length, what, limits);
 }
 
@@ -574,8 +576,13 @@ Result<std::optional<TorchTensorRef>> MatchTorchTensor(const PickleValue& v) { r
 
 Result<TorchArchive> ReadTorchArchive(int fd, uint64_t base, uint64_t length, const std::string& what,
                                       const TorchZipLimits& limits) {
+  return ReadTorchArchive(FdObject(fd, what), base, length, what, limits);
+}
+
+Result<TorchArchive> ReadTorchArchive(const SourceObject& src, uint64_t base, uint64_t length,
+                                      const std::string& what, const TorchZipLimits& limits) {
   TorchArchive ar;
-  RangeReader in(fd, base, length, what);
+  RangeReader in(src, base, length, what);
   ASSIGN_OR_RETURN(ar.zip, ReadDirectory(in, base, length, what, limits));
 
   // The root folder is whichever `<root>/data.pkl` the archive has (torch

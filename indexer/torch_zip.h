@@ -38,6 +38,7 @@
 #include "core/dtype.h"
 #include "core/status.h"
 #include "indexer/pickle.h"
+#include "source/source.h"
 
 namespace ckptfs {
 
@@ -104,6 +105,9 @@ struct TorchArchive {
 // objects BUILD wrapped; ones inside other objects' arguments or state are
 // not reported. Globals outside the allowlist do not fail the read; see
 // pickle->unknown_globals().
+Result<TorchArchive> ReadTorchArchive(const SourceObject& src, uint64_t base, uint64_t length,
+                                      const std::string& what, const TorchZipLimits& limits = {});
+// The same over descriptor `fd` (tests, fuzzing, the writer's checks).
 Result<TorchArchive> ReadTorchArchive(int fd, uint64_t base, uint64_t length, const std::string& what,
                                       const TorchZipLimits& limits = {});
 

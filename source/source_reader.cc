@@ -1,10 +1,5 @@
 #include "source/source_reader.h"
 
-#include <fcntl.h>
-#include <sys/sendfile.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
@@ -12,14 +7,13 @@
 
 #include "core/convert.h"
 #include "source/checksums.h"
-#include "source/file_table.h"
-#include "source/posix_io.h"
+#include "source/posix_source.h"
 #include "source/transform.h"
 
 namespace ckptfs {
 namespace {
 
-// Bytes per posix_fadvise(WILLNEED). One call reads at most
+// Bytes per WillNeed (posix_fadvise(WILLNEED)). One call reads at most
 // max(read_ahead_kb, max_sectors_kb) of the source's device (4 MiB and
 // 8 MiB on the benchmark disk; commonly 512 KiB or more); on a device with
 // less, part of each piece is not read ahead (a loss of speed only).
@@ -31,17 +25,21 @@ constexpr uint64_t kHintSlice = 1 << 20;
 
 }  // namespace
 
-SourceReader::SourceReader(std::string root, const std::vector<SourceFile>* files, GroupPolicy policy,
-                           uint64_t decoded_cache_bytes, ReadOptions read)
-    : root_(std::move(root)),
+SourceReader::SourceReader(std::shared_ptr<const Source> source, const std::vector<SourceFile>* files,
+                           GroupPolicy policy, uint64_t decoded_cache_bytes, ReadOptions read)
+    : source_(std::move(source)),
       files_(files),
       policy_(policy),
-      fds_(files->size(), -1),
+      objects_(files->size()),
       stale_(files->size()),
       bytes_read_(std::make_unique<std::atomic<uint64_t>>(0)),
       any_stale_(std::make_unique<std::atomic<bool>>(false)),
       decoded_budget_(decoded_cache_bytes),
       read_(read) {}
+
+SourceReader::SourceReader(const std::string& root, const std::vector<SourceFile>* files, GroupPolicy policy,
+                           uint64_t decoded_cache_bytes, ReadOptions read)
+    : SourceReader(PosixSourceAt(root), files, policy, decoded_cache_bytes, read) {}
 
 Result<std::shared_ptr<const std::string>> SourceReader::Decoded(FileId id) {
   {
@@ -52,9 +50,9 @@ Result<std::shared_ptr<const std::string>> SourceReader::Decoded(FileId id) {
     }
   }
   const SourceFile& f = (*files_)[id];
-  ASSIGN_OR_RETURN(int fd, Fd(f.base));
-  ASSIGN_OR_RETURN(std::string bytes, DecodeItem(f.transform, fd, f.base_offset, f.base_length, f.size, f.path));
-  RETURN_IF_ERROR(CheckUnchanged(f.base, fd));
+  ASSIGN_OR_RETURN(const SourceObject* obj, Object(f.base));
+  ASSIGN_OR_RETURN(std::string bytes, DecodeItem(f.transform, *obj, f.base_offset, f.base_length, f.size, f.path));
+  RETURN_IF_ERROR(CheckUnchanged(f.base, *obj));
   if (bytes.size() != f.size)
     return Status::Stale(f.path + ": decodes to " + std::to_string(bytes.size()) + " bytes, indexed as " +
                          std::to_string(f.size) + "; run `ckptfs index` again");
@@ -76,60 +74,46 @@ Result<std::shared_ptr<const std::string>> SourceReader::Decoded(FileId id) {
   return value;
 }
 
-SourceReader::~SourceReader() {
-  hints_.Stop();
-  for (int fd : fds_)
-    if (fd >= 0) ::close(fd);
-  for (const auto& [id, fd] : prefetch_fds_) ::close(fd);
-  if (null_fd_ >= 0) ::close(null_fd_);
-}
+SourceReader::~SourceReader() { hints_.Stop(); }
 
 uint64_t SourceReader::bytes_read() const { return bytes_read_->load(); }
 
-Result<int> SourceReader::Fd(FileId id) {
-  if (id >= fds_.size()) return Status::Corruption("read plan names unknown file " + std::to_string(id));
+Result<const SourceObject*> SourceReader::Object(FileId id) {
+  if (id >= objects_.size()) return Status::Corruption("read plan names unknown file " + std::to_string(id));
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!stale_[id].empty()) return Status::Stale(stale_[id]);
-    if (fds_[id] >= 0) return fds_[id];
+    if (objects_[id]) return objects_[id].get();
   }
-  const std::string path = root_ + "/" + PathOf(id);
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::IOError(PathOf(id) + ": " + std::strerror(errno));
-  Status unchanged = CheckUnchanged(id, fd);
-  if (!unchanged.ok()) {
-    ::close(fd);
-    return unchanged;
-  }
+  auto opened = source_->Open(PathOf(id));
+  if (!opened.ok()) return opened.status();
+  std::unique_ptr<SourceObject> obj = std::move(opened).value();
+  RETURN_IF_ERROR(CheckUnchanged(id, *obj));
   std::lock_guard<std::mutex> lock(mu_);
-  if (fds_[id] >= 0) {  // another thread won the race
-    ::close(fd);
-    return fds_[id];
-  }
-  fds_[id] = fd;
-  return fd;
+  if (!objects_[id]) objects_[id] = std::move(obj);  // else another thread won the race
+  return objects_[id].get();
 }
 
-Status SourceReader::CheckUnchanged(FileId id, int fd) {
-  const SourceFile& f = (*files_)[id];
-  struct stat by_fd, by_path;
-  if (::fstat(fd, &by_fd) != 0) return Status::IOError(f.path + ": " + std::strerror(errno));
-  std::string what = DescribeChange(f, IdentityOf(by_fd));
-  // The path is checked too: a file renamed over the source or deleted
-  // leaves our descriptor on the old inode, whose bytes are no longer the
-  // source's.
-  if (what.empty()) {
-    if (::stat((root_ + "/" + f.path).c_str(), &by_path) != 0)
-      what = std::string("gone (") + std::strerror(errno) + ")";
-    else
-      what = DescribeChange(f, IdentityOf(by_path));
-  }
-  if (what.empty()) return Status::OK();
-  std::string why = f.path + ": " + what + " since indexing; run `ckptfs index` again";
+Status SourceReader::MarkStale(FileId id, const std::string& what) {
+  std::string why = PathOf(id) + ": " + what + " since indexing; run `ckptfs index` again";
   std::lock_guard<std::mutex> lock(mu_);
   if (stale_[id].empty()) stale_[id] = why;
   any_stale_->store(true);
   return Status::Stale(why);
+}
+
+Status SourceReader::CheckUnchanged(FileId id, const SourceObject& obj) {
+  const SourceFile& f = (*files_)[id];
+  ASSIGN_OR_RETURN(SourceFile by_object, obj.Identity());
+  std::string what = source_->DescribeChange(f, by_object);
+  // The path is checked too: a file renamed over the source or deleted
+  // leaves our object on the old file, whose bytes are no longer the
+  // source's.
+  if (what.empty()) {
+    auto by_path = source_->Identify(f.path);
+    what = by_path.ok() ? source_->DescribeChange(f, *by_path) : "gone (" + by_path.status().message() + ")";
+  }
+  return what.empty() ? Status::OK() : MarkStale(id, what);
 }
 
 Status SourceReader::Recheck() {
@@ -140,14 +124,9 @@ Status SourceReader::Recheck() {
       std::lock_guard<std::mutex> lock(mu_);
       if (!stale_[id].empty()) return Status::Stale(stale_[id]);
     }
-    auto now = StatSource(root_ + "/" + f.path);
-    std::string what = now.ok() ? DescribeChange(f, *now) : "gone (" + now.status().message() + ")";
-    if (what.empty()) continue;
-    std::string why = f.path + ": " + what + " since indexing; run `ckptfs index` again";
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stale_[id].empty()) stale_[id] = why;
-    any_stale_->store(true);
-    return Status::Stale(why);
+    auto now = source_->Identify(f.path);
+    std::string what = now.ok() ? source_->DescribeChange(f, *now) : "gone (" + now.status().message() + ")";
+    if (!what.empty()) return MarkStale(id, what);
   }
   return Status::OK();
 }
@@ -161,12 +140,12 @@ Status SourceReader::ReadOne(const SourceRead& r, char* dst, char* converted, st
       std::memcpy((g.to_scratch ? converted : dst) + g.dst_offset, bytes->data() + r.offset + g.read_offset, g.length);
     return Status::OK();
   }
-  ASSIGN_OR_RETURN(int fd, Fd(r.file));
+  ASSIGN_OR_RETURN(const SourceObject* obj, Object(r.file));
   if (r.direct()) {
-    RETURN_IF_ERROR(PreadFull(fd, dst + r.gathers[0].dst_offset, r.length, r.offset, PathOf(r.file)));
+    RETURN_IF_ERROR(obj->ReadAt(r.offset, r.length, dst + r.gathers[0].dst_offset));
   } else {
     scratch.resize(r.length);
-    RETURN_IF_ERROR(PreadFull(fd, scratch.data(), r.length, r.offset, PathOf(r.file)));
+    RETURN_IF_ERROR(obj->ReadAt(r.offset, r.length, scratch.data()));
     for (const auto& g : r.gathers)
       std::memcpy((g.to_scratch ? converted : dst) + g.dst_offset, scratch.data() + g.read_offset, g.length);
   }
@@ -178,59 +157,44 @@ void SourceReader::Hint(const std::vector<SourceRead>& reads, size_t first) {
   for (size_t i = first; i < reads.size(); ++i) {
     const SourceRead& r = reads[i];
     if ((*files_)[r.file].derived()) continue;  // decoded whole, on first read
-    auto fd = Fd(r.file);
+    auto obj = Object(r.file);
     // A hint that cannot be given costs nothing but speed; the read that
     // needs the bytes reports the problem.
-    if (!fd.ok()) continue;
+    if (!obj.ok()) continue;
     // The kernel reads at most max(read_ahead_kb, max_sectors_kb) of one
     // WILLNEED and drops the rest (force_page_cache_ra), so long ranges go
     // in pieces (kHintChunk).
     for (uint64_t at = 0; at < r.length; at += kHintChunk)
-      ::posix_fadvise(*fd, off_t(r.offset + at), off_t(std::min(kHintChunk, r.length - at)), POSIX_FADV_WILLNEED);
+      (*obj)->WillNeed(r.offset + at, std::min(kHintChunk, r.length - at));
   }
 }
 
-// Read-ahead reads the ranges with sendfile() into /dev/null on a second
-// descriptor of each source: the kernel's own sequential read-ahead fills
-// the page cache in large folios and nothing is copied. WILLNEED, which the
-// request overlap uses, allocates the cache in 4 KiB folios and cost the
-// daemon about twice the CPU per byte (docs/BENCHMARKS.md). The bytes are
-// only cached here; the request that needs them still preads and checks them.
+// Read-ahead reads the ranges on a second object of each source, so the
+// reads' objects keep their own read-ahead state (for POSIX, sendfile()
+// into /dev/null: source/posix_source.cc says why). The bytes are only
+// cached here; the request that needs them still reads and checks them.
 void SourceReader::Prefetch(const std::vector<SourceRead>& reads, const std::atomic<uint64_t>& generation,
                             uint64_t want) {
+  auto go_on = [&] { return generation.load(std::memory_order_relaxed) == want; };
   for (const SourceRead& r : reads) {
     if ((*files_)[r.file].derived()) continue;
-    int fd = PrefetchFd(r.file);
-    if (fd < 0) continue;  // only speed is lost; the read reports any problem
-    off_t at = off_t(r.offset);
-    const off_t end = off_t(r.offset + r.length);
-    while (at < end && generation.load(std::memory_order_relaxed) == want) {
-      ssize_t n = ::sendfile(null_fd_, fd, &at, size_t(std::min<off_t>(end - at, kHintChunk)));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) break;  // end of a truncated file, or an error the read will meet
-    }
+    const SourceObject* obj = PrefetchObject(r.file);
+    if (!obj) continue;  // only speed is lost; the read reports any problem
+    obj->Prefetch(r.offset, r.length, go_on);
   }
 }
 
-int SourceReader::PrefetchFd(FileId id) {
-  for (const auto& [open_id, fd] : prefetch_fds_)
-    if (open_id == id) return fd;
-  if (null_fd_ < 0) null_fd_ = ::open("/dev/null", O_WRONLY | O_CLOEXEC);
-  auto fd = Fd(id);  // the checked descriptor: the second one must be its file
-  if (!fd.ok() || null_fd_ < 0) return -1;
-  if (prefetch_fds_.size() == kPrefetchFds) {  // closed first: never one more than the bound
-    ::close(prefetch_fds_.front().second);
-    prefetch_fds_.erase(prefetch_fds_.begin());
-  }
-  int second = ::open((root_ + "/" + PathOf(id)).c_str(), O_RDONLY | O_CLOEXEC);
-  if (second < 0) return -1;
-  struct stat a, b;
-  if (::fstat(*fd, &a) != 0 || ::fstat(second, &b) != 0 || a.st_dev != b.st_dev || a.st_ino != b.st_ino) {
-    ::close(second);
-    return -1;
-  }
-  prefetch_fds_.emplace_back(id, second);
-  return second;
+const SourceObject* SourceReader::PrefetchObject(FileId id) {
+  for (const auto& [open_id, obj] : prefetch_objects_)
+    if (open_id == id) return obj.get();
+  auto checked = Object(id);  // the second object must be this one's file
+  if (!checked.ok()) return nullptr;
+  if (prefetch_objects_.size() == kPrefetchFds)  // closed first: never one more than the bound
+    prefetch_objects_.erase(prefetch_objects_.begin());
+  auto second = (*checked)->Reopen();
+  if (!second.ok()) return nullptr;
+  prefetch_objects_.emplace_back(id, std::move(second).value());
+  return prefetch_objects_.back().second.get();
 }
 
 void SourceReader::ReadAhead(ReadStream& stream, const std::shared_ptr<const Layout>& layout, uint64_t offset,
@@ -292,8 +256,8 @@ Status SourceReader::ExecuteUngated(const ReadPlan& plan, char* dst) {
     FileId id = f.derived() ? f.base : r.file;
     if (id == last) continue;
     last = id;
-    ASSIGN_OR_RETURN(int fd, Fd(id));
-    RETURN_IF_ERROR(CheckUnchanged(id, fd));
+    ASSIGN_OR_RETURN(const SourceObject* obj, Object(id));
+    RETURN_IF_ERROR(CheckUnchanged(id, *obj));
   }
   std::vector<float> values;
   for (const ConvertOp& c : plan.converts) {

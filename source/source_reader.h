@@ -1,11 +1,12 @@
 // Executes read plans against the source files of one checkpoint: the one
-// place where the read path touches the disk, shared by the mount and the CLI.
+// place where the read path touches the sources (source/source.h), shared by
+// the mount and the CLI.
 //
-// Files are opened lazily on first use; at open their identity (size, mtime,
-// ctime, inode) must match what was indexed. Every request checks it again
-// AFTER its reads, on the open descriptor and on the path: a writer updates
-// mtime/ctime before its data becomes visible, so bytes read before an
-// unchanged identity was seen are the indexed bytes. A source changed,
+// Files are opened lazily on first use; at open their identity (for POSIX:
+// size, mtime, ctime, inode where stable) must match what was indexed. Every
+// request checks it again AFTER its reads, on the open object and on the
+// path: a writer updates mtime/ctime before its data becomes visible, so
+// bytes read before an unchanged identity was seen are the indexed bytes. A source changed,
 // truncated, rewritten with its mtime set back, renamed over or deleted
 // after indexing is answered with Stale, never with stale, mixed or zeroed
 // bytes (a short read is Corruption). Once a file is seen changed, every
@@ -32,6 +33,7 @@
 #include "core/planner.h"
 #include "core/status.h"
 #include "source/readahead.h"
+#include "source/source.h"
 
 namespace ckptfs {
 
@@ -51,9 +53,11 @@ class ChecksumGate;
 
 class SourceReader {
  public:
-  // `root` is the absolute source root; `files` (a checkpoint's file table)
-  // must outlive the reader.
-  SourceReader(std::string root, const std::vector<SourceFile>* files, GroupPolicy policy = {},
+  // `files` (a checkpoint's file table) must outlive the reader.
+  SourceReader(std::shared_ptr<const Source> source, const std::vector<SourceFile>* files, GroupPolicy policy = {},
+               uint64_t decoded_cache_bytes = 1ull << 30, ReadOptions read = {});
+  // Over the POSIX directory `root` (absolute, resolved).
+  SourceReader(const std::string& root, const std::vector<SourceFile>* files, GroupPolicy policy = {},
                uint64_t decoded_cache_bytes = 1ull << 30, ReadOptions read = {});
   ~SourceReader();
   SourceReader(const SourceReader&) = delete;
@@ -74,8 +78,8 @@ class SourceReader {
   void ReadAhead(ReadStream& stream, const std::shared_ptr<const Layout>& layout, uint64_t offset,
                  uint64_t length);
 
-  // Read-ahead keeps at most this many descriptors open besides the one
-  // per source file the reads use.
+  // Read-ahead keeps at most this many objects (descriptors) open besides
+  // the one per source file the reads use.
   static constexpr size_t kPrefetchFds = 32;
 
   // Bytes read from source files so far (for benchmarks).
@@ -84,43 +88,44 @@ class SourceReader {
   // True once any source was seen changed (reads of it fail from then on).
   bool any_stale() const { return any_stale_->load(); }
 
-  // Stats every (non-derived) source by path now; Stale naming the first
+  // Identifies every (non-derived) source by path now; Stale naming the first
   // one that changed since indexing (it then fails every read), else OK.
   Status Recheck();
 
  private:
   Status ExecuteUngated(const ReadPlan& plan, char* dst);
-  Result<int> Fd(FileId id);
-  // Compares the file's identity now (descriptor and path) with the indexed one.
-  Status CheckUnchanged(FileId id, int fd);
-  // posix_fadvise(WILLNEED) of the ranges of reads[first..]: starts their
-  // I/O at once without waiting for it.
+  Result<const SourceObject*> Object(FileId id);
+  // Compares the file's identity now (open object and path) with the indexed one.
+  Status CheckUnchanged(FileId id, const SourceObject& obj);
+  // Records `what` changed about file `id`; returns the Stale error.
+  Status MarkStale(FileId id, const std::string& what);
+  // WillNeed of the ranges of reads[first..]: starts their I/O at once
+  // without waiting for it.
   void Hint(const std::vector<SourceRead>& reads, size_t first);
-  // Brings the ranges of `reads` into the page cache, waiting for the
-  // I/O, while `generation` still equals `want` (see Prefetch in the .cc).
+  // Brings the ranges of `reads` into the cache, waiting for the I/O,
+  // while `generation` still equals `want` (see Prefetch in the .cc).
   void Prefetch(const std::vector<SourceRead>& reads, const std::atomic<uint64_t>& generation, uint64_t want);
   // Prefetches the sources of window `w` of the virtual file laid out by
   // `layout`, in the file's order (see kHintSlice), while `generation`
   // still equals `want`.
   void HintWindow(const Layout& layout, ReadStream::Window w, const std::atomic<uint64_t>* generation,
                   uint64_t want);
-  // A second descriptor of source `id` for Prefetch (its own read-ahead
-  // state), or -1 when there is none to have (kPrefetchFds at most
+  // A second object of source `id` for Prefetch (its own read-ahead
+  // state), or null when there is none to have (kPrefetchFds at most
   // are kept open, oldest closed first).
-  int PrefetchFd(FileId id);
+  const SourceObject* PrefetchObject(FileId id);
   Status ReadOne(const SourceRead& r, char* dst, char* converted, std::vector<char>& scratch);
   const std::string& PathOf(FileId id) const { return (*files_)[id].path; }
   // The decoded bytes of derived source `id`, from the cache or decoded now.
   Result<std::shared_ptr<const std::string>> Decoded(FileId id);
 
-  std::string root_;
+  std::shared_ptr<const Source> source_;
   const std::vector<SourceFile>* files_;
   GroupPolicy policy_;
-  std::mutex mu_;            // guards fds_ and stale_; never held during I/O
-  std::vector<int> fds_;     // -1 until opened
-  // The hint thread's own state (Prefetch):
-  std::vector<std::pair<FileId, int>> prefetch_fds_;  // open second descriptors, oldest first
-  int null_fd_ = -1;                                   // /dev/null, Prefetch's sink
+  std::mutex mu_;  // guards objects_ and stale_; never held during I/O
+  std::vector<std::unique_ptr<SourceObject>> objects_;  // null until opened, then never replaced
+  // The hint thread's own objects (Prefetch), oldest first:
+  std::vector<std::pair<FileId, std::unique_ptr<SourceObject>>> prefetch_objects_;
   std::vector<std::string> stale_;  // non-empty: why file i may no longer be read
   std::unique_ptr<std::atomic<uint64_t>> bytes_read_;
   std::unique_ptr<std::atomic<bool>> any_stale_;
@@ -133,7 +138,7 @@ class SourceReader {
 
   ReadOptions read_;
   std::unique_ptr<ChecksumGate> gate_;
-  HintQueue hints_;  // stopped first by the destructor: its jobs use the fds
+  HintQueue hints_;  // stopped first by the destructor: its jobs use the objects
 };
 
 }  // namespace ckptfs

@@ -5,8 +5,6 @@
 #include <memory>
 #include <vector>
 
-#include "source/posix_io.h"
-
 namespace ckptfs {
 
 std::string TransformName(const std::string& descriptor) {
@@ -15,11 +13,11 @@ std::string TransformName(const std::string& descriptor) {
   return "";
 }
 
-Result<std::string> DecodeItem(const std::string& transform, int fd, uint64_t offset, uint64_t length,
+Result<std::string> DecodeItem(const std::string& transform, const SourceObject& src, uint64_t offset, uint64_t length,
                                uint64_t max_bytes, const std::string& what) {
   if (transform != "zstd") return Status::NotSupported(what + ": unknown transform '" + transform + "'");
   std::string in(length, '\0');
-  RETURN_IF_ERROR(PreadFull(fd, in.data(), length, offset, what));
+  if (Status s = src.ReadAt(offset, length, in.data()); !s.ok()) return s.WithContext(what);
   std::unique_ptr<ZSTD_DStream, size_t (*)(ZSTD_DStream*)> ds(ZSTD_createDStream(), ZSTD_freeDStream);
   if (!ds) return Status::IOError(what + ": out of memory for the zstd decoder");
   ZSTD_initDStream(ds.get());

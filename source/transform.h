@@ -6,16 +6,17 @@
 #include <string>
 
 #include "core/status.h"
+#include "source/source.h"
 
 namespace ckptfs {
 
 // "zstd" for a descriptor this build decodes ("stream.zstd/1"); "" otherwise.
 std::string TransformName(const std::string& descriptor);
 
-// Decodes [offset, offset + length) of `fd` with `transform`. Fails
+// Decodes [offset, offset + length) of `in` with `transform`. Fails
 // (Corruption) on a malformed stream or one decoding to more than
 // `max_bytes` (a bound on memory for hostile input).
-Result<std::string> DecodeItem(const std::string& transform, int fd, uint64_t offset, uint64_t length,
+Result<std::string> DecodeItem(const std::string& transform, const SourceObject& in, uint64_t offset, uint64_t length,
                                uint64_t max_bytes, const std::string& what);
 
 }  // namespace ckptfs

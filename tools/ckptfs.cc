@@ -26,6 +26,7 @@
 #include "fs/virtual_fs.h"
 #include "indexer/index_store.h"
 #include "indexer/scan.h"
+#include "source/posix_source.h"
 #include "tools/progress.h"
 
 #include "tools/cli.h"
@@ -217,8 +218,9 @@ int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::f
   mo.rescan_ms = f.rescan_ms;
   mo.log = [out](const std::string& line) { out->Write(LogLevel::kWarn, line); };
   mo.live.log = [out](const std::string& line) { out->Write(LogLevel::kInfo, line); };
-  mo.live.scan = [root = fs->root()](const std::string& rel) { return ScanCheckpointDir(root, rel); };
-  mo.live.resaved = [root = fs->root()](const std::string& rel) { return CommitPointIsNewest(root, rel); };
+  std::shared_ptr<const Source> source = PosixSourceAt(fs->root());
+  mo.live.scan = [source](const std::string& rel) { return ScanCheckpointDir(*source, rel); };
+  mo.live.resaved = [source](const std::string& rel) { return CommitPointIsNewest(*source, rel); };
   mo.live.commit = [store](const Checkpoint& ckpt) { return store->Commit(ckpt); };
   mo.live.remove = [store](const std::string& dir) { return store->Remove(dir); };
   Status st = MountAndServe(std::move(fs), mountpoint, mo);

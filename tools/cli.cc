@@ -28,6 +28,7 @@
 #include "tools/store_loader.h"
 
 #include "source/posix_io.h"
+#include "source/posix_source.h"
 #include "tools/cli.h"
 
 namespace ckptfs {
@@ -215,7 +216,7 @@ int DumpIndex(const Common& c, std::ostream& out) {
 static bool MissesCheckpoints(const Store& store, const std::string& root) {
   std::set<std::string> stored;
   for (const CheckpointEntry& e : store.List()) stored.insert(e.dir);
-  for (const std::string& dir : FindCheckpointDirs(root))
+  for (const std::string& dir : FindCheckpointDirs(*PosixSourceAt(root)))
     if (!stored.count(dir)) return true;
   return false;
 }

@@ -19,7 +19,7 @@
 #include "core/convert.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
-#include "source/file_table.h"
+#include "source/posix_source.h"
 #include "indexer/scan.h"
 #include "source/posix_io.h"
 #include "source/source_reader.h"
@@ -257,7 +257,7 @@ int RunInspect(VirtualFs& fs, const std::string& name, bool as_json) {
 namespace {
 
 // Sources of `ck` that changed since indexing, as problems; marks them in *changed.
-void ChangedSources(const std::string& root, const Checkpoint& ck, std::vector<bool>* changed,
+void ChangedSources(const Source& source, const Checkpoint& ck, std::vector<bool>* changed,
                     std::vector<std::string>* problems) {
   changed->assign(ck.files.size(), false);
   for (size_t i = 0; i < ck.files.size(); ++i) {
@@ -266,8 +266,8 @@ void ChangedSources(const std::string& root, const Checkpoint& ck, std::vector<b
       (*changed)[i] = (*changed)[f.base];
       continue;
     }
-    auto now = StatSource(root + "/" + f.path);
-    std::string what = now.ok() ? DescribeChange(f, *now) : now.status().message();
+    auto now = source.Identify(f.path);
+    std::string what = now.ok() ? source.DescribeChange(f, *now) : now.status().message();
     if (what.empty()) continue;
     (*changed)[i] = true;
     problems->push_back(f.path + ": " + what + " since indexing (re-run `ckptfs index`)");
@@ -276,9 +276,9 @@ void ChangedSources(const std::string& root, const Checkpoint& ck, std::vector<b
 
 // Chunks of `ck` whose bytes cannot be read: the last byte of every chunk is
 // read through the read path.
-void UnreadableChunks(const std::string& root, const Checkpoint& ck, const std::vector<bool>& changed,
-                      std::vector<std::string>* problems) {
-  SourceReader reader(root, &ck.files);
+void UnreadableChunks(const std::shared_ptr<const Source>& source, const Checkpoint& ck,
+                      const std::vector<bool>& changed, std::vector<std::string>* problems) {
+  SourceReader reader(source, &ck.files);
   for (const auto& t : ck.tensors)
     for (const Chunk& ch : t->chunks) {
       const std::string where = Where(ck) + ": tensor '" + t->fqn + "' chunk " + ToString(ch.box());
@@ -302,12 +302,13 @@ int RunCheck(const Common& c) {
   int rc = kExitOk;
   auto catalog = LoadCatalog(c, /*allow_stale=*/true, &rc);
   if (!catalog) return rc;
-  std::vector<std::string> problems = FindInterruptedSaves(catalog->root);
+  std::shared_ptr<const Source> source = PosixSourceAt(catalog->root);
+  std::vector<std::string> problems = FindInterruptedSaves(*source);
   for (const Checkpoint& ck : catalog->checkpoints) {
     for (const std::string& p : ck.problems) problems.push_back(Where(ck) + ": " + p);
     std::vector<bool> changed;
-    ChangedSources(catalog->root, ck, &changed, &problems);
-    UnreadableChunks(catalog->root, ck, changed, &problems);
+    ChangedSources(*source, ck, &changed, &problems);
+    UnreadableChunks(source, ck, changed, &problems);
   }
   for (const std::string& p : problems) std::printf("%s\n", p.c_str());
   size_t files = 0;

@@ -12,7 +12,7 @@
 #include <unistd.h>
 
 #include "core/coverage.h"
-#include "source/file_table.h"
+#include "source/posix_source.h"
 #include "indexer/index_store.h"
 #include "indexer/torch_zip.h"
 #include "writer/stager.h"

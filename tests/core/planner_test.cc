@@ -20,7 +20,7 @@
 #include <tuple>
 
 #include "core/convert.h"
-#include "source/file_table.h"
+#include "source/posix_source.h"
 #include "source/source_reader.h"
 
 namespace ckptfs {

@@ -13,6 +13,7 @@
 
 #include "core/safetensors.h"
 #include "indexer/scan.h"
+#include "source/posix_source.h"
 
 namespace ckptfs {
 namespace {
@@ -205,7 +206,7 @@ class EvictionTest : public ::testing::Test {
     };
     const std::string root = dir_.string();
     auto v = VirtualFs::Open(root, dirs, [root](const std::string& rel) -> Result<Checkpoint> {
-      ASSIGN_OR_RETURN(auto ck, ScanCheckpointDir(root, rel));
+      ASSIGN_OR_RETURN(auto ck, ScanCheckpointDir(*PosixSourceAt(root), rel));
       if (!ck) return Status::NotFound(rel);
       return std::move(*ck);
     }, o);

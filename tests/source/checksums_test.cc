@@ -13,7 +13,7 @@
 
 #include <gtest/gtest.h>
 
-#include "source/file_table.h"
+#include "source/posix_source.h"
 
 namespace ckptfs {
 namespace {

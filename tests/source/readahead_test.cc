@@ -15,7 +15,7 @@
 
 #include "core/layout.h"
 #include "core/planner.h"
-#include "source/file_table.h"
+#include "source/posix_source.h"
 #include "source/source_reader.h"
 
 namespace ckptfs {
@@ -185,18 +185,19 @@ TEST(SourceReaderReadAhead, KeepsAtMostKPrefetchFdsDescriptors) {
       ASSERT_TRUE(reader.Execute(*plan, got.data() + at).ok());
       reader.ReadAhead(stream, layout, at, plan->length);
     }
-    // Limit: one reading descriptor per file, kPrefetchFds read-ahead ones
-    // and /dev/null. Wait until read-ahead has reached it (it has then run
-    // over more files than it may keep open), checking it is never passed.
-    const size_t limit = before + kFiles + SourceReader::kPrefetchFds + 1;
+    // Limit: one reading descriptor per file and kPrefetchFds read-ahead
+    // ones, plus /dev/null while a prefetch runs. Wait until read-ahead has
+    // reached the first two (it has then run over more files than it may
+    // keep open), checking the limit is never passed.
+    const size_t limit = before + kFiles + SourceReader::kPrefetchFds;
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (most < limit && std::chrono::steady_clock::now() < deadline) {
       ASSERT_TRUE(reader.Execute(*whole, got.data()).ok());
       most = std::max(most, OpenDescriptors());
-      ASSERT_LE(most, limit);
+      ASSERT_LE(most, limit + 1);
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
     }
-    EXPECT_EQ(most, limit) << "read-ahead never opened its descriptors";
+    EXPECT_GE(most, limit) << "read-ahead never opened its descriptors";
     EXPECT_EQ(got, m.expected);
   }
   EXPECT_EQ(OpenDescriptors(), before) << "descriptors left open after the reader is gone";

@@ -1,0 +1,221 @@
+#include "source/posix_source.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/sendfile.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "source/posix_io.h"
+
+namespace ckptfs {
+namespace {
+
+// Whether inodes of the filesystem holding a stat result are stable, from
+// fstatfs/statfs of the same file, cached per device: one statfs per
+// filesystem, not per check.
+bool InodeStable(dev_t dev, const std::function<int(struct statfs*)>& do_statfs) {
+  static std::mutex mu;
+  static std::map<dev_t, bool> stable;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (auto it = stable.find(dev); it != stable.end()) return it->second;
+  }
+  struct statfs fs;
+  // Unknown: the inode stays in the identity, as it always did.
+  if (do_statfs(&fs) != 0) return true;
+  const bool ok = !RenumbersInodes(long(fs.f_type));
+  std::lock_guard<std::mutex> lock(mu);
+  stable[dev] = ok;
+  return ok;
+}
+
+// Bytes per sendfile() of Prefetch: the kernel reads ahead of each in large
+// folios; one call per 512 KiB keeps a cancelled prefetch quick to stop.
+constexpr uint64_t kPrefetchStep = 512 << 10;
+
+class PosixObject : public SourceObject {
+ public:
+  PosixObject(int fd, std::string abs) : fd_(fd), abs_(std::move(abs)) {}
+  ~PosixObject() override { ::close(fd_); }
+
+  Status ReadAt(uint64_t offset, uint64_t len, char* dst) const override {
+    return PreadFull(fd_, dst, len, offset, abs_);
+  }
+
+  Result<SourceFile> Identity() const override {
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) return Status::IOError(abs_ + ": " + std::strerror(errno));
+    return IdentityOf(st, InodeStable(st.st_dev, [&](struct statfs* fs) { return ::fstatfs(fd_, fs); }));
+  }
+
+  void WillNeed(uint64_t offset, uint64_t len) const override {
+    ::posix_fadvise(fd_, off_t(offset), off_t(len), POSIX_FADV_WILLNEED);
+  }
+
+  // sendfile() into /dev/null: the kernel's own sequential read-ahead fills
+  // the page cache in large folios and nothing is copied. WILLNEED
+  // allocates the cache in 4 KiB folios and cost the daemon about twice the
+  // CPU per byte (docs/BENCHMARKS.md).
+  // /dev/null is opened per call (a few microseconds next to the I/O), so
+  // read-ahead holds no descriptor beyond its bound between calls.
+  void Prefetch(uint64_t offset, uint64_t len, const std::function<bool()>& go_on) const override {
+    ScopedFd null(::open("/dev/null", O_WRONLY | O_CLOEXEC));
+    if (null.get() < 0) return;
+    off_t at = off_t(offset);
+    const off_t end = off_t(offset + len);
+    while (at < end && go_on()) {
+      ssize_t n = ::sendfile(null.get(), fd_, &at, size_t(std::min<off_t>(end - at, kPrefetchStep)));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) break;  // end of a truncated file, or an error the read will meet
+    }
+  }
+
+  // A second descriptor by path, refused unless it is the same file as
+  // this one (same device and, where stable, inode; same size and times).
+  Result<std::unique_ptr<SourceObject>> Reopen() const override {
+    int fd = ::open(abs_.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return Status::IOError(abs_ + ": " + std::strerror(errno));
+    auto second = std::make_unique<PosixObject>(fd, abs_);
+    struct stat a, b;
+    if (::fstat(fd_, &a) != 0 || ::fstat(fd, &b) != 0 || a.st_dev != b.st_dev)
+      return Status::Stale(abs_ + ": no longer the file that was opened");
+    ASSIGN_OR_RETURN(SourceFile mine, Identity());
+    ASSIGN_OR_RETURN(SourceFile theirs, second->Identity());
+    if (!ckptfs::DescribeChange(mine, theirs).empty())
+      return Status::Stale(abs_ + ": no longer the file that was opened");
+    return std::unique_ptr<SourceObject>(std::move(second));
+  }
+
+ private:
+  int fd_;
+  std::string abs_;
+};
+
+int64_t Ns(const struct timespec& t) { return int64_t(t.tv_sec) * 1'000'000'000 + t.tv_nsec; }
+
+}  // namespace
+
+Status FdObject::ReadAt(uint64_t offset, uint64_t len, char* dst) const {
+  return PreadFull(fd_, dst, len, offset, what_);
+}
+
+Result<SourceFile> FdObject::Identity() const {
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) return Status::IOError(what_ + ": " + std::strerror(errno));
+  return IdentityOf(st, InodeStable(st.st_dev, [&](struct statfs* fs) { return ::fstatfs(fd_, fs); }));
+}
+
+bool RenumbersInodes(long f_type) { return false; }
+
+SourceFile IdentityOf(const struct stat& st, bool inode_stable) {
+  SourceFile f;
+  f.size = st.st_size;
+  f.mtime_ns = Ns(st.st_mtim);
+  f.ctime_ns = Ns(st.st_ctim);
+  f.inode = inode_stable ? st.st_ino : 0;
+  return f;
+}
+
+Result<SourceFile> StatSource(const std::string& abs) {
+  struct stat st;
+  if (::stat(abs.c_str(), &st) != 0) return Status::IOError(abs + ": " + std::strerror(errno));
+  if (!S_ISREG(st.st_mode)) return Status::InvalidArgument(abs + ": not a regular file");
+  return IdentityOf(st, InodeStable(st.st_dev, [&](struct statfs* fs) { return ::statfs(abs.c_str(), fs); }));
+}
+
+std::string DescribeChange(const SourceFile& a, const SourceFile& b) {
+  if (a.size != b.size)
+    return "size changed from " + std::to_string(a.size) + " to " + std::to_string(b.size);
+  if (a.inode != 0 && b.inode != 0 && a.inode != b.inode) return "replaced (inode changed)";
+  if (a.mtime_ns != b.mtime_ns) return "modified (mtime changed)";
+  if (a.ctime_ns != b.ctime_ns) return "modified (ctime changed: rewritten, or its mtime set back)";
+  return "";
+}
+
+bool InsideRoot(const std::string& root, const std::string& rel) {
+  char real[PATH_MAX];
+  const std::string abs = root + "/" + rel;
+  if (!::realpath(abs.c_str(), real)) return false;
+  const std::string r = real;
+  return r.size() > root.size() && r.compare(0, root.size(), root) == 0 && r[root.size()] == '/';
+}
+
+Result<std::shared_ptr<PosixSource>> PosixSource::OpenRoot(const std::string& root) {
+  char real[PATH_MAX];
+  if (!::realpath(root.c_str(), real)) return Status::IOError(root + ": " + std::strerror(errno));
+  struct stat st;
+  if (::stat(real, &st) != 0 || !S_ISDIR(st.st_mode)) return Status::InvalidArgument(root + ": not a directory");
+  return std::make_shared<PosixSource>(real);
+}
+
+std::shared_ptr<PosixSource> PosixSourceAt(const std::string& abs_root) {
+  return std::make_shared<PosixSource>(abs_root);
+}
+
+Result<SourceListing> PosixSource::List(const std::string& rel) const {
+  const std::string abs = Abs(rel);
+  DIR* dir = ::opendir(abs.c_str());
+  if (!dir) return Status::IOError(abs + ": " + std::strerror(errno));
+  SourceListing d;
+  while (struct dirent* e = ::readdir(dir)) {
+    std::string name = e->d_name;
+    if (name == "." || name == "..") continue;
+    // A symlinked directory is never walked: inside the root it is indexed
+    // once under its target's name (and the mount shows the link, which the
+    // kernel follows to the same views); outside the root it is not ours to
+    // serve. A symlinked file is listed; FileTable refuses one that resolves
+    // outside the root.
+    struct stat st;
+    if (::lstat((abs + "/" + name).c_str(), &st) != 0) continue;
+    if (S_ISDIR(st.st_mode)) d.dirs.push_back(name);
+    else if (S_ISREG(st.st_mode)) d.files.push_back(name);
+    else if (S_ISLNK(st.st_mode) && ::stat((abs + "/" + name).c_str(), &st) == 0) {
+      if (S_ISREG(st.st_mode)) d.files.push_back(name);
+      else if (S_ISDIR(st.st_mode)) d.linked_dirs.push_back(name);
+    }
+  }
+  ::closedir(dir);
+  std::sort(d.files.begin(), d.files.end());
+  std::sort(d.dirs.begin(), d.dirs.end());
+  std::sort(d.linked_dirs.begin(), d.linked_dirs.end());
+  return d;
+}
+
+Result<SourceFile> PosixSource::Identify(const std::string& rel) const { return StatSource(Abs(rel)); }
+
+Result<std::unique_ptr<SourceObject>> PosixSource::Open(const std::string& rel) const {
+  const std::string abs = Abs(rel);
+  int fd = ::open(abs.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::IOError(abs + ": " + std::strerror(errno));
+  return std::unique_ptr<SourceObject>(std::make_unique<PosixObject>(fd, abs));
+}
+
+std::string PosixSource::DescribeChange(const SourceFile& indexed, const SourceFile& now) const {
+  return ckptfs::DescribeChange(indexed, now);
+}
+
+bool PosixSource::Contains(const std::string& rel) const { return InsideRoot(root_, rel); }
+
+std::optional<int64_t> PosixSource::ChangeTimeNs(const std::string& rel) const {
+  struct stat st;
+  if (::lstat(Abs(rel).c_str(), &st) != 0) return std::nullopt;
+  return Ns(st.st_ctim);
+}
+
+std::string PosixSource::DirKey(const std::string& rel) const {
+  struct stat st;
+  if (::stat(Abs(rel).c_str(), &st) != 0) return "?" + rel;
+  return std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,121 @@
+// Where a checkpoint's bytes live: one interface to list a source root,
+// identify its files and read byte ranges of them. The indexer, the read
+// path, the checks and the CLI reach source files only through it, so a
+// root may be a local directory (source/posix_source.h) or, behind the same
+// calls, another kind of store.
+//
+// Identity. Every file is identified when indexed (SourceFile: size plus
+// what the backend can vouch for) and compared again before its bytes are
+// served; the backend decides what "the same file" means (DescribeChange),
+// because what a filesystem keeps stable differs (docs/SEMANTICS.md).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/meta.h"
+#include "core/status.h"
+
+namespace ckptfs {
+
+// The entries directly inside one directory of a source, names sorted.
+struct SourceListing {
+  std::vector<std::string> files;  // regular files (for POSIX, links to them too)
+  std::vector<std::string> dirs;   // subdirectories, never links to them
+  // Links to directories (POSIX only): not walked by the scan, but a model
+  // folder's sidecars may live there.
+  std::vector<std::string> linked_dirs;
+};
+
+// One open source file. ReadAt may be called from several threads at once.
+class SourceObject {
+ public:
+  virtual ~SourceObject() = default;
+
+  // Reads exactly `len` bytes at `offset` into `dst`. A file shorter than
+  // that is Corruption ("unexpected end of file"); other failures IOError.
+  virtual Status ReadAt(uint64_t offset, uint64_t len, char* dst) const = 0;
+
+  // The identity of the bytes this object reads now (for POSIX: fstat of
+  // the descriptor). Path left empty.
+  virtual Result<SourceFile> Identity() const = 0;
+
+  // Starts fetching [offset, offset + len) without waiting for it; a hint,
+  // only speed depends on it.
+  virtual void WillNeed(uint64_t offset, uint64_t len) const {}
+
+  // Brings [offset, offset + len) into the cache that ReadAt reads through
+  // (for POSIX, the page cache), waiting for it, while `go_on()` is true.
+  // Read-ahead calls it on an object of its own (Reopen), so the reader's
+  // objects keep their own state. Only speed depends on it.
+  virtual void Prefetch(uint64_t offset, uint64_t len, const std::function<bool()>& go_on) const {}
+
+  // Another object over the same bytes, or an error when the path no longer
+  // names them.
+  virtual Result<std::unique_ptr<SourceObject>> Reopen() const;
+
+  // [offset, offset + len) as a string, for callers that parse it.
+  Result<std::string> ReadString(uint64_t offset, uint64_t len) const;
+};
+
+// An object over bytes already in memory (decoded items, tests). Its
+// identity is its size.
+class MemoryObject : public SourceObject {
+ public:
+  explicit MemoryObject(std::string bytes) : bytes_(std::move(bytes)) {}
+  Status ReadAt(uint64_t offset, uint64_t len, char* dst) const override;
+  Result<SourceFile> Identity() const override;
+
+ private:
+  std::string bytes_;
+};
+
+class Source {
+ public:
+  virtual ~Source() = default;
+
+  // The root as the user names it, canonical: an absolute path without
+  // symlinks. Keys the store and names the root in messages.
+  virtual const std::string& root() const = 0;
+
+  // The entries of directory `rel` ("" is the root).
+  virtual Result<SourceListing> List(const std::string& rel) const = 0;
+
+  // The identity of regular file `rel` now (path left empty).
+  // InvalidArgument when it is not a regular file.
+  virtual Result<SourceFile> Identify(const std::string& rel) const = 0;
+
+  // Opens regular file `rel` for reading.
+  virtual Result<std::unique_ptr<SourceObject>> Open(const std::string& rel) const = 0;
+
+  // "" when `now` is the file that was indexed as `indexed`, else what
+  // changed, in words ("size changed from 10 to 12").
+  virtual std::string DescribeChange(const SourceFile& indexed, const SourceFile& now) const = 0;
+
+  // False when `rel` may not be served as part of this root (for POSIX: it
+  // resolves, through symlinks, outside the root).
+  virtual bool Contains(const std::string& rel) const = 0;
+
+  // When entry `rel` (a file or directory, links not followed) last
+  // changed, in ns since the epoch; nullopt when it does not exist. Orders
+  // a checkpoint's commit point against its other files
+  // (indexer/scan.h, CommitPointIsNewest).
+  virtual std::optional<int64_t> ChangeTimeNs(const std::string& rel) const = 0;
+
+  // A key equal for two directory paths that name the same directory (for
+  // POSIX: device and inode), so a walk never enters one twice.
+  virtual std::string DirKey(const std::string& rel) const { return rel; }
+
+  // Convenience: [offset, offset + len) of file `rel`, and all of it.
+  Result<std::string> ReadRange(const std::string& rel, uint64_t offset, uint64_t len) const;
+  Result<std::string> ReadWhole(const std::string& rel) const;
+};
+
+// "dir/name", or "name" when dir is the root ("").
+std::string JoinRel(const std::string& dir, const std::string& name);
+
+}  // namespace ckptfs
