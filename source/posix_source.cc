@@ -20,6 +20,12 @@
 namespace ckptfs {
 namespace {
 
+// statfs f_type values (linux/magic.h, and CIFS's own headers).
+constexpr long kFuseMagic = 0x65735546;  // every FUSE filesystem: s3fs, gcsfuse, sshfs ...
+constexpr long kCifsMagic = 0xFF534D42;  // cifs mounted without serverino numbers inodes itself
+constexpr long kSmb2Magic = 0xFE534D42;
+constexpr long kV9fsMagic = 0x01021997;  // 9p: inode numbers are hashed qid paths, may collide or change
+
 // Whether inodes of the filesystem holding a stat result are stable, from
 // fstatfs/statfs of the same file, cached per device: one statfs per
 // filesystem, not per check.
@@ -115,7 +121,11 @@ Result<SourceFile> FdObject::Identity() const {
   return IdentityOf(st, InodeStable(st.st_dev, [&](struct statfs* fs) { return ::fstatfs(fd_, fs); }));
 }
 
-bool RenumbersInodes(long f_type) { return false; }
+bool RenumbersInodes(long f_type) {
+  const uint32_t t = uint32_t(f_type);
+  return t == uint32_t(kFuseMagic) || t == uint32_t(kCifsMagic) || t == uint32_t(kSmb2Magic) ||
+         t == uint32_t(kV9fsMagic);
+}
 
 SourceFile IdentityOf(const struct stat& st, bool inode_stable) {
   SourceFile f;

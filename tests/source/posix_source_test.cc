@@ -1,0 +1,147 @@
+#include "source/posix_source.h"
+
+#include <gtest/gtest.h>
+#include <spawn.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <thread>
+
+#include "core/planner.h"
+#include "source/source_reader.h"
+
+extern char** environ;
+
+namespace ckptfs {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr long kFuseMagic = 0x65735546;
+
+std::string RandomBytes(size_t n, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::string s(n, '\0');
+  for (char& c : s) c = char(rng());
+  return s;
+}
+
+void WriteFile(const fs::path& p, const std::string& bytes) {
+  std::ofstream(p, std::ios::binary).write(bytes.data(), std::streamsize(bytes.size()));
+}
+
+TEST(PosixSource, RenumbersInodesOnlyOnFilesystemsThatDoSo) {
+  EXPECT_TRUE(RenumbersInodes(kFuseMagic));
+  EXPECT_FALSE(RenumbersInodes(0xEF53));      // ext4
+  EXPECT_FALSE(RenumbersInodes(0x58465342));  // xfs
+  EXPECT_FALSE(RenumbersInodes(0x01021994));  // tmpfs
+}
+
+TEST(PosixSource, ListsFilesDirsAndLinksSeparately) {
+  fs::path dir = fs::temp_directory_path() / ("ckptfs_posix_source_" + std::to_string(::getpid()));
+  fs::create_directories(dir / "sub");
+  WriteFile(dir / "b.bin", "xy");
+  WriteFile(dir / "a.json", "{}");
+  fs::create_directory_symlink(dir / "sub", dir / "linked");
+  fs::create_symlink(dir / "a.json", dir / "alias.json");
+  auto src = PosixSource::OpenRoot(dir.string());
+  ASSERT_TRUE(src.ok()) << src.status().message();
+  auto l = (*src)->List("");
+  ASSERT_TRUE(l.ok());
+  EXPECT_EQ(l->files, (std::vector<std::string>{"a.json", "alias.json", "b.bin"}));
+  EXPECT_EQ(l->dirs, (std::vector<std::string>{"sub"}));
+  EXPECT_EQ(l->linked_dirs, (std::vector<std::string>{"linked"}));
+  auto id = (*src)->Identify("b.bin");
+  ASSERT_TRUE(id.ok());
+  EXPECT_EQ(id->size, 2u);
+  EXPECT_NE(id->inode, 0u);  // the temp directory keeps inodes stable
+  EXPECT_FALSE((*src)->Identify("sub").ok());
+  fs::remove_all(dir);
+}
+
+// A FUSE passthrough that gives a file a new inode number on every stat
+// (tests/source/renumbering_fs.cc), mounted for the test's duration.
+class RenumberingMount : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    base_ = fs::temp_directory_path() / ("ckptfs_renumber_" + std::to_string(::getpid()));
+    fs::create_directories(base_ / "src");
+    fs::create_directories(base_ / "mnt");
+    const std::string helper = CKPTFS_RENUMBERING_FS;
+    const std::string src = (base_ / "src").string(), mnt = (base_ / "mnt").string();
+    char* argv[] = {const_cast<char*>(helper.c_str()), const_cast<char*>(src.c_str()),
+                    const_cast<char*>(mnt.c_str()), nullptr};
+    ASSERT_EQ(::posix_spawn(&pid_, helper.c_str(), nullptr, nullptr, argv, environ), 0);
+    // Bounded wait for the mount to appear.
+    for (int i = 0; i < 200 && !Mounted(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    ASSERT_TRUE(Mounted()) << "renumbering_fs did not mount " << mnt;
+  }
+  void TearDown() override {
+    if (pid_ > 0) {
+      std::string cmd = "fusermount3 -u " + (base_ / "mnt").string();
+      if (std::system(cmd.c_str()) != 0) ::kill(pid_, SIGTERM);
+      int status;
+      ::waitpid(pid_, &status, 0);
+    }
+    fs::remove_all(base_);
+  }
+  bool Mounted() const {
+    struct statfs s;
+    return ::statfs((base_ / "mnt").c_str(), &s) == 0 && long(uint32_t(s.f_type)) == kFuseMagic;
+  }
+  fs::path base_;
+  pid_t pid_ = -1;
+};
+
+// Regression: an indexed file on a filesystem that renumbers inodes (s3fs,
+// gcsfuse) read as "replaced (inode changed) since indexing" once its inode
+// number changed, though its bytes had not.
+TEST_F(RenumberingMount, UnchangedFileReadsWithoutFalseStaleAndAChangeIsStillSeen) {
+  const std::string bytes = RandomBytes(1 << 20, 7);
+  WriteFile(base_ / "src" / "shard.bin", bytes);
+  const fs::path mnt = base_ / "mnt";
+  struct stat a, b;
+  ASSERT_EQ(::stat((mnt / "shard.bin").c_str(), &a), 0);
+  ASSERT_EQ(::stat((mnt / "shard.bin").c_str(), &b), 0);
+  ASSERT_NE(a.st_ino, b.st_ino) << "the helper must renumber, or this test proves nothing";
+
+  auto src = PosixSource::OpenRoot(mnt.string());
+  ASSERT_TRUE(src.ok()) << src.status().message();
+  auto id = (*src)->Identify("shard.bin");
+  ASSERT_TRUE(id.ok()) << id.status().message();
+  std::vector<SourceFile> files{*id};
+  files[0].path = "shard.bin";
+  SourceReader reader(*src, &files);
+  std::mt19937 rng(3);
+  for (int i = 0; i < 50; ++i) {
+    const uint64_t off = rng() % bytes.size(), len = 1 + rng() % (bytes.size() - off);
+    ReadPlan plan;
+    plan.length = std::min<uint64_t>(len, 64 << 10);
+    plan.copies.push_back({0, off, 0, plan.length});
+    std::string got(plan.length, '\0');
+    Status st = reader.Execute(plan, got.data());
+    ASSERT_TRUE(st.ok()) << "read " << i << ": " << st.message();
+    ASSERT_EQ(got, bytes.substr(off, plan.length)) << "read " << i;
+  }
+  EXPECT_TRUE(reader.Recheck().ok());
+
+  // Same size, new bytes: the mtime and ctime move, and the read says so.
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  WriteFile(base_ / "src" / "shard.bin", RandomBytes(bytes.size(), 8));
+  ReadPlan plan;
+  plan.length = 16;
+  plan.copies.push_back({0, 0, 0, 16});
+  char out[16];
+  Status st = reader.Execute(plan, out);
+  EXPECT_EQ(st.code(), Status::Code::kStale) << st.message();
+  EXPECT_NE(st.message().find("since indexing"), std::string::npos) << st.message();
+}
+
+}  // namespace
+}  // namespace ckptfs
