@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <optional>
 #include <chrono>
 #include <climits>
 #include <cstdlib>
@@ -119,19 +120,55 @@ std::vector<std::string> FindCheckpointDirs(const Source& source) {
   return out;
 }
 
+namespace {
+
+enum class Clock { kMtime, kCtime };
+
+// The time `name` in `dir` was last written (kMtime) or changed (kCtime),
+// in ns; nullopt when it is missing.
+std::optional<int64_t> FileTime(const DirListing& dir, const std::string& name, Clock clock) {
+  const std::string rel = JoinRel(dir.rel, name);
+  return clock == Clock::kMtime ? dir.source->ModifyTimeNs(rel) : dir.source->ChangeTimeNs(rel);
+}
+
+// True when no file of `dir` but `except` was written (or changed) after `at`.
+bool NothingAfter(const DirListing& dir, int64_t at, Clock clock, const std::string& except) {
+  for (const std::string& f : dir.files)
+    if (f != except && FileTime(dir, f, clock).value_or(INT64_MAX) > at) return false;
+  return true;
+}
+
+bool RecordIsCurrent(const DirListing& dir) {
+  auto record = FileTime(dir, kCommitRecord, Clock::kMtime);
+  if (!record) return false;
+  // Modification times, not ctimes: a copy that keeps them (cp -a, rsync -a)
+  // keeps its record. A shard rewritten after the save changes its own
+  // mtime, never .metadata's: that is corruption for the record's checksums
+  // to find, not a new save.
+  if (dir.has_file(".metadata")) return *FileTime(dir, ".metadata", Clock::kMtime) <= *record;
+  return NothingAfter(dir, *record, Clock::kMtime, "");
+}
+
+}  // namespace
+
+bool CommitRecordIsCurrent(const Source& source, const std::string& rel) {
+  auto listing = ListDir(source, rel);
+  return listing.ok() && RecordIsCurrent(*listing);
+}
+
+bool CommitRecordIsCurrent(const std::string& root, const std::string& rel) {
+  return CommitRecordIsCurrent(*PosixSourceAt(root), rel);
+}
+
 bool CommitPointIsNewest(const Source& source, const std::string& rel) {
   auto listing = ListDir(source, rel);
   if (!listing.ok()) return false;
-  auto ctime = [&](const std::string& name) {
-    return source.ChangeTimeNs(JoinRel(rel, name)).value_or(INT64_MAX);
-  };
-  const std::string record = kCommitRecord;
-  const bool has_record = ctime(record) != INT64_MAX;
-  if (!has_record && !listing->has_file(".metadata")) return false;
-  const int64_t commit = ctime(has_record ? record : ".metadata");
-  for (const std::string& f : listing->files)
-    if ((has_record || f != ".metadata") && ctime(f) > commit) return false;
-  return true;
+  if (RecordIsCurrent(*listing)) {
+    auto record = FileTime(*listing, kCommitRecord, Clock::kCtime);
+    return record && NothingAfter(*listing, *record, Clock::kCtime, "");
+  }
+  auto metadata = FileTime(*listing, ".metadata", Clock::kCtime);
+  return metadata && NothingAfter(*listing, *metadata, Clock::kCtime, ".metadata");
 }
 
 std::string CommitRecordPath(const std::string& root, const std::string& dir) {

@@ -222,6 +222,12 @@ std::optional<int64_t> PosixSource::ChangeTimeNs(const std::string& rel) const {
   return Ns(st.st_ctim);
 }
 
+std::optional<int64_t> PosixSource::ModifyTimeNs(const std::string& rel) const {
+  struct stat st;
+  if (::lstat(Abs(rel).c_str(), &st) != 0) return std::nullopt;
+  return Ns(st.st_mtim);
+}
+
 std::string PosixSource::DirKey(const std::string& rel) const {
   struct stat st;
   if (::stat(Abs(rel).c_str(), &st) != 0) return "?" + rel;

@@ -31,6 +31,7 @@ class PosixSource : public Source {
   std::string DescribeChange(const SourceFile& indexed, const SourceFile& now) const override;
   bool Contains(const std::string& rel) const override;
   std::optional<int64_t> ChangeTimeNs(const std::string& rel) const override;
+  std::optional<int64_t> ModifyTimeNs(const std::string& rel) const override;
   std::string DirKey(const std::string& rel) const override;
 
   std::string Abs(const std::string& rel) const { return rel.empty() ? root_ : root_ + "/" + rel; }

@@ -101,10 +101,12 @@ class Source {
   virtual bool Contains(const std::string& rel) const = 0;
 
   // When entry `rel` (a file or directory, links not followed) last
-  // changed, in ns since the epoch; nullopt when it does not exist. Orders
+  // changed (POSIX ctime), in ns since the epoch; nullopt when it does not exist. Orders
   // a checkpoint's commit point against its other files
   // (indexer/scan.h, CommitPointIsNewest).
   virtual std::optional<int64_t> ChangeTimeNs(const std::string& rel) const = 0;
+  // When entry `rel` was last written (POSIX mtime), likewise.
+  virtual std::optional<int64_t> ModifyTimeNs(const std::string& rel) const = 0;
 
   // A key equal for two directory paths that name the same directory (for
   // POSIX: device and inode), so a walk never enters one twice.
