@@ -13,6 +13,7 @@ const char* CodeName(Status::Code code) {
     case Status::Code::kStale: return "Stale";
     case Status::Code::kIncomplete: return "Incomplete";
     case Status::Code::kBusy: return "Busy";
+    case Status::Code::kPermissionDenied: return "PermissionDenied";
   }
   return "Unknown";
 }

@@ -25,6 +25,7 @@ class Status {
     kStale,            // a source file changed after indexing
     kIncomplete,       // the checkpoint lacks data (hole, missing shard)
     kBusy,             // another process holds it (the index's writer lock)
+    kPermissionDenied, // the source refused us (object storage: 403)
   };
 
   Status() = default;
@@ -37,6 +38,7 @@ class Status {
   static Status Stale(std::string m) { return Status(Code::kStale, std::move(m)); }
   static Status Incomplete(std::string m) { return Status(Code::kIncomplete, std::move(m)); }
   static Status Busy(std::string m) { return Status(Code::kBusy, std::move(m)); }
+  static Status PermissionDenied(std::string m) { return Status(Code::kPermissionDenied, std::move(m)); }
 
   bool ok() const { return code_ == Code::kOk; }
   Code code() const { return code_; }

@@ -27,6 +27,7 @@ FsError FsError::From(const Status& s) {
     case Status::Code::kOk: return FsError();
     case Status::Code::kNotFound: return FsError(ENOENT, s.message());
     case Status::Code::kInvalidArgument: return FsError(EINVAL, s.message());
+    case Status::Code::kPermissionDenied: return FsError(EACCES, s.message());
     default: return FsError(EIO, s.ToString());
   }
 }

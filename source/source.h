@@ -108,6 +108,11 @@ class Source {
   // When entry `rel` was last written (POSIX mtime), likewise.
   virtual std::optional<int64_t> ModifyTimeNs(const std::string& rel) const = 0;
 
+  // True when an open object's reads fail by themselves once the file
+  // changes (object storage: every GET carries If-Match), so a reader
+  // need not identify the path again after each read.
+  virtual bool ReadsArePinned() const { return false; }
+
   // A key equal for two directory paths that name the same directory (for
   // POSIX: device and inode), so a walk never enters one twice.
   virtual std::string DirKey(const std::string& rel) const { return rel; }

@@ -109,7 +109,7 @@ Status SourceReader::CheckUnchanged(FileId id, const SourceObject& obj) {
   // The path is checked too: a file renamed over the source or deleted
   // leaves our object on the old file, whose bytes are no longer the
   // source's.
-  if (what.empty()) {
+  if (what.empty() && !source_->ReadsArePinned()) {
     auto by_path = source_->Identify(f.path);
     what = by_path.ok() ? source_->DescribeChange(f, *by_path) : "gone (" + by_path.status().message() + ")";
   }

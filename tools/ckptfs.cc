@@ -51,8 +51,20 @@ Examples:
 Docs: docs/CLI.md (flags, exit codes), docs/SEMANTICS.md (what the mount serves).
 )";
 
+// Flags of an s3:// root, named as mountpoint-s3 names them (docs/CLI.md).
+void AddS3(CLI::App* cmd, Common& c) {
+  cmd->add_option("--endpoint-url", c.s3.endpoint_url,
+                  "S3 endpoint of an s3:// root (default: AWS_ENDPOINT_URL_S3, AWS_ENDPOINT_URL, the profile's, or AWS)");
+  cmd->add_option("--region", c.s3.region, "S3 region (default: AWS_REGION, AWS_DEFAULT_REGION, the profile's, us-east-1)");
+  cmd->add_flag("--no-sign-request", c.s3.no_sign_request, "Send unsigned requests (public buckets)");
+  cmd->add_flag("--force-path-style", c.s3.force_path_style, "Address AWS buckets by path, not by host name");
+  cmd->add_option("--max-threads", c.s3.max_threads, "Ranged GETs in flight per read (default 16)");
+  cmd->add_option("--part-size", c.part_size, "Bytes per ranged GET (default 8MiB)");
+}
+
 void AddCommon(CLI::App* cmd, Common& c, bool view_flags) {
   cmd->add_option("--index", c.index, "Index location (default: $CKPTFS_INDEX_DIR or ~/.cache/ckptfs/<name>-<hash>)");
+  AddS3(cmd, c);
   if (view_flags) {
     cmd->add_option("--max-file-size", c.max_file_size,
                     "Split consolidated/ into files of at most this size when the checkpoint has no file mapping (default 5GB; units B, KB, MB, GB, KiB, MiB, GiB)");

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <map>
 #include <mutex>
 #include <set>
 #include <sstream>
@@ -29,6 +30,7 @@
 
 #include "source/posix_io.h"
 #include "source/posix_source.h"
+#include "source/s3_source.h"
 #include "tools/cli.h"
 
 namespace ckptfs {
@@ -55,11 +57,73 @@ std::optional<uint64_t> ParseSize(const std::string& s) {
 }
 
 std::string AbsRoot(const std::string& root) {
+  if (IsS3Url(root)) {
+    auto loc = ParseS3Url(root);
+    if (!loc.ok()) return root;
+    std::string p = loc->prefix;
+    if (!p.empty()) p.pop_back();
+    return "s3://" + loc->bucket + (p.empty() ? "" : "/" + p);
+  }
   char real[PATH_MAX];
   return ::realpath(root.c_str(), real) ? std::string(real) : root;
 }
 
-std::string IndexPath(const Common& c) { return c.index.empty() ? DefaultIndexPath(AbsRoot(c.root)) : c.index; }
+// An s3:// root's store is keyed by endpoint, bucket and prefix: the same
+// bucket name on two servers gets two stores.
+static std::string StoreKey(const Common& c) {
+  if (!IsS3Url(c.root)) return AbsRoot(c.root);
+  S3Flags flags = c.s3;
+  flags.no_sign_request = true;  // the key needs no credentials
+  auto config = ResolveS3Config(c.root, flags);
+  return config.ok() ? config->StoreKey() : AbsRoot(c.root);
+}
+
+std::string IndexPath(const Common& c) {
+  return c.index.empty() ? DefaultIndexPath(StoreKey(c)) : c.index;
+}
+
+static std::shared_ptr<const Source> OpenS3Root(const Common& c, int* exit_code) {
+  S3Flags flags = c.s3;
+  auto part = ParseSize(c.part_size);
+  if (!part) {
+    Error("--part-size " + c.part_size + ": not a size (say 8MiB)");
+    *exit_code = kExitUsage;
+    return nullptr;
+  }
+  flags.part_size = *part;
+  auto config = ResolveS3Config(c.root, flags);
+  if (!config.ok()) {
+    Error(c.root + ": " + config.status().message());
+    *exit_code = config.status().code() == Status::Code::kInvalidArgument ? kExitUsage : kExitNoSource;
+    return nullptr;
+  }
+  auto source = std::make_shared<S3Source>(*config);
+  if (Status st = source->Probe(); !st.ok()) {
+    Error(st.message() + " [" + config->Describe() + "]");
+    *exit_code = kExitNoSource;
+    return nullptr;
+  }
+  return source;
+}
+
+std::shared_ptr<const Source> RootSource(const Common& c, int* exit_code) {
+  static std::map<std::string, std::shared_ptr<const Source>> opened;
+  if (auto it = opened.find(c.root); it != opened.end()) return it->second;
+  std::shared_ptr<const Source> source;
+  if (IsS3Url(c.root)) {
+    source = OpenS3Root(c, exit_code);
+  } else {
+    auto posix = PosixSource::OpenRoot(c.root);
+    if (!posix.ok()) {
+      Error(posix.status().message());
+      *exit_code = kExitNoSource;
+    } else {
+      source = *posix;
+    }
+  }
+  if (source) opened[c.root] = source;
+  return source;
+}
 
 static void PrintProblems(const Catalog& catalog) {
   for (const Checkpoint& ck : catalog.checkpoints)
@@ -138,12 +202,15 @@ static Result<Catalog> ReadCatalog(const Store& store) {
   return catalog;
 }
 
-static bool CheckRootIsDir(const Common& c, int* exit_code) {
-  struct stat st;
-  if (::stat(c.root.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) return true;
-  Error(c.root + ": not a directory");
-  *exit_code = kExitNoSource;
-  return false;
+static bool CheckRootIsDir(const Common& c, int* exit_code) { return RootSource(c, exit_code) != nullptr; }
+
+// Commands that read through a mount tree (VirtualFs) serve local roots only.
+static bool RefuseS3(const Common& c, int* exit_code) {
+  if (!IsS3Url(c.root)) return false;
+  Error(c.root + ": s3:// roots can be indexed and checked (`ckptfs index`, `ckptfs check`); mount, ls, cat, "
+        "export, inspect and verify of an s3:// root are not supported yet");
+  *exit_code = kExitUsage;
+  return true;
 }
 
 int BuildIndex(const Common& c, bool quiet) {
@@ -158,7 +225,7 @@ int BuildIndex(const Common& c, bool quiet) {
   so.file_index_mapping = c.mapping;
   Progress progress("indexing " + c.root, 0, "dirs scanned");
   so.progress = [&](size_t dirs, size_t) { progress.Update(dirs); };
-  auto catalog = ScanSource(c.root, so);
+  auto catalog = ScanSource(*RootSource(c, &rc), so);
   if (!catalog.ok()) {
     Error(catalog.status().message());
     return kExitNoSource;
@@ -213,17 +280,18 @@ int DumpIndex(const Common& c, std::ostream& out) {
 // of schema 1) or when --reindex asks.
 // True when the store lacks a checkpoint that is now under the root (one
 // saved since the index was built, say while a live mount served it).
-static bool MissesCheckpoints(const Store& store, const std::string& root) {
+static bool MissesCheckpoints(const Store& store, const Source& source) {
   std::set<std::string> stored;
   for (const CheckpointEntry& e : store.List()) stored.insert(e.dir);
-  for (const std::string& dir : FindCheckpointDirs(*PosixSourceAt(root)))
+  for (const std::string& dir : FindCheckpointDirs(source))
     if (!stored.count(dir)) return true;
   return false;
 }
 
 static std::unique_ptr<Store> OpenOrBuild(const Common& c, int* exit_code) {
   auto store = Store::Open(IndexPath(c), AbsRoot(c.root), Store::Access::kReadOnly);
-  bool newer = store.ok() && !c.reindex && MissesCheckpoints(**store, AbsRoot(c.root));
+  int rc = kExitOk;
+  bool newer = store.ok() && !c.reindex && MissesCheckpoints(**store, *RootSource(c, &rc));
   if (newer) {
     std::fprintf(stderr, "ckptfs: checkpoints were saved under %s since it was indexed; indexing them\n",
                  AbsRoot(c.root).c_str());
@@ -259,7 +327,12 @@ std::optional<Catalog> LoadCatalog(const Common& c, bool allow_stale, int* exit_
     return std::nullopt;
   }
   if (!allow_stale) {
-    Status fresh = CheckSources(*catalog);
+    int rc = kExitOk;
+    Status fresh = CheckSources(*RootSource(c, &rc), [&] {
+      std::vector<SourceFile> files;
+      for (const Checkpoint& ck : catalog->checkpoints) files.insert(files.end(), ck.files.begin(), ck.files.end());
+      return files;
+    }());
     if (!fresh.ok()) {
       Error(fresh.message());
       *exit_code = kExitStale;
@@ -324,7 +397,7 @@ static std::optional<FsOptions> MakeFsOptions(const Common& c, int* exit_code,
 
 std::unique_ptr<VirtualFs> OpenFs(const Common& c, int* exit_code, std::function<void(const std::string&)> log,
                                   std::shared_ptr<StoreLoader>* loader_out) {
-  if (!CheckRootIsDir(c, exit_code)) return nullptr;
+  if (RefuseS3(c, exit_code) || !CheckRootIsDir(c, exit_code)) return nullptr;
   auto fo = MakeFsOptions(c, exit_code, std::move(log));
   if (!fo) return nullptr;
   std::optional<std::vector<std::string>> dirs;

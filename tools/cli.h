@@ -11,6 +11,8 @@
 #include <string>
 
 #include "fs/virtual_fs.h"
+#include "source/s3_config.h"
+#include "source/source.h"
 #include "tools/progress.h"
 
 namespace ckptfs {
@@ -42,6 +44,8 @@ struct Common {
   std::string names;  // --names FILE
   bool reindex = false;
   size_t max_loaded = 0;  // mount --max-loaded (FsOptions::max_loaded)
+  S3Flags s3;             // an s3:// root: --endpoint-url, --region, ...
+  std::string part_size = "8MiB";  // --part-size, parsed into s3.part_size
 };
 
 
@@ -49,6 +53,12 @@ void Error(const std::string& msg);
 // "5GB" -> 5e9, "512MiB" -> 512*2^20, "1000" -> 1000.
 std::optional<uint64_t> ParseSize(const std::string& s);
 std::string AbsRoot(const std::string& root);
+
+// The source of c.root: a local directory, or an s3:// root (reached once
+// now, so a wrong endpoint, secret or bucket fails here with a message
+// saying what to fix). Opened once per process. Null with *exit_code set
+// (kExitNoSource, kExitUsage) on failure.
+std::shared_ptr<const Source> RootSource(const Common& c, int* exit_code);
 std::string IndexPath(const Common& c);
 size_t CountProblems(const Catalog& catalog);
 
@@ -60,7 +70,9 @@ int BuildIndex(const Common& c, bool quiet);
 // (`ckptfs index --dump`). Returns an exit code.
 int DumpIndex(const Common& c, std::ostream& out);
 
-// Loads the index (building it when missing or when --reindex). With
+// Loads the index (building it when missing or when --reindex).
+// (Commands other than index and check read an s3:// root through a mount
+// tree, which serves local roots only so far: they refuse it.) With
 // `allow_stale`, sources that changed since indexing are not an error (for
 // `check`, which reports them). Sets *exit_code on failure.
 std::optional<Catalog> LoadCatalog(const Common& c, bool allow_stale, int* exit_code);

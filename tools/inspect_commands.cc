@@ -302,7 +302,7 @@ int RunCheck(const Common& c) {
   int rc = kExitOk;
   auto catalog = LoadCatalog(c, /*allow_stale=*/true, &rc);
   if (!catalog) return rc;
-  std::shared_ptr<const Source> source = PosixSourceAt(catalog->root);
+  std::shared_ptr<const Source> source = RootSource(c, &rc);
   std::vector<std::string> problems = FindInterruptedSaves(*source);
   for (const Checkpoint& ck : catalog->checkpoints) {
     for (const std::string& p : ck.problems) problems.push_back(Where(ck) + ": " + p);

@@ -1,0 +1,446 @@
+#include "source/s3_client.h"
+
+#include <curl/curl.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <map>
+#include <random>
+#include <thread>
+
+namespace ckptfs {
+namespace {
+
+// SHA-256 of the empty body: every request here is a GET or HEAD.
+constexpr char kEmptySha256[] = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
+// A connection that moves less than 1 byte/s for this long is a stall.
+constexpr long kStallSeconds = 15;
+constexpr long kConnectTimeoutMs = 5000;
+// Error and listing bodies are kept up to this size (a page of 1000 keys
+// is well under it).
+constexpr size_t kMaxBody = 16 << 20;
+constexpr int64_t kBackoffBaseMs = 100, kBackoffCapMs = 5000;
+
+struct CurlInit {
+  CurlInit() { curl_global_init(CURL_GLOBAL_DEFAULT); }
+};
+
+void EnsureCurl() {
+  static CurlInit once;
+}
+
+std::string Lower(std::string s) {
+  for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+// The text of the first <tag>...</tag> in `xml` from `from`, entities decoded.
+std::string XmlDecode(const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size(); ++i) {
+    if (s[i] != '&') {
+      out += s[i];
+      continue;
+    }
+    size_t semi = s.find(';', i);
+    if (semi == std::string::npos) {
+      out += s[i];
+      continue;
+    }
+    const std::string ent = s.substr(i + 1, semi - i - 1);
+    static const std::map<std::string, char> kNamed = {{"amp", '&'}, {"lt", '<'}, {"gt", '>'}, {"quot", '"'}, {"apos", '\''}};
+    if (auto it = kNamed.find(ent); it != kNamed.end()) {
+      out += it->second;
+    } else if (ent.size() > 1 && ent[0] == '#') {
+      unsigned long cp = ent[1] == 'x' ? std::strtoul(ent.c_str() + 2, nullptr, 16) : std::strtoul(ent.c_str() + 1, nullptr, 10);
+      // UTF-8 of the code point.
+      if (cp < 0x80) out += char(cp);
+      else if (cp < 0x800) out += {char(0xC0 | (cp >> 6)), char(0x80 | (cp & 0x3F))};
+      else if (cp < 0x10000) out += {char(0xE0 | (cp >> 12)), char(0x80 | ((cp >> 6) & 0x3F)), char(0x80 | (cp & 0x3F))};
+      else out += {char(0xF0 | (cp >> 18)), char(0x80 | ((cp >> 12) & 0x3F)), char(0x80 | ((cp >> 6) & 0x3F)), char(0x80 | (cp & 0x3F))};
+    } else {
+      out += s.substr(i, semi - i + 1);
+    }
+    i = semi;
+  }
+  return out;
+}
+
+// The decoded text of every <tag>...</tag> in [from, to) of `xml`.
+std::vector<std::string> XmlAll(const std::string& xml, const std::string& tag, size_t from = 0,
+                                size_t to = std::string::npos) {
+  std::vector<std::string> out;
+  const std::string open = "<" + tag + ">", close = "</" + tag + ">";
+  to = std::min(to, xml.size());
+  for (size_t at = xml.find(open, from); at != std::string::npos && at < to; at = xml.find(open, at)) {
+    const size_t begin = at + open.size(), end = xml.find(close, begin);
+    if (end == std::string::npos || end > to) break;
+    out.push_back(XmlDecode(xml.substr(begin, end - begin)));
+    at = end + close.size();
+  }
+  return out;
+}
+
+std::string XmlFirst(const std::string& xml, const std::string& tag, size_t from = 0, size_t to = std::string::npos) {
+  auto all = XmlAll(xml, tag, from, to);
+  return all.empty() ? "" : all[0];
+}
+
+int64_t ParseIsoTime(const std::string& s) {
+  struct tm tm{};
+  if (!strptime(s.c_str(), "%Y-%m-%dT%H:%M:%S", &tm)) return 0;
+  return int64_t(timegm(&tm)) * 1'000'000'000;
+}
+
+int64_t ParseHttpTime(const std::string& s) {
+  struct tm tm{};
+  if (!strptime(s.c_str(), "%a, %d %b %Y %H:%M:%S", &tm)) return 0;
+  return int64_t(timegm(&tm)) * 1'000'000'000;
+}
+
+}  // namespace
+
+struct S3Client::Handle {
+  CURL* curl = curl_easy_init();
+  ~Handle() {
+    if (curl) curl_easy_cleanup(curl);
+  }
+};
+
+struct S3Client::Request {
+  bool head = false;
+  std::string key;    // full key ("" for the bucket)
+  std::string query;  // sorted, encoded
+  std::string if_match;
+  bool ranged = false;
+  uint64_t offset = 0, len = 0;
+  char* dst = nullptr;  // ranged GETs write here
+  std::string What() const {
+    if (key.empty()) return "listing";
+    std::string w = std::string(head ? "HEAD " : "GET ") + key;
+    if (ranged) w += " bytes [" + std::to_string(offset) + ", " + std::to_string(offset + len) + ")";
+    return w;
+  }
+};
+
+struct S3Client::Response {
+  CURLcode curl = CURLE_OK;
+  std::string curl_error;
+  long http = 0;
+  std::string body;
+  uint64_t received = 0;
+  bool overflow = false;
+  std::map<std::string, std::string> headers;  // lower-case names
+  int attempts = 0;
+  std::string last_retry_cause;
+};
+
+namespace {
+
+struct Sink {
+  const S3Client::Request* req;
+  S3Client::Response* resp;
+};
+
+}  // namespace
+
+S3Client::S3Client(S3Config config) : config_(std::move(config)) { EnsureCurl(); }
+
+S3Client::~S3Client() = default;
+
+std::string S3Client::Encode(const std::string& s, bool keep_slash) {
+  static const char* kHex = "0123456789ABCDEF";
+  std::string out;
+  for (unsigned char c : s) {
+    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' || (keep_slash && c == '/')) {
+      out += char(c);
+    } else {
+      out += '%';
+      out += kHex[c >> 4];
+      out += kHex[c & 15];
+    }
+  }
+  return out;
+}
+
+std::string S3Client::Url(const std::string& key, const std::string& query) const {
+  std::string url;
+  const std::string& ep = config_.endpoint;
+  if (config_.path_style) {
+    url = ep + "/" + Encode(config_.location.bucket, false) + "/" + Encode(key, true);
+  } else {
+    const size_t scheme = ep.find("://") + 3;
+    url = ep.substr(0, scheme) + config_.location.bucket + "." + ep.substr(scheme) + "/" + Encode(key, true);
+  }
+  return query.empty() ? url : url + "?" + query;
+}
+
+std::unique_ptr<S3Client::Handle> S3Client::Borrow() const {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!pool_.empty()) {
+      auto h = std::move(pool_.back());
+      pool_.pop_back();
+      return h;
+    }
+  }
+  return std::make_unique<Handle>();
+}
+
+void S3Client::Return(std::unique_ptr<Handle> h) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  pool_.push_back(std::move(h));
+}
+
+static size_t OnBody(char* data, size_t size, size_t n, void* user) {
+  auto* s = static_cast<Sink*>(user);
+  const size_t bytes = size * n;
+  if (s->req->dst) {
+    const uint64_t room = s->req->len > s->resp->received ? s->req->len - s->resp->received : 0;
+    const bool ok_status = s->resp->http == 200 || s->resp->http == 206 || s->resp->http == 0;
+    if (ok_status) {
+      if (bytes > room) s->resp->overflow = true;
+      std::memcpy(s->req->dst + s->resp->received, data, std::min<uint64_t>(bytes, room));
+      s->resp->received += std::min<uint64_t>(bytes, room);
+      return bytes;
+    }
+  }
+  if (s->resp->body.size() < kMaxBody) s->resp->body.append(data, std::min(bytes, kMaxBody - s->resp->body.size()));
+  return bytes;
+}
+
+static size_t OnHeader(char* data, size_t size, size_t n, void* user) {
+  auto* s = static_cast<Sink*>(user);
+  std::string line(data, size * n);
+  if (line.rfind("HTTP/", 0) == 0) {
+    s->resp->headers.clear();
+    const size_t sp = line.find(' ');
+    if (sp != std::string::npos) s->resp->http = std::strtol(line.c_str() + sp + 1, nullptr, 10);
+    return size * n;
+  }
+  const size_t colon = line.find(':');
+  if (colon == std::string::npos) return size * n;
+  std::string value = line.substr(colon + 1);
+  while (!value.empty() && (value.back() == '\r' || value.back() == '\n' || value.back() == ' ')) value.pop_back();
+  while (!value.empty() && value.front() == ' ') value.erase(value.begin());
+  s->resp->headers[Lower(line.substr(0, colon))] = value;
+  return size * n;
+}
+
+S3Client::Response S3Client::Perform(const Request& r) const {
+  Response resp;
+  auto h = Borrow();
+  CURL* c = h->curl;
+  curl_easy_reset(c);
+  const std::string url = Url(r.key, r.query);
+  curl_easy_setopt(c, CURLOPT_URL, url.c_str());
+  curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);  // threads
+  curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, kConnectTimeoutMs);
+  curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
+  curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, kStallSeconds);
+  curl_easy_setopt(c, CURLOPT_TCP_KEEPALIVE, 1L);
+  if (r.head) curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
+  struct curl_slist* headers = nullptr;
+  headers = curl_slist_append(headers, (std::string("x-amz-content-sha256: ") + kEmptySha256).c_str());
+  if (config_.sign && !config_.credentials.session_token.empty())
+    headers = curl_slist_append(headers, ("x-amz-security-token: " + config_.credentials.session_token).c_str());
+  if (!r.if_match.empty()) headers = curl_slist_append(headers, ("If-Match: " + r.if_match).c_str());
+  if (r.ranged)
+    headers = curl_slist_append(
+        headers, ("Range: bytes=" + std::to_string(r.offset) + "-" + std::to_string(r.offset + r.len - 1)).c_str());
+  curl_easy_setopt(c, CURLOPT_HTTPHEADER, headers);
+  const std::string sigv4 = "aws:amz:" + config_.region + ":s3";
+  if (config_.sign) {
+    curl_easy_setopt(c, CURLOPT_AWS_SIGV4, sigv4.c_str());
+    curl_easy_setopt(c, CURLOPT_USERNAME, config_.credentials.access_key_id.c_str());
+    curl_easy_setopt(c, CURLOPT_PASSWORD, config_.credentials.secret_access_key.c_str());
+  }
+  Sink sink{&r, &resp};
+  curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, OnBody);
+  curl_easy_setopt(c, CURLOPT_WRITEDATA, &sink);
+  curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, OnHeader);
+  curl_easy_setopt(c, CURLOPT_HEADERDATA, &sink);
+  char err[CURL_ERROR_SIZE] = {0};
+  curl_easy_setopt(c, CURLOPT_ERRORBUFFER, err);
+  resp.curl = curl_easy_perform(c);
+  if (resp.curl != CURLE_OK) resp.curl_error = err[0] ? err : curl_easy_strerror(resp.curl);
+  curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &resp.http);
+  curl_easy_setopt(c, CURLOPT_HTTPHEADER, nullptr);
+  curl_slist_free_all(headers);
+  // The secret is not left in a pooled handle longer than the request.
+  curl_easy_setopt(c, CURLOPT_PASSWORD, "");
+  // A handle whose connection broke is not reused: its state is unknown.
+  if (resp.curl == CURLE_OK) Return(std::move(h));
+  return resp;
+}
+
+namespace {
+
+// Why a response should be tried again, or "" when it should not.
+std::string RetryCause(const S3Client::Response& resp, bool ranged, uint64_t want) {
+  switch (resp.curl) {
+    case CURLE_OK: break;
+    case CURLE_OPERATION_TIMEDOUT: return "timeout or stall (" + resp.curl_error + ")";
+    case CURLE_RECV_ERROR:
+    case CURLE_SEND_ERROR:
+    case CURLE_PARTIAL_FILE:
+    case CURLE_GOT_NOTHING:
+    case CURLE_COULDNT_CONNECT:
+    case CURLE_HTTP2:
+    case CURLE_HTTP2_STREAM:
+    case CURLE_SSL_CONNECT_ERROR: return "connection failed (" + resp.curl_error + ")";
+    default: return "";
+  }
+  if (resp.curl != CURLE_OK) return "";
+  if (resp.http >= 500 || resp.http == 429) {
+    const std::string code = XmlFirst(resp.body, "Code");
+    return "HTTP " + std::to_string(resp.http) + (code.empty() ? "" : " " + code);
+  }
+  if (ranged && (resp.http == 206 || resp.http == 200) && resp.received != want && !resp.overflow)
+    return "short body (" + std::to_string(resp.received) + " of " + std::to_string(want) + " bytes)";
+  return "";
+}
+
+}  // namespace
+
+S3Client::Response S3Client::PerformWithRetries(const Request& r, int max_attempts) const {
+  thread_local std::mt19937_64 rng(std::random_device{}());
+  const auto start = std::chrono::steady_clock::now();
+  std::string cause;
+  for (int attempt = 1;; ++attempt) {
+    Response resp = Perform(r);
+    resp.attempts = attempt;
+    resp.last_retry_cause = cause;
+    cause = RetryCause(resp, r.ranged, r.len);
+    if (cause.empty() || attempt >= max_attempts) {
+      resp.last_retry_cause = cause;
+      return resp;
+    }
+    // Full jitter: a random wait up to an exponentially growing cap.
+    const int64_t cap = std::min<int64_t>(kBackoffCapMs, kBackoffBaseMs << std::min(attempt - 1, 16));
+    const int64_t wait = int64_t(rng() % uint64_t(cap + 1));
+    const int64_t spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
+    if (spent + wait > kRetryBudgetMs) {
+      resp.last_retry_cause = cause;
+      return resp;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(wait));
+  }
+}
+
+Status S3Client::Explain(const Request& r, const Response& resp) const {
+  const std::string where = r.key.empty() ? "listing " + config_.Root() : r.What() + " (s3://" + config_.location.bucket + ")";
+  const std::string tries = resp.attempts > 1 ? " after " + std::to_string(resp.attempts) + " attempts" : "";
+  const std::string hint = resp.curl == CURLE_COULDNT_RESOLVE_HOST || resp.curl == CURLE_COULDNT_CONNECT
+                               ? "; is the endpoint right (" + config_.endpoint + ") and the server up?"
+                               : "";
+  if (!resp.last_retry_cause.empty()) return Status::IOError(where + ": " + resp.last_retry_cause + tries + hint);
+  if (resp.curl != CURLE_OK) return Status::IOError(where + ": " + resp.curl_error + tries + hint);
+  const std::string code = XmlFirst(resp.body, "Code"), message = XmlFirst(resp.body, "Message");
+  const std::string server = " (HTTP " + std::to_string(resp.http) + (code.empty() ? "" : " " + code) +
+                             (message.empty() ? "" : ": " + message) + ")";
+  if (resp.http == 403) {
+    std::string what = code == "SignatureDoesNotMatch" ? "the secret key does not match the access key"
+                       : code == "InvalidAccessKeyId"  ? "the access key is unknown to the server"
+                                                       : "access denied";
+    return Status::PermissionDenied(where + ": " + what + server + "; check the credentials (" +
+                                    (config_.sign ? config_.credentials.source : "unsigned requests") +
+                                    ") and that they may read the bucket");
+  }
+  if (resp.http == 404) {
+    if (code == "NoSuchBucket")
+      return Status::NotFound("bucket '" + config_.location.bucket + "' does not exist at " + config_.endpoint +
+                              server + "; check the bucket name and --endpoint-url/--region");
+    return Status::NotFound(where + ": no such object" + server);
+  }
+  if (resp.http == 412)
+    return Status::Stale(where + ": changed since indexing (its ETag is no longer " + r.if_match +
+                         "); run `ckptfs index` again");
+  if (resp.http == 301 || resp.http == 307 || resp.http == 400) {
+    auto it = resp.headers.find("x-amz-bucket-region");
+    if (it != resp.headers.end() && it->second != config_.region)
+      return Status::InvalidArgument(where + ": the bucket is in region " + it->second + ", not " + config_.region +
+                                     "; pass --region " + it->second + " or set AWS_REGION");
+  }
+  if (r.ranged && resp.overflow)
+    return Status::IOError(where + ": the server sent more bytes than the range asked (Range ignored?)" + server);
+  return Status::IOError(where + ": unexpected answer" + server);
+}
+
+Result<S3ListPage> S3Client::List(const std::string& prefix) const {
+  S3ListPage out;
+  std::string token;
+  // Bounded: 10^6 pages of 1000 keys is more than any checkpoint root.
+  for (int page = 0; page < 1'000'000; ++page) {
+    Request r;
+    // Sorted by name: the canonical query string of SigV4.
+    r.query = (token.empty() ? "" : "continuation-token=" + Encode(token, false) + "&") +
+              "delimiter=%2F&list-type=2&prefix=" + Encode(prefix, false);
+    Response resp = PerformWithRetries(r, kMaxAttempts);
+    if (resp.curl != CURLE_OK || resp.http != 200) return Explain(r, resp);
+    const std::string& xml = resp.body;
+    for (size_t at = xml.find("<Contents>"); at != std::string::npos; at = xml.find("<Contents>", at + 1)) {
+      const size_t end = xml.find("</Contents>", at);
+      if (end == std::string::npos) break;
+      S3ObjectInfo o;
+      o.key = XmlFirst(xml, "Key", at, end);
+      o.size = std::strtoull(XmlFirst(xml, "Size", at, end).c_str(), nullptr, 10);
+      o.etag = XmlFirst(xml, "ETag", at, end);
+      o.last_modified_ns = ParseIsoTime(XmlFirst(xml, "LastModified", at, end));
+      out.objects.push_back(std::move(o));
+    }
+    for (size_t at = xml.find("<CommonPrefixes>"); at != std::string::npos; at = xml.find("<CommonPrefixes>", at + 1)) {
+      const size_t end = xml.find("</CommonPrefixes>", at);
+      if (end == std::string::npos) break;
+      out.common_prefixes.push_back(XmlFirst(xml, "Prefix", at, end));
+    }
+    if (XmlFirst(xml, "IsTruncated") != "true") return out;
+    token = XmlFirst(xml, "NextContinuationToken");
+    if (token.empty()) return Status::IOError("listing s3://" + config_.location.bucket + "/" + prefix +
+                                              ": truncated page without a continuation token");
+  }
+  return Status::IOError("listing s3://" + config_.location.bucket + "/" + prefix + ": too many pages");
+}
+
+Status S3Client::Probe(const std::string& prefix) const {
+  Request r;
+  r.query = "delimiter=%2F&list-type=2&max-keys=1&prefix=" + Encode(prefix, false);
+  Response resp = PerformWithRetries(r, 1);
+  if (resp.curl == CURLE_OK && resp.http == 200) return Status::OK();
+  return Explain(r, resp);
+}
+
+Result<S3ObjectInfo> S3Client::Head(const std::string& key) const {
+  Request r;
+  r.head = true;
+  r.key = key;
+  Response resp = PerformWithRetries(r, kMaxAttempts);
+  if (resp.curl != CURLE_OK || resp.http != 200) return Explain(r, resp);
+  S3ObjectInfo o;
+  o.key = key;
+  o.size = std::strtoull(resp.headers["content-length"].c_str(), nullptr, 10);
+  o.etag = resp.headers["etag"];
+  o.last_modified_ns = ParseHttpTime(resp.headers["last-modified"]);
+  return o;
+}
+
+Status S3Client::Get(const std::string& key, const std::string& etag, uint64_t offset, uint64_t len, char* dst) const {
+  if (len == 0) return Status::OK();
+  Request r;
+  r.key = key;
+  r.if_match = etag;
+  r.ranged = true;
+  r.offset = offset;
+  r.len = len;
+  r.dst = dst;
+  Response resp = PerformWithRetries(r, kMaxAttempts);
+  if (resp.curl == CURLE_OK && (resp.http == 206 || resp.http == 200) && resp.received == len && !resp.overflow)
+    return Status::OK();
+  if (resp.curl == CURLE_OK && resp.http == 416)
+    return Status::Corruption(r.What() + ": unexpected end of object (HTTP 416)");
+  return Explain(r, resp);
+}
+
+}  // namespace ckptfs

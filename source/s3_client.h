@@ -1,0 +1,90 @@
+// HTTP to an S3 server: the only code that knows libcurl.
+//
+// Requests are signed by libcurl (CURLOPT_AWS_SIGV4); we send
+// x-amz-content-sha256 ourselves (the hash of the empty body: every request
+// here is a GET or HEAD), and x-amz-security-token for session credentials.
+// Easy handles are pooled, so connections are kept alive and reused.
+//
+// Failures that may pass (HTTP 5xx, 429 and SlowDown, timeouts, stalls,
+// connection resets, bodies shorter than announced) are retried with
+// exponential backoff and full jitter, at most kMaxAttempts times and for at
+// most kRetryBudgetMs in all; then the request fails with IOError naming
+// the key, the byte range and the cause. Others are answered at once:
+// 403 → PermissionDenied (the message names the credentials' source),
+// 404 → NotFound, 412 → Stale (the object changed since it was indexed),
+// 301 with another region → retried once in that region.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "core/status.h"
+#include "source/s3_config.h"
+
+namespace ckptfs {
+
+struct S3ObjectInfo {
+  std::string key;  // full key
+  uint64_t size = 0;
+  std::string etag;  // as the server sends it, quotes included
+  int64_t last_modified_ns = 0;
+};
+
+struct S3ListPage {
+  std::vector<S3ObjectInfo> objects;
+  std::vector<std::string> common_prefixes;  // full prefixes, ending in '/'
+};
+
+class S3Client {
+ public:
+  explicit S3Client(S3Config config);
+  ~S3Client();
+  S3Client(const S3Client&) = delete;
+  S3Client& operator=(const S3Client&) = delete;
+
+  const S3Config& config() const { return config_; }
+
+  // Every object and common prefix directly under `prefix` (delimiter '/'),
+  // all pages.
+  Result<S3ListPage> List(const std::string& prefix) const;
+
+  // HEAD of `key`.
+  Result<S3ObjectInfo> Head(const std::string& key) const;
+
+  // Bytes [offset, offset + len) of `key` into dst, with If-Match: `etag`
+  // (none when empty).
+  Status Get(const std::string& key, const std::string& etag, uint64_t offset, uint64_t len, char* dst) const;
+
+  // One attempt, no retries: what a mount checks first, so that a wrong
+  // endpoint or secret fails at once.
+  Status Probe(const std::string& prefix) const;
+
+  static constexpr int kMaxAttempts = 8;
+  static constexpr int64_t kRetryBudgetMs = 60'000;
+
+  // Percent-encodes `s` as S3 wants it (RFC 3986 unreserved kept; '/' kept
+  // when `keep_slash`).
+  static std::string Encode(const std::string& s, bool keep_slash);
+
+  // One request and its answer (defined in the .cc).
+  struct Request;
+  struct Response;
+
+ private:
+  struct Handle;
+  Response Perform(const Request& r) const;
+  Response PerformWithRetries(const Request& r, int max_attempts) const;
+  std::string Url(const std::string& key, const std::string& query) const;
+  std::unique_ptr<Handle> Borrow() const;
+  void Return(std::unique_ptr<Handle> h) const;
+  Status Explain(const Request& r, const Response& resp) const;
+
+  S3Config config_;
+  mutable std::mutex mu_;  // guards pool_
+  mutable std::vector<std::unique_ptr<Handle>> pool_;
+};
+
+}  // namespace ckptfs

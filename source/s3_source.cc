@@ -1,0 +1,128 @@
+#include "source/s3_source.h"
+
+#include <algorithm>
+#include <atomic>
+#include <thread>
+#include <vector>
+
+namespace ckptfs {
+namespace {
+
+SourceFile IdentityOf(const S3ObjectInfo& o) {
+  SourceFile f;
+  f.size = o.size;
+  f.mtime_ns = o.last_modified_ns;
+  f.inode = EtagIdentity(o.etag);
+  return f;
+}
+
+// One object, pinned to the ETag it had when opened.
+class S3Object : public SourceObject {
+ public:
+  S3Object(std::shared_ptr<S3Client> client, S3ObjectInfo info)
+      : client_(std::move(client)), info_(std::move(info)) {}
+
+  // Ranges longer than --part-size go out as parts, up to --max-threads
+  // in flight; the first failure is the answer.
+  Status ReadAt(uint64_t offset, uint64_t len, char* dst) const override {
+    if (offset > info_.size || len > info_.size - offset)
+      return Status::Corruption(client_->config().Root() + "/" + Rel() + ": unexpected end of file at byte " +
+                                std::to_string(std::min(info_.size, offset + len)));
+    const uint64_t part = client_->config().part_size;
+    const uint64_t parts = (len + part - 1) / part;
+    if (parts <= 1) return client_->Get(info_.key, info_.etag, offset, len, dst);
+    std::atomic<uint64_t> next{0};
+    std::vector<Status> errors(parts);
+    auto work = [&] {
+      for (uint64_t p; (p = next.fetch_add(1)) < parts;) {
+        const uint64_t at = p * part, n = std::min(part, len - at);
+        errors[p] = client_->Get(info_.key, info_.etag, offset + at, n, dst + at);
+      }
+    };
+    const unsigned threads = unsigned(std::min<uint64_t>(parts, client_->config().max_threads));
+    std::vector<std::thread> pool;
+    for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
+    work();
+    for (auto& t : pool) t.join();
+    for (const Status& s : errors)
+      if (!s.ok()) return s;
+    return Status::OK();
+  }
+
+  Result<SourceFile> Identity() const override { return IdentityOf(info_); }
+
+ private:
+  std::string Rel() const { return info_.key.substr(client_->config().location.prefix.size()); }
+
+  std::shared_ptr<S3Client> client_;
+  S3ObjectInfo info_;
+};
+
+}  // namespace
+
+uint64_t EtagIdentity(const std::string& etag) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a: stable across runs and builds
+  for (unsigned char c : etag)
+    if (c != '"') h = (h ^ c) * 1099511628211ull;
+  return h ? h : 1;
+}
+
+S3Source::S3Source(S3Config config)
+    : client_(std::make_shared<S3Client>(std::move(config))), root_(client_->config().Root()) {}
+
+Status S3Source::Probe() const {
+  RETURN_IF_ERROR(client_->Probe(client_->config().location.prefix));
+  ASSIGN_OR_RETURN(SourceListing l, List(""));
+  if (l.files.empty() && l.dirs.empty())
+    return Status::NotFound(root_ + ": no object under this prefix at " + client_->config().endpoint +
+                            "; check the prefix (keys are case-sensitive)");
+  return Status::OK();
+}
+
+Result<SourceListing> S3Source::List(const std::string& rel) const {
+  const std::string prefix = rel.empty() ? Key("") : Key(rel) + "/";
+  ASSIGN_OR_RETURN(S3ListPage page, client_->List(prefix));
+  SourceListing l;
+  for (const S3ObjectInfo& o : page.objects) {
+    std::string name = o.key.substr(prefix.size());
+    // "dir/" placeholder objects some tools write are not files.
+    if (!name.empty() && name.find('/') == std::string::npos) l.files.push_back(std::move(name));
+  }
+  for (const std::string& p : page.common_prefixes) {
+    std::string name = p.substr(prefix.size());
+    if (name.ends_with('/')) name.pop_back();
+    if (!name.empty() && name != "." && name != "..") l.dirs.push_back(std::move(name));
+  }
+  std::sort(l.files.begin(), l.files.end());
+  std::sort(l.dirs.begin(), l.dirs.end());
+  return l;
+}
+
+Result<SourceFile> S3Source::Identify(const std::string& rel) const {
+  ASSIGN_OR_RETURN(S3ObjectInfo o, client_->Head(Key(rel)));
+  return IdentityOf(o);
+}
+
+Result<std::unique_ptr<SourceObject>> S3Source::Open(const std::string& rel) const {
+  ASSIGN_OR_RETURN(S3ObjectInfo o, client_->Head(Key(rel)));
+  return std::unique_ptr<SourceObject>(std::make_unique<S3Object>(client_, std::move(o)));
+}
+
+std::string S3Source::DescribeChange(const SourceFile& a, const SourceFile& b) const {
+  if (a.size != b.size) return "size changed from " + std::to_string(a.size) + " to " + std::to_string(b.size);
+  if (a.inode != b.inode) return "replaced (ETag changed)";
+  return "";
+}
+
+bool S3Source::Contains(const std::string& rel) const {
+  // Keys have no links; only a path that climbs out is refused.
+  return rel != ".." && !rel.starts_with("../") && rel.find("/../") == std::string::npos && !rel.ends_with("/..");
+}
+
+std::optional<int64_t> S3Source::ChangeTimeNs(const std::string& rel) const {
+  auto o = client_->Head(Key(rel));
+  if (!o.ok()) return std::nullopt;
+  return o->last_modified_ns;
+}
+
+}  // namespace ckptfs

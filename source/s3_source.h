@@ -1,0 +1,54 @@
+// The S3 backend of source/source.h: a root `s3://BUCKET/PREFIX` whose
+// "directories" are key prefixes up to '/' (ListObjectsV2 with a delimiter)
+// and whose files are objects, read with ranged GETs (source/s3_client.h).
+//
+// Identity of an object: its size and ETag. SourceFile has no field for an
+// ETag, so its 64-bit FNV-1a hash is kept in `inode` (never 0) and the
+// Last-Modified time in mtime_ns (informative; not compared). An object is
+// opened with a HEAD whose ETag must hash to the indexed one, and every GET
+// of it carries If-Match on that ETag: bytes of two versions never mix, and
+// an object overwritten after indexing fails its next read (412 → Stale).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "source/s3_client.h"
+#include "source/source.h"
+
+namespace ckptfs {
+
+class S3Source : public Source {
+ public:
+  // Resolves `config`'s client; Probe() says whether it can be reached.
+  explicit S3Source(S3Config config);
+
+  // One request, no retries: a wrong endpoint, secret or bucket fails here
+  // at once with a message saying what to fix. An empty prefix (no object
+  // below it) is NotFound.
+  Status Probe() const;
+
+  const std::string& root() const override { return root_; }
+  Result<SourceListing> List(const std::string& rel) const override;
+  Result<SourceFile> Identify(const std::string& rel) const override;
+  Result<std::unique_ptr<SourceObject>> Open(const std::string& rel) const override;
+  std::string DescribeChange(const SourceFile& indexed, const SourceFile& now) const override;
+  bool Contains(const std::string& rel) const override;
+  // Both are the object's Last-Modified (S3 has no ctime).
+  std::optional<int64_t> ChangeTimeNs(const std::string& rel) const override;
+  std::optional<int64_t> ModifyTimeNs(const std::string& rel) const override { return ChangeTimeNs(rel); }
+  bool ReadsArePinned() const override { return true; }
+
+  const S3Config& config() const { return client_->config(); }
+
+ private:
+  std::string Key(const std::string& rel) const { return client_->config().location.prefix + rel; }
+
+  std::shared_ptr<S3Client> client_;
+  std::string root_;
+};
+
+// The identity value kept in SourceFile::inode for an ETag.
+uint64_t EtagIdentity(const std::string& etag);
+
+}  // namespace ckptfs
