@@ -117,6 +117,7 @@ struct S3Client::Request {
   bool ranged = false;
   uint64_t offset = 0, len = 0;
   char* dst = nullptr;  // ranged GETs write here
+  bool listing = false;  // a ListObjectsV2 page: must end with its closing tag
   std::string What() const {
     if (key.empty()) return "listing";
     std::string w = std::string(head ? "HEAD " : "GET ") + key;
@@ -279,7 +280,9 @@ S3Client::Response S3Client::Perform(const Request& r) const {
 namespace {
 
 // Why a response should be tried again, or "" when it should not.
-std::string RetryCause(const S3Client::Response& resp, bool ranged, uint64_t want) {
+std::string RetryCause(const S3Client::Response& resp, const S3Client::Request& r) {
+  const bool ranged = r.ranged;
+  const uint64_t want = r.len;
   switch (resp.curl) {
     case CURLE_OK: break;
     case CURLE_OPERATION_TIMEDOUT: return "timeout or stall (" + resp.curl_error + ")";
@@ -300,12 +303,16 @@ std::string RetryCause(const S3Client::Response& resp, bool ranged, uint64_t wan
   }
   if (ranged && (resp.http == 206 || resp.http == 200) && resp.received != want && !resp.overflow)
     return "short body (" + std::to_string(resp.received) + " of " + std::to_string(want) + " bytes)";
+  // A page cut short but consistent with its Content-Length would
+  // silently drop keys.
+  if (r.listing && resp.http == 200 && resp.body.find("</ListBucketResult>") == std::string::npos)
+    return "truncated listing (" + std::to_string(resp.body.size()) + " bytes, no closing tag)";
   return "";
 }
 
 }  // namespace
 
-S3Client::Response S3Client::PerformWithRetries(const Request& r, int max_attempts) const {
+S3Client::Response S3Client::PerformWithRetries(const Request& r, int max_attempts, bool retry_connect) const {
   thread_local std::mt19937_64 rng(std::random_device{}());
   const auto start = std::chrono::steady_clock::now();
   std::string cause;
@@ -313,8 +320,9 @@ S3Client::Response S3Client::PerformWithRetries(const Request& r, int max_attemp
     Response resp = Perform(r);
     resp.attempts = attempt;
     resp.last_retry_cause = cause;
-    cause = RetryCause(resp, r.ranged, r.len);
-    if (cause.empty() || attempt >= max_attempts) {
+    cause = RetryCause(resp, r);
+    const bool no_server = resp.curl == CURLE_COULDNT_CONNECT || resp.curl == CURLE_COULDNT_RESOLVE_HOST;
+    if (cause.empty() || attempt >= max_attempts || (no_server && !retry_connect)) {
       resp.last_retry_cause = cause;
       return resp;
     }
@@ -375,11 +383,12 @@ Result<S3ListPage> S3Client::List(const std::string& prefix) const {
   // Bounded: 10^6 pages of 1000 keys is more than any checkpoint root.
   for (int page = 0; page < 1'000'000; ++page) {
     Request r;
+    r.listing = true;
     // Sorted by name: the canonical query string of SigV4.
     r.query = (token.empty() ? "" : "continuation-token=" + Encode(token, false) + "&") +
               "delimiter=%2F&list-type=2&prefix=" + Encode(prefix, false);
     Response resp = PerformWithRetries(r, kMaxAttempts);
-    if (resp.curl != CURLE_OK || resp.http != 200) return Explain(r, resp);
+    if (resp.curl != CURLE_OK || resp.http != 200 || !resp.last_retry_cause.empty()) return Explain(r, resp);
     const std::string& xml = resp.body;
     for (size_t at = xml.find("<Contents>"); at != std::string::npos; at = xml.find("<Contents>", at + 1)) {
       const size_t end = xml.find("</Contents>", at);
@@ -406,9 +415,12 @@ Result<S3ListPage> S3Client::List(const std::string& prefix) const {
 
 Status S3Client::Probe(const std::string& prefix) const {
   Request r;
+  r.listing = true;
   r.query = "delimiter=%2F&list-type=2&max-keys=1&prefix=" + Encode(prefix, false);
-  Response resp = PerformWithRetries(r, 1);
-  if (resp.curl == CURLE_OK && resp.http == 200) return Status::OK();
+  // Answers of a server that is there are retried as always; no server
+  // at all fails at once.
+  Response resp = PerformWithRetries(r, kMaxAttempts, /*retry_connect=*/false);
+  if (resp.curl == CURLE_OK && resp.http == 200 && resp.last_retry_cause.empty()) return Status::OK();
   return Explain(r, resp);
 }
 

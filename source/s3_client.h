@@ -58,8 +58,8 @@ class S3Client {
   // (none when empty).
   Status Get(const std::string& key, const std::string& etag, uint64_t offset, uint64_t len, char* dst) const;
 
-  // One attempt, no retries: what a mount checks first, so that a wrong
-  // endpoint or secret fails at once.
+  // What a mount checks first: a wrong endpoint, secret or bucket fails at
+  // once (no server at all is not retried; a busy one is).
   Status Probe(const std::string& prefix) const;
 
   static constexpr int kMaxAttempts = 8;
@@ -76,7 +76,7 @@ class S3Client {
  private:
   struct Handle;
   Response Perform(const Request& r) const;
-  Response PerformWithRetries(const Request& r, int max_attempts) const;
+  Response PerformWithRetries(const Request& r, int max_attempts, bool retry_connect = true) const;
   std::string Url(const std::string& key, const std::string& query) const;
   std::unique_ptr<Handle> Borrow() const;
   void Return(std::unique_ptr<Handle> h) const;

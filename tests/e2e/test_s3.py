@@ -187,3 +187,39 @@ def test_commands_that_read_through_the_mount_tree_refuse_s3_roots(s3_env, ckptf
     s3_env["client"].put_object(Bucket=BUCKET, Key="refused/x.bin", Body=b"x")
     r = ckptfs("ls", f"s3://{BUCKET}/refused")
     assert r.returncode == 2 and b"not supported yet" in r.stderr, r.stderr.decode()
+
+
+def test_index_and_check_through_a_faulty_network_give_the_same_answer(main_ckpt, s3_env, ckptfs, monkeypatch):
+    from s3_fault_proxy import FaultProxy
+
+    prefix = "faulty/"
+    upload_tree(s3_env["client"], main_ckpt["out_dir"], prefix + "step 1/")
+    url = f"s3://{BUCKET}/{prefix}"
+    assert ckptfs("index", url).returncode == 0
+    clean = ckptfs("index", "--dump", url)
+    assert clean.returncode == 0, clean.stderr.decode()
+    proxy = FaultProxy(s3_env["port"], seed=11, p_slowdown=0.15, p_reset=0.15, p_truncate=0.15)
+    try:
+        via = ["--endpoint-url", f"http://127.0.0.1:{proxy.port}",
+               "--index", str(Path(os.environ["CKPTFS_INDEX_DIR"]) / "through-proxy")]
+        r = ckptfs("index", url, *via, timeout=600)
+        assert r.returncode == 0, r.stderr.decode()
+        dumped = ckptfs("index", "--dump", url, *via, timeout=600)
+        assert dumped.returncode == 0, dumped.stderr.decode()
+        r = ckptfs("check", url, *via, timeout=600)
+        assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
+    finally:
+        proxy.close()
+    for kind in ("slowdown", "reset", "truncate", "passed"):
+        assert proxy.counts[kind] > 0, proxy.counts
+
+    def rows(dump: bytes) -> list:
+        out = []
+        for line in dump.decode().splitlines():
+            row = json.loads(line)
+            if "\x00t" in row["key"] or "\x00f" in row["key"]:
+                out.append(json.dumps(row, sort_keys=True))
+        return sorted(out)
+
+    # Every tensor row and every file identity (size, ETag) as without faults.
+    assert rows(dumped.stdout) == rows(clean.stdout)
