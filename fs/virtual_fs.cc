@@ -220,7 +220,7 @@ Status VirtualFs::EnsureLoaded(int i) {
     }
     s->ckpt = std::move(*ckpt);
     s->reader = std::make_unique<SourceReader>(tree_.root(), &s->ckpt.files, GroupPolicy{}, 1ull << 30, options_.read);
-    if (options_.verify_checksums) s->reader->SetChecksumGate(std::make_unique<ChecksumGate>(s->ckpt));
+    if (options_.verify_checksums) UseChecksums(*s);
     s->access = AccessOf(tree_, s->ckpt);
     RETURN_IF_ERROR(BuildViews(i, SourceNode(s->dir, Node::Kind::kSourceDir)));
     s->resident = true;
@@ -229,6 +229,16 @@ Status VirtualFs::EnsureLoaded(int i) {
   }
   Touch(i);
   return Status::OK();
+}
+
+void VirtualFs::UseChecksums(Served& s) {
+  auto gate = std::make_unique<ChecksumGate>(s.ckpt);
+  // Said, not hidden: --verify-checksums checks nothing of a checkpoint
+  // without a writer's checksums.
+  if (gate->chunks() == 0)
+    Log(Join(s.dir, "") + ": --verify-checksums: no writer checksums in its index (not saved by ckptfs's writer, "
+        "or its commit record was refused: see `ckptfs index` and `ckptfs verify`); its reads are not checked");
+  s.reader->SetChecksumGate(std::move(gate));
 }
 
 void VirtualFs::Touch(int i) const {

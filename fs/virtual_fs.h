@@ -217,6 +217,8 @@ class VirtualFs {
   // For a source directory hosting a checkpoint: its views, loaded now if
   // not yet, and kept loaded while the returned pin lives.
   Pin EnsureViewsOf(const Node& dir);
+  // Gives a loaded checkpoint's reader its ChecksumGate (--verify-checksums).
+  void UseChecksums(Served& s);
   void Touch(int i) const;
   // Unloads least recently used checkpoints (never `keep`, never one with an
   // open file) until at most max_loaded are loaded.

@@ -217,7 +217,11 @@ int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::f
   mo.rescan_ms = f.rescan_ms;
   mo.log = [out](const std::string& line) { out->Write(LogLevel::kWarn, line); };
   mo.live.log = [out](const std::string& line) { out->Write(LogLevel::kInfo, line); };
-  mo.live.scan = [root = fs->root()](const std::string& rel) { return ScanCheckpointDir(root, rel); };
+  mo.live.scan = [root = fs->root(), out](const std::string& rel) {
+    ScanOptions so;
+    so.warn = [out](const std::string& line) { out->Write(LogLevel::kWarn, line); };
+    return ScanCheckpointDir(root, rel, so);
+  };
   mo.live.resaved = [root = fs->root()](const std::string& rel) { return CommitPointIsNewest(root, rel); };
   mo.live.commit = [store](const Checkpoint& ckpt) { return store->Commit(ckpt); };
   mo.live.remove = [store](const std::string& dir) { return store->Remove(dir); };
