@@ -204,7 +204,8 @@ std::vector<ShardingRule> FamilyRules(const std::string& preset) {
     };
   if (preset == "llama4")
     return {
-        // vLLM runs Llama-4's vision tower data-parallel (whole on each rank).
+        // The vision tower's heads are not the text model's (text_config's);
+        // vLLM can run it data-parallel, whole on each rank.
         Rule(R"((^|\.)(vision_model|multi_modal_projector)\.)", SplitKind::kReplicate),
         // Fused experts are stored [E, H, 2I] and [E, I, H]: vLLM transposes
         // them on load, then cuts gate and up (and down's input) over tp.

@@ -350,6 +350,10 @@ TEST(PlaceTensor, Gpt2Conv1DIsCutOnItsOutputColumns) {
   EXPECT_EQ(BoxesOf(h + "ln_1.weight", {32}, "tp2", rules)[1], std::vector<Box>{Box::Whole({32})});
   auto tp3 = Slices(Tensor(h + "attn.c_attn.weight", {32, 96}), *ParseMeshSpec("tp3"), rules, {1, 0});
   EXPECT_NE(tp3.status().message().find("tp3 does not divide num_attention_heads 4"), std::string::npos);
+  // Its layers are h.<i>., not layers.<i>.: pp has no layers to stage.
+  TensorMeta ln = Tensor(h + "ln_1.weight", {32});
+  auto pp2 = Slices(ln, *ParseMeshSpec("pp2"), rules, CountModel({{ln.fqn, ln.shape}}));
+  EXPECT_NE(pp2.status().message().find("pp2 needs at least 2 layers; the checkpoint has 0"), std::string::npos);
 }
 
 // Regression: without config.json the names-based preset cut Llama-4's
