@@ -51,6 +51,16 @@ FAMILIES = {
 }
 
 
+def _randomise(model) -> None:
+    """Norm weights start at 1 (Gemma's at 0), biases and routing biases at
+    0: randomise them so a rank that got the wrong slice, or none, cannot
+    pass by accident."""
+    with torch.no_grad():
+        for n, p in model.state_dict().items():
+            if p.is_floating_point() and ("norm" in n or "ln_" in n or n.endswith("bias")):
+                p.add_(torch.randn_like(p) * 0.1)
+
+
 def build(name: str):
     import transformers
     cfg_cls, model_cls, kwargs = FAMILIES[name]
@@ -58,13 +68,7 @@ def build(name: str):
     config._attn_implementation = "eager"
     torch.manual_seed(1234)
     model = getattr(transformers, model_cls)(config).eval()
-    # Norm weights start at 1 (Gemma's at 0), biases and routing biases at
-    # 0: randomise them so a rank that got the wrong slice, or none, cannot
-    # pass by accident.
-    with torch.no_grad():
-        for n, p in model.state_dict().items():
-            if p.is_floating_point() and ("norm" in n or "ln_" in n or n.endswith("bias")):
-                p.add_(torch.randn_like(p) * 0.1)
+    _randomise(model)
     return config, model
 
 
@@ -114,6 +118,31 @@ def write_family(name: str, out_dir: str, *, layout: str = "fused") -> dict:
     ids = torch.tensor(INPUT_IDS)
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
+    return {"config": config.to_dict(), "state_dict": sd, "input_ids": ids, "logits": logits}
+
+
+# A vision tower whose 3 heads tp2 cannot hold whole, next to the llama4
+# text model.
+LLAMA4_VISION = dict(hidden_size=24, num_hidden_layers=1, num_attention_heads=3, intermediate_size=32, image_size=28,
+                     patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32,
+                     pixel_shuffle_ratio=0.5)
+
+
+def write_llama4_multimodal(out_dir: str) -> dict:
+    """Llama4ForConditionalGeneration saved by its own save_pretrained (the
+    names Meta's checkpoints use: language_model.model.*, vision_model.*,
+    multi_modal_projector.*) in several files; its language model's logits."""
+    import transformers
+    config = transformers.Llama4Config(text_config=FAMILIES["llama4"][2], vision_config=LLAMA4_VISION)
+    config._attn_implementation = "eager"
+    torch.manual_seed(1234)
+    model = transformers.Llama4ForConditionalGeneration(config).eval()
+    _randomise(model)
+    model.save_pretrained(out_dir, max_shard_size="40KB")
+    ids = torch.tensor(INPUT_IDS)
+    with torch.no_grad():  # its language model: without images the full forward has nothing else to do
+        logits = model.language_model(input_ids=ids).logits.float()
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"config": config.to_dict(), "state_dict": sd, "input_ids": ids, "logits": logits}
 
 

@@ -58,8 +58,10 @@ def root(base) -> str:
 
 @pytest.fixture(scope="module")
 def models(root) -> dict:
-    return {name: families_gen.write_family(fam, os.path.join(root, name), layout=layout)
-            for name, (fam, layout) in CKPTS.items()}
+    out = {name: families_gen.write_family(fam, os.path.join(root, name), layout=layout)
+           for name, (fam, layout) in CKPTS.items()}
+    out["llama4_mm"] = families_gen.write_llama4_multimodal(os.path.join(root, "llama4_mm"))
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -258,3 +260,32 @@ def test_without_config_json_fused_experts_are_held_whole_with_a_note(models, mo
     assert sum(NOTE in line for line in mount.log().splitlines()) >= 1, mount.log()
     r = harness.run_ckptfs("ls", os.path.join(root, "llama4_names_only"), "--mesh", "tp2", env=env)
     assert r.returncode == 0 and NOTE in r.stderr, harness.describe(r)
+
+
+def strip_prefix(views, prefix: str):
+    """The views' tensors under `prefix`, renamed without it (layout.json too)."""
+    out = []
+    for t, layout in views:
+        tensors = {k[len(prefix):]: v for k, v in t.items() if k.startswith(prefix)}
+        entries = {k[len(prefix):]: v for k, v in layout["tensors"].items() if k.startswith(prefix)}
+        out.append((tensors, dict(layout, tensors=entries)))
+    return out
+
+
+def test_llama4_multimodal_cuts_the_language_model_and_holds_the_vision_tower_whole(models, mount):
+    """Llama4ForConditionalGeneration as save_pretrained writes it: the
+    language model (head counts from text_config) is cut, so a TP forward
+    over its rank tensors gives the model's logits; the vision tower (3
+    heads, which tp2 cannot hold whole) and the projector are whole."""
+    info = models["llama4_mm"]
+    sd = info["state_dict"]
+    views = read_ranks(mount, "llama4_mm", "tp2", 2)
+    assert views[0][1]["rules"] == "llama4"
+    whole = [k for k in sd if k.startswith(("vision_model.", "multi_modal_projector."))]
+    assert any("self_attn.q_proj" in k for k in whole)
+    for t, _ in views:
+        assert all(torch.equal(t[k], sd[k]) for k in whole)
+    with torch.no_grad():
+        got = tp_forward_modules("llama4", strip_prefix(views, "language_model."), 2, info["input_ids"][0])
+    want = info["logits"][0]
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-4), f"max |diff| {(got - want).abs().max().item()}"
