@@ -359,8 +359,8 @@ std::vector<std::string> MeshNotes(const MeshSpec& spec, const ShardingRules& ru
   std::string why = !rules.unknown_model.empty()
                         ? rules.unknown_model
                         : "no rule of the '" + rules.preset + "' rules matched a tensor it could split";
-  notes.push_back("tp" + std::to_string(spec.tp) + " split nothing: " + why +
-                  "; every rank holds whole copies. Say how to split with `ckptfs mount --rules FILE` (see mesh/README)");
+  notes.push_back("tp" + std::to_string(spec.tp) + " split nothing: " + why + "; every rank holds whole copies. " +
+                  "Say how to split with `ckptfs mount --rules FILE` (see mesh/README)");
   return notes;
 }
 

@@ -376,8 +376,8 @@ TEST(PlaceTensor, RegressionNamesOnlyNeverCutFusedExpertsOnAGuessedDim) {
   auto ep = BoxesOf(e + "down_proj", {4, 24, 32}, "tp2-ep2", rules);
   EXPECT_EQ(ep[3], (std::vector<Box>{Box{{2, 0, 0}, {2, 24, 32}}}));
   // config.json says which layout it is: no note, cut.
-  auto known = PlaceTensor({4, 24, 32}, e + "down_proj", *ParseMeshSpec("tp2"), PresetRules(Facts("llama4", 0, 0), names),
-                           {2, 4});
+  auto llama4 = PresetRules(Facts("llama4", 0, 0), names);
+  auto known = PlaceTensor({4, 24, 32}, e + "down_proj", *ParseMeshSpec("tp2"), llama4, {2, 4});
   EXPECT_EQ(known->dim, 1);
   EXPECT_TRUE(known->note.empty());
   // A rules file can say how to cut them.

@@ -330,7 +330,8 @@ TEST(MeshView, NamesOnlyFusedExpertsAreHeldWholeWithOneNote) {
   EXPECT_NE(mesh->notes[0].find("held whole on every tp rank"), std::string::npos) << mesh->notes[0];
   auto lj = nlohmann::json::parse(Literal(*Named(mesh->ranks[1], "layout.json")));
   EXPECT_EQ(lj["notes"][0], mesh->notes[0]);
-  EXPECT_EQ(lj["tensors"]["model.layers.1.feed_forward.experts.down_proj"]["lengths"], (std::vector<uint64_t>{2, 3, 4}));
+  const auto& down = lj["tensors"]["model.layers.1.feed_forward.experts.down_proj"];
+  EXPECT_EQ(down["lengths"], (std::vector<uint64_t>{2, 3, 4}));
   EXPECT_EQ(lj["tensors"]["model.embed_tokens.weight"]["lengths"], (std::vector<uint64_t>{4, 4}));
 }
 
