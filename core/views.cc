@@ -346,17 +346,22 @@ nlohmann::ordered_json SliceJson(const TensorSlice& s, const std::string& file) 
 }
 
 // What a user should know about the spec as a whole (layout.json "notes",
-// and the log): a tp spec that split nothing, and why.
+// and the log): tensors a rule holds whole for a reason (each reason once),
+// a tp spec that split nothing, and why.
 std::vector<std::string> MeshNotes(const MeshSpec& spec, const ShardingRules& rules,
                                    const std::vector<TensorPlacement>& placements) {
   if (spec.tp == 1) return {};
+  std::vector<std::string> notes;
+  for (const TensorPlacement& p : placements)
+    if (!p.note.empty() && std::find(notes.begin(), notes.end(), p.note) == notes.end()) notes.push_back(p.note);
   bool split = std::any_of(placements.begin(), placements.end(), [](const TensorPlacement& p) { return p.dim >= 0; });
-  if (split) return {};
+  if (split) return notes;
   std::string why = !rules.unknown_model.empty()
                         ? rules.unknown_model
                         : "no rule of the '" + rules.preset + "' rules matched a tensor it could split";
-  return {"tp" + std::to_string(spec.tp) + " split nothing: " + why +
-          "; every rank holds whole copies. Say how to split with `ckptfs mount --rules FILE` (see mesh/README)"};
+  notes.push_back("tp" + std::to_string(spec.tp) + " split nothing: " + why + "; every rank holds whole copies. " +
+                  "Say how to split with `ckptfs mount --rules FILE` (see mesh/README)");
+  return notes;
 }
 
 // One rank's folder: its slices in safetensors file(s), the sidecars, and
@@ -464,9 +469,11 @@ std::string MeshReadme(const ShardingRules& rules) {
   s += "Rules in use (" + rules.preset + "; first match wins, no match = replicated):\n";
   for (const auto& r : rules.rules)
     s += "  " + r.pattern + "  ->  " + SplitKindName(r.kind) +
-         (r.kind == SplitKind::kDim ? " " + std::to_string(r.dim) : "") + "\n";
+         (r.kind == SplitKind::kDim ? " " + std::to_string(r.dim) : "") + (r.transposed ? " (stored [in, out])" : "") +
+         (r.note.empty() ? "" : "\n      " + r.note) + "\n";
   s += "\nOverride or extend with `ckptfs mount --rules FILE` (JSON: {\"rules\": [{\"pattern\": REGEX,\n"
-       "\"kind\": column|row|vocab|replicate|dim|q_heads|kv_heads|qkv|gate_up, \"dim\": N}]}).\n";
+       "\"kind\": column|row|vocab|replicate|dim|q_heads|kv_heads|qkv|gate_up, \"dim\": N,\n"
+       "\"transposed\": true for weights stored [in, out]}]}).\n";
   return s;
 }
 
