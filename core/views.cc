@@ -99,10 +99,17 @@ std::string FileProblem(const SliceList& list, const Checkpoint& ckpt) {
 }
 
 // Safetensors files (+ index.json when more than one) for `groups`, then
-// the sidecars. Fills *file_of (fqn -> file name) when given.
+// the sidecars. Fills *file_of (fqn -> file name) when given. A PEFT adapter
+// keeps its weights in one file named as peft names it: peft reads no other
+// name and no sharded adapter.
 Result<std::vector<ViewFile>> HfFolder(const std::vector<SliceList>& groups, const Checkpoint& ckpt,
                                        const std::vector<SourceFile>& files,
                                        std::map<std::string, std::string>* file_of = nullptr) {
+  const bool adapter = IsPeftAdapter(ckpt);
+  if (adapter && groups.size() > 1)
+    return Status::NotSupported("a PEFT adapter's weights must fit one adapter_model.safetensors (peft reads no "
+                                "sharded adapter); these would take " + std::to_string(groups.size()) +
+                                " files: raise --max-file-size");
   std::vector<ViewFile> out;
   uint64_t total = 0;
   std::map<std::string, std::string> names;  // fqn -> file, sorted for the index
@@ -110,7 +117,8 @@ Result<std::vector<ViewFile>> HfFolder(const std::vector<SliceList>& groups, con
     SliceList list = groups[i];
     SortForSafetensors(list);
     ASSIGN_OR_RETURN(Layout layout, SafetensorsFileLayout(list, kHfMetadata));
-    std::string name = groups.size() == 1 ? "model.safetensors" : ShardName(i, groups.size());
+    std::string name = adapter ? kPeftWeightsName
+                       : groups.size() == 1 ? "model.safetensors" : ShardName(i, groups.size());
     for (const TensorSlice& s : list) {
       names.emplace_hint(names.end(), s.entry_name(), name);
       total += s.nbytes();
@@ -157,6 +165,8 @@ std::string TopKey(const TensorMeta& t) {
 }
 
 }  // namespace
+
+bool IsPeftAdapter(const Checkpoint& ckpt) { return ckpt.sidecars.count(kPeftConfigName) > 0; }
 
 Result<SliceList> ModelWeights(const Checkpoint& ckpt, const ConsolidatedOptions& options) {
   SliceList out;

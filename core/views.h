@@ -49,10 +49,18 @@ struct ConsolidatedOptions {
 // an error.
 Result<SliceList> ModelWeights(const Checkpoint& ckpt, const ConsolidatedOptions& options);
 
+// A PEFT adapter folder (adapter_config.json beside the weights): its
+// consolidated/ is again an adapter folder, weights in kPeftWeightsName.
+inline constexpr const char* kPeftConfigName = "adapter_config.json";
+inline constexpr const char* kPeftWeightsName = "adapter_model.safetensors";
+bool IsPeftAdapter(const Checkpoint& ckpt);
+
 // The Hugging Face folder for `ckpt`: model.safetensors, or
 // model-0000i-of-0000N.safetensors + model.safetensors.index.json (split by
 // ckpt.file_index when present, else by max_file_bytes and the header cap),
-// plus the sidecar files. `files` is the catalog's file table.
+// plus the sidecar files. `files` is the catalog's file table. For a PEFT
+// adapter, adapter_model.safetensors (NotSupported when it would need
+// more than one file).
 Result<std::vector<ViewFile>> ConsolidatedView(const Checkpoint& ckpt,
                                                const std::vector<SourceFile>& files,
                                                const ConsolidatedOptions& options);
