@@ -49,6 +49,23 @@ struct ConsolidatedOptions {
 // an error.
 Result<SliceList> ModelWeights(const Checkpoint& ckpt, const ConsolidatedOptions& options);
 
+// A dtype view of a folder (`consolidated.bf16/`, `mesh/tp2.fp16/`): every
+// castable tensor (core/cast.h) not already in `to` is cast on read; tensors
+// whose name in the view matches `keep` (std::regex, ECMAScript, searched)
+// are served as saved. config.json is rewritten to name the served dtype:
+// `dtype`, and `torch_dtype` where the source has it (in sub-configs such as
+// text_config too); `config_json` is the source's text ("" when it has none).
+struct DTypeView {
+  DType to = DType::kBF16;
+  std::string keep;
+  std::string config_json;
+};
+
+// Marks the slices a dtype view casts. InvalidArgument for a bad `keep`.
+Status CastSlices(SliceList& slices, const DTypeView& view);
+// `config_json` with its dtype fields set to `to` (see DTypeView).
+Result<std::string> ConfigForDType(const std::string& config_json, DType to);
+
 // A PEFT adapter folder (adapter_config.json beside the weights): its
 // consolidated/ is again an adapter folder, weights in kPeftWeightsName.
 inline constexpr const char* kPeftConfigName = "adapter_config.json";
@@ -61,9 +78,11 @@ bool IsPeftAdapter(const Checkpoint& ckpt);
 // plus the sidecar files. `files` is the catalog's file table. For a PEFT
 // adapter, adapter_model.safetensors (NotSupported when it would need
 // more than one file).
+// With `dtype`, the folder's dtype view (consolidated.<dtype>/).
 Result<std::vector<ViewFile>> ConsolidatedView(const Checkpoint& ckpt,
                                                const std::vector<SourceFile>& files,
-                                               const ConsolidatedOptions& options);
+                                               const ConsolidatedOptions& options,
+                                               const DTypeView* dtype = nullptr);
 
 // Every rank's folder under `spec`: its slice of each tensor it holds (in
 // model.safetensors, or split files + index.json when large), the sidecars,
@@ -77,7 +96,8 @@ struct MeshFiles {
   std::vector<std::string> notes;
 };
 Result<MeshFiles> MeshView(const Checkpoint& ckpt, const std::vector<SourceFile>& files, const MeshSpec& spec,
-                           const ShardingRules& rules, const ConsolidatedOptions& options);
+                           const ShardingRules& rules, const ConsolidatedOptions& options,
+                           const DTypeView* dtype = nullptr);
 
 // tensors/: one NumPy .npy file per tensor (NPY 1.0 header + C-order data),
 // named EscapeFileName(fqn) + ".npy". Dtypes NumPy lacks (BF16, F8_*, F4,
