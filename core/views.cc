@@ -177,6 +177,13 @@ std::string TopKey(const TensorMeta& t) {
 
 bool IsPeftAdapter(const Checkpoint& ckpt) { return ckpt.sidecars.count(kPeftConfigName) > 0; }
 
+std::string MergedViewRefusal(const Checkpoint& ckpt) {
+  if (!IsPeftAdapter(ckpt)) return "";
+  return "merged/: not created: merging PEFT adapters on read is not supported by this version of ckptfs "
+         "(consolidated/ serves the adapter itself); merge with peft's PeftModel.merge_and_unload() and "
+         "save_pretrained()";
+}
+
 Result<SliceList> ModelWeights(const Checkpoint& ckpt, const ConsolidatedOptions& options) {
   SliceList out;
   std::map<std::string, std::string> seen;  // name -> fqn

@@ -72,6 +72,12 @@ inline constexpr const char* kPeftConfigName = "adapter_config.json";
 inline constexpr const char* kPeftWeightsName = "adapter_model.safetensors";
 bool IsPeftAdapter(const Checkpoint& ckpt);
 
+// Why a PEFT adapter folder has no merged/ (its base with the adapter
+// merged on read): "" for a folder that is no adapter. Merging is not built
+// yet, so every adapter gets the reason and a way to merge meanwhile; the
+// mount logs it and `ckptfs check` reports it.
+std::string MergedViewRefusal(const Checkpoint& ckpt);
+
 // The Hugging Face folder for `ckpt`: model.safetensors, or
 // model-0000i-of-0000N.safetensors + model.safetensors.index.json (split by
 // ckpt.file_index when present, else by max_file_bytes and the header cap),

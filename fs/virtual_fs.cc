@@ -320,6 +320,7 @@ Status VirtualFs::BuildViews(int i, Node* dir) {
     pending.push_back({"consolidated", std::move(*files)});
   else
     Log(Join(ckpt.dir, "consolidated") + ": not created: " + files.status().message());
+  if (std::string why = MergedViewRefusal(ckpt); !why.empty()) Log(Join(ckpt.dir, why));
   pending.push_back({"tensors", {}, false, true});
   if (auto items = BytesView(ckpt); !items.empty()) pending.push_back({"bytes", std::move(items)});
   if (auto rules = RulesFor(ckpt); rules.ok()) {

@@ -67,3 +67,16 @@ def test_adapter_consolidated_is_an_adapter_folder(adapter_root, mount_factory):
         through = peft.PeftModel.from_pretrained(tiny_llama(), view).eval()
         with torch.no_grad():
             assert torch.equal(through(ids).logits, ref(ids).logits)
+
+
+def test_adapter_without_merge_support_says_why(adapter_root, mount_factory, ckptfs):
+    """No merged/ is served (never a wrong one); the log and `ckptfs check`
+    say why and how to merge meanwhile."""
+    root, _, _ = adapter_root
+    with mount_factory(root) as m:
+        assert not os.path.exists(m.p("adapter", "merged"))
+        assert "adapter/merged/: not created: merging PEFT adapters on read is not supported" in m.log()
+    r = ckptfs("check", root)
+    out = r.stdout.decode()
+    assert r.returncode == 5, out
+    assert "adapter: merged/: not created" in out and "merge_and_unload()" in out, out
