@@ -197,3 +197,54 @@ def test_transformers_loads_bf16_view_with_the_cast_models_logits(tmp_path, moun
                 assert_bits_equal(cast[k], v.to(torch.bfloat16), f"tp2.bf16 {rank} {k}")
             with open(m.p("llama", "mesh", "tp2.bf16", rank, "layout.json")) as f:
                 assert all(t["dtype"] == "BF16" for t in json.load(f)["tensors"].values())
+
+
+def test_eight_readers_by_mmap_and_read_get_exact_bytes(tmp_path, mount_factory):
+    """8 readers at once (4 mapping the file and touching pages in random
+    order, 4 reading it with read() in 1 MiB calls) of a bf16 view whose
+    blocks outnumber what the cache may keep: every byte as torch casts it."""
+    import mmap
+    import struct
+    import threading
+    g = torch.Generator().manual_seed(2)
+    src = torch.randn(6000, 2048, generator=g)  # 24 MiB of bf16: 6 blocks
+    os.makedirs(tmp_path / "m")
+    save_file({"w": src}, str(tmp_path / "m" / "model.safetensors"))
+    want = src.to(torch.bfloat16).view(torch.int16).numpy().tobytes()
+    with mount_factory(str(tmp_path), "--compute-cache-mib", "8") as m:
+        path = m.p("m", "consolidated.bf16", "model.safetensors")
+        with open(path, "rb") as f:
+            n = struct.unpack("<Q", f.read(8))[0]
+            header = json.loads(f.read(n))
+        start = 8 + n + header["w"]["data_offsets"][0]
+        results, errors = {}, []
+
+        def by_mmap(k):
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                pages = list(range(start, start + len(want), 4096))
+                random.Random(k).shuffle(pages)
+                got = bytearray(len(want))
+                for p in pages:
+                    end = min(p + 4096, start + len(want))
+                    got[p - start:end - start] = mm[p:end]
+                results[k] = bytes(got)
+
+        def by_read(k):
+            with open(path, "rb", buffering=0) as f:
+                f.seek(start)
+                results[k] = f.read(len(want))
+
+        def run(fn, k):
+            try:
+                fn(k)
+            except Exception as e:  # reported below, with the reader's number
+                errors.append(f"reader {k}: {e!r}")
+
+        threads = [threading.Thread(target=run, args=(by_mmap if k < 4 else by_read, k)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        for k in range(8):
+            assert results[k] == want, f"reader {k} got other bytes"
