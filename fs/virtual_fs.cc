@@ -182,11 +182,13 @@ void VirtualFs::DropKernelEntries(const Detached& old) const {
 
 void VirtualFs::RemoveCheckpoint(const std::string& dir) {
   Detached old;
+  int removed = -1;
   {
     std::unique_lock lock(mu_);
     int i = HostedBy(dir);
     if (i < 0) return;
     served_[i]->removed = true;
+    removed = i;
     hosted_.erase(dir);
     if (auto it = source_inos_.find(dir); it != source_inos_.end()) {
       Node* n = nodes_[it->second - 1].get();
@@ -196,6 +198,7 @@ void VirtualFs::RemoveCheckpoint(const std::string& dir) {
       old.dir_ino = n->ino;
     }
   }
+  if (removed >= 0) compute_->Drop(removed);  // nothing new can look them up
   DropKernelEntries(old);
 }
 
