@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <iostream>
 #include <mutex>
 #include <set>
@@ -267,6 +268,17 @@ static std::optional<FsOptions> MakeFsOptions(const Common& c, int* exit_code,
   FsOptions fo;
   fo.consolidated.max_file_bytes = c.max_file_bytes;
   fo.max_loaded = c.max_loaded;
+  fo.compute_cache_bytes = c.compute_cache_mib << 20;
+  if (!c.keep_dtype.empty()) {
+    try {
+      std::regex check(c.keep_dtype);
+    } catch (const std::regex_error& e) {
+      Error("--keep-dtype '" + c.keep_dtype + "' is not a valid regular expression (ECMAScript): " + e.what());
+      *exit_code = kExitUsage;
+      return std::nullopt;
+    }
+    fo.keep_dtype = c.keep_dtype;
+  }
   if (!c.rules.empty()) {
     std::ifstream f(c.rules);
     if (!f) {

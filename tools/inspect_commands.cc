@@ -19,6 +19,7 @@
 #include "core/convert.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
+#include "core/views.h"
 #include "indexer/file_table.h"
 #include "indexer/scan.h"
 #include "indexer/posix_io.h"
@@ -306,6 +307,7 @@ int RunCheck(const Common& c) {
   std::vector<std::string> problems = FindInterruptedSaves(catalog->root);
   for (const Checkpoint& ck : catalog->checkpoints) {
     for (const std::string& p : ck.problems) problems.push_back(Where(ck) + ": " + p);
+    if (std::string why = MergedViewRefusal(ck); !why.empty()) problems.push_back(Where(ck) + ": " + why);
     std::vector<bool> changed;
     ChangedSources(catalog->root, ck, &changed, &problems);
     UnreadableChunks(catalog->root, ck, changed, &problems);

@@ -398,5 +398,35 @@ TEST(ConsolidatedView, SidecarFoldersKeepTheirPaths) {
   EXPECT_EQ(f->layout->size(), 9u);
 }
 
+TEST(DTypeView, ConfigNamesTheServedDTypeInEveryConfigThatHasOne) {
+  auto text = ConfigForDType(R"({"model_type": "llava", "torch_dtype": "float32",
+                                 "text_config": {"torch_dtype": "float32", "hidden_size": 8},
+                                 "vision_config": {"hidden_size": 4}})",
+                             DType::kBF16);
+  ASSERT_TRUE(text.ok());
+  auto j = nlohmann::json::parse(*text);
+  EXPECT_EQ(j["dtype"], "bfloat16");
+  EXPECT_EQ(j["torch_dtype"], "bfloat16");
+  EXPECT_EQ(j["text_config"]["torch_dtype"], "bfloat16");
+  EXPECT_FALSE(j["vision_config"].contains("torch_dtype"));  // none to rename
+  EXPECT_FALSE(ConfigForDType("[1, 2]", DType::kF16).ok());
+}
+
+TEST(DTypeView, CastsFloatsNotKeptNotAlreadyInTheDType) {
+  Checkpoint ck;
+  ck.tensors = {Whole("a.weight", DType::kF32, {2}), Whole("b.router.bias", DType::kF32, {2}),
+                Whole("c.ids", DType::kI64, {2}), Whole("d.weight", DType::kBF16, {2}),
+                Whole("e.packed", DType::kF4, {2})};
+  auto slices = ModelWeights(ck, {});
+  ASSERT_TRUE(slices.ok());
+  ASSERT_TRUE(CastSlices(*slices, {DType::kBF16, "router", ""}).ok());
+  std::map<std::string, bool> cast;
+  for (const TensorSlice& sl : *slices) cast[sl.entry_name()] = sl.cast.has_value();
+  EXPECT_EQ(cast, (std::map<std::string, bool>{
+                      {"a.weight", true}, {"b.router.bias", false}, {"c.ids", false}, {"d.weight", false},
+                      {"e.packed", false}}));
+  EXPECT_EQ(CastSlices(*slices, {DType::kBF16, "(", ""}).code(), Status::Code::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace ckptfs
