@@ -307,7 +307,9 @@ int RunCheck(const Common& c) {
   std::vector<std::string> problems = FindInterruptedSaves(catalog->root);
   for (const Checkpoint& ck : catalog->checkpoints) {
     for (const std::string& p : ck.problems) problems.push_back(Where(ck) + ": " + p);
-    if (std::string why = MergedViewRefusal(ck); !why.empty()) problems.push_back(Where(ck) + ": " + why);
+    // A view ckptfs does not offer is no fault of the checkpoint: said, not counted.
+    if (std::string why = MergedViewRefusal(ck); !why.empty())
+      std::fprintf(stderr, "ckptfs: note: %s: %s\n", Where(ck).c_str(), why.c_str());
     std::vector<bool> changed;
     ChangedSources(catalog->root, ck, &changed, &problems);
     UnreadableChunks(catalog->root, ck, changed, &problems);

@@ -77,6 +77,6 @@ def test_adapter_without_merge_support_says_why(adapter_root, mount_factory, ckp
         assert not os.path.exists(m.p("adapter", "merged"))
         assert "adapter/merged/: not created: merging PEFT adapters on read is not supported" in m.log()
     r = ckptfs("check", root)
-    out = r.stdout.decode()
-    assert r.returncode == 5, out
-    assert "adapter: merged/: not created" in out and "merge_and_unload()" in out, out
+    out, err = r.stdout.decode(), r.stderr.decode()
+    assert r.returncode == 0, out + err  # the adapter itself is sound
+    assert "note: adapter: merged/: not created" in err and "merge_and_unload()" in err, err
