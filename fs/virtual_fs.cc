@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/cast.h"
 #include "core/planner.h"
 #include "source/checksums.h"
 
@@ -76,7 +77,10 @@ int64_t MtimeNs(const struct stat& st) {
 }  // namespace
 
 VirtualFs::VirtualFs(FsOptions options, SourceTree tree, CheckpointLoader loader)
-    : options_(std::move(options)), tree_(std::move(tree)), loader_(std::move(loader)) {
+    : options_(std::move(options)),
+      tree_(std::move(tree)),
+      loader_(std::move(loader)),
+      compute_(std::make_unique<ComputeCache>(options_.compute_cache_bytes)) {
   mounted_at_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
                        std::chrono::system_clock::now().time_since_epoch())
                        .count();
@@ -179,11 +183,13 @@ void VirtualFs::DropKernelEntries(const Detached& old) const {
 
 void VirtualFs::RemoveCheckpoint(const std::string& dir) {
   Detached old;
+  int removed = -1;
   {
     std::unique_lock lock(mu_);
     int i = HostedBy(dir);
     if (i < 0) return;
     served_[i]->removed = true;
+    removed = i;
     hosted_.erase(dir);
     if (auto it = source_inos_.find(dir); it != source_inos_.end()) {
       Node* n = nodes_[it->second - 1].get();
@@ -193,6 +199,7 @@ void VirtualFs::RemoveCheckpoint(const std::string& dir) {
       old.dir_ino = n->ino;
     }
   }
+  if (removed >= 0) compute_->Drop(removed);  // nothing new can look them up
   DropKernelEntries(old);
 }
 
@@ -221,7 +228,7 @@ Status VirtualFs::EnsureLoaded(int i) {
     }
     s->ckpt = std::move(*ckpt);
     s->reader = std::make_unique<SourceReader>(tree_.root(), &s->ckpt.files, GroupPolicy{}, 1ull << 30, options_.read);
-    if (options_.verify_checksums) s->reader->SetChecksumGate(std::make_unique<ChecksumGate>(s->ckpt));
+    if (options_.verify_checksums) UseChecksums(*s);
     s->access = AccessOf(tree_, s->ckpt);
     RETURN_IF_ERROR(BuildViews(i, SourceNode(s->dir, Node::Kind::kSourceDir)));
     s->resident = true;
@@ -230,6 +237,16 @@ Status VirtualFs::EnsureLoaded(int i) {
   }
   Touch(i);
   return Status::OK();
+}
+
+void VirtualFs::UseChecksums(Served& s) {
+  auto gate = std::make_unique<ChecksumGate>(s.ckpt);
+  // Said, not hidden: --verify-checksums checks nothing of a checkpoint
+  // without a writer's checksums.
+  if (gate->chunks() == 0)
+    Log(Join(s.dir, "") + ": --verify-checksums: no writer checksums in its index (not saved by ckptfs's writer, "
+        "or its commit record was refused: see `ckptfs index` and `ckptfs verify`); its reads are not checked");
+  s.reader->SetChecksumGate(std::move(gate));
 }
 
 void VirtualFs::Touch(int i) const {
@@ -271,6 +288,7 @@ bool VirtualFs::Evict(int i) {
   DropKernelEntries(old);
   layouts.clear();
   std::lock_guard<std::mutex> load(victim->load_mu);
+  compute_->Drop(i);
   victim->reader.reset();
   victim->ckpt = Checkpoint();
   ReturnFreedMemory();
@@ -316,6 +334,7 @@ Status VirtualFs::BuildViews(int i, Node* dir) {
     pending.push_back({"consolidated", std::move(*files)});
   else
     Log(Join(ckpt.dir, "consolidated") + ": not created: " + files.status().message());
+  if (std::string why = MergedViewRefusal(ckpt); !why.empty()) Log(Join(ckpt.dir, why));
   pending.push_back({"tensors", {}, false, true});
   if (auto items = BytesView(ckpt); !items.empty()) pending.push_back({"bytes", std::move(items)});
   if (auto rules = RulesFor(ckpt); rules.ok()) {
@@ -337,17 +356,71 @@ Status VirtualFs::BuildViews(int i, Node* dir) {
   return Status::OK();
 }
 
+namespace {
+
+// The text of sidecar `name` of `ckpt` ("" when it has none or it cannot be read).
+std::string ReadSidecar(const std::string& root, const Checkpoint& ckpt, const std::string& name) {
+  auto it = ckpt.sidecars.find(name);
+  if (it == ckpt.sidecars.end()) return "";
+  std::ifstream f(root + "/" + ckpt.files[it->second].path);
+  std::stringstream text;
+  text << f.rdbuf();
+  return text.str();
+}
+
+// "tp2.bf16" -> {"tp2", "bf16"}; "tp2" -> {"tp2", ""}.
+std::pair<std::string, std::string> SplitDTypeSuffix(const std::string& name) {
+  const size_t dot = name.rfind('.');
+  if (dot == std::string::npos) return {name, ""};
+  return {name.substr(0, dot), name.substr(dot + 1)};
+}
+
+}  // namespace
+
+Result<DTypeView> VirtualFs::DTypeViewFor(const Checkpoint& ckpt, const std::string& suffix) const {
+  auto to = ParseViewDType(suffix);
+  if (!to) return Status::NotFound("unknown dtype '" + suffix + "': the dtype views are .bf16, .fp16 and .fp32");
+  DTypeView view{*to, options_.keep_dtype, ""};
+  if (ckpt.sidecars.count("config.json")) view.config_json = ReadSidecar(tree_.root(), ckpt, "config.json");
+  return view;
+}
+
+// Builds consolidated.<dtype>/ on first lookup; ENOENT, with a log line,
+// for a name that is no dtype view.
+FsResult<uint64_t> VirtualFs::OpenDTypeView(Node* dir, const std::string& name) {
+  int i;
+  {
+    std::shared_lock lock(mu_);
+    i = dir->ckpt;
+  }
+  if (i < 0) return FsError(ENOENT, Join(dir->rel, name) + ": no checkpoint here now");
+  Served* served = ServedAt(i);
+  std::lock_guard<std::mutex> load(served->load_mu);  // its rows stay while in use
+  if (served->evicted) return FsError(ESTALE, served->dir + ": unloaded; look it up again");
+  const Checkpoint& ckpt = served->ckpt;
+  const std::string where = Join(ckpt.dir, name);
+  auto fail = [&](const std::string& why) {
+    Log(where + ": " + why);
+    return FsError(ENOENT, where + ": " + why);
+  };
+  auto view = DTypeViewFor(ckpt, SplitDTypeSuffix(name).second);
+  if (!view.ok()) return fail(view.status().message());
+  auto files = ConsolidatedView(ckpt, ckpt.files, options_.consolidated, &*view);
+  if (!files.ok()) return fail("not created: " + files.status().message());
+  std::unique_lock lock(mu_);
+  if (auto it = dir->children.find(name); it != dir->children.end()) return it->second;
+  if (dir->ckpt != i) return FsError(ESTALE, served->dir + ": replaced or unloaded; look it up again");
+  Node* view_dir = AddVirtual(dir, name, /*is_dir=*/true, i);
+  for (ViewFile& f : *files) AddViewFile(view_dir, std::move(f), i);
+  return view_dir->ino;
+}
+
 // The preset for the checkpoint's model family (config.json's model_type,
 // else its tensor names) and the head counts head-aware splits need, with
 // the --rules file's rules first.
 Result<ShardingRules> VirtualFs::RulesFor(const Checkpoint& ckpt) const {
   ModelFacts facts;
-  if (auto it = ckpt.sidecars.find("config.json"); it != ckpt.sidecars.end()) {
-    std::ifstream f(tree_.root() + "/" + ckpt.files[it->second].path);
-    std::stringstream text;
-    text << f.rdbuf();
-    facts = ParseModelFacts(text.str());
-  }
+  if (ckpt.sidecars.count("config.json")) facts = ParseModelFacts(ReadSidecar(tree_.root(), ckpt, "config.json"));
   std::vector<std::string> names;
   if (auto weights = ModelWeights(ckpt, options_.consolidated); weights.ok())
     for (const auto& w : *weights) names.push_back(w.entry_name());
@@ -368,12 +441,21 @@ FsResult<uint64_t> VirtualFs::OpenMesh(Node* mesh_dir, const std::string& name) 
     Log(where + ": " + why);
     return FsError(ENOENT, where + ": " + why);
   };
-  auto spec = ParseMeshSpec(name);
+  // tp2.bf16: the spec's dtype view.
+  const auto [spec_name, suffix] = SplitDTypeSuffix(name);
+  std::optional<DTypeView> dtype;
+  if (!suffix.empty()) {
+    auto view = DTypeViewFor(ckpt, suffix);
+    if (!view.ok()) return fail(view.status().message());
+    dtype = std::move(*view);
+  }
+  auto spec = ParseMeshSpec(spec_name);
   if (!spec.ok()) return fail(spec.status().message());
-  if (spec->name != name) return fail("not the canonical name; open mesh/" + spec->name);
+  if (spec->name != spec_name)
+    return fail("not the canonical name; open mesh/" + spec->name + (suffix.empty() ? "" : "." + suffix));
   auto rules = RulesFor(ckpt);
   if (!rules.ok()) return fail(rules.status().message());
-  auto mesh = MeshView(ckpt, ckpt.files, *spec, *rules, options_.consolidated);
+  auto mesh = MeshView(ckpt, ckpt.files, *spec, *rules, options_.consolidated, dtype ? &*dtype : nullptr);
   if (!mesh.ok()) return fail(mesh.status().message());
   for (const std::string& note : mesh->notes) Log(where + ": " + note);
   std::vector<std::vector<ViewFile>>& ranks = mesh->ranks;
@@ -567,8 +649,16 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name) {
   if (!child && p->is_mesh) {
     ASSIGN_OR_RETURN(child, OpenMesh(p, name));
   }
+  if (!child && p->kind == Node::Kind::kSourceDir && name.rfind("consolidated.", 0) == 0 && ViewsAttached(*p)) {
+    ASSIGN_OR_RETURN(child, OpenDTypeView(p, name));
+  }
   if (!child) return FsError(ENOENT, Join(PathOf(*p), name) + ": no such file or directory");
   return AttrOf(*Find(child));
+}
+
+bool VirtualFs::ViewsAttached(const Node& dir) const {
+  std::shared_lock lock(mu_);
+  return dir.ckpt >= 0;
 }
 
 bool VirtualFs::NeedsNpy(const Node& n) const {
@@ -707,6 +797,7 @@ FsResult<size_t> VirtualFs::Read(uint64_t handle, char* buf, size_t size, uint64
   if (!plan.ok()) return fail(FsError::From(plan.status()));
   SourceReader* reader = h->served->reader.get();  // kept loaded by the open handle
   Status st = reader->Execute(*plan, buf);
+  if (st.ok() && !plan->computes.empty()) st = compute_->Fill(plan->computes, buf, *reader, n.ckpt);
   if (!st.ok()) {
     if (st.code() == Status::Code::kStale) InvalidateCheckpoint(n.ckpt);
     return fail(FsError::From(st));
@@ -725,6 +816,7 @@ FsResult<std::string> VirtualFs::ReadLink(uint64_t ino) {
 void VirtualFs::InvalidateCheckpoint(size_t i) {
   Served* s = ServedAt(int(i));
   if (s->stale.exchange(true)) return;
+  compute_->Drop(int(i));
   Log(Join(s->dir, "") + ": a source changed since indexing; its views read as EIO until it is indexed again");
   if (!options_.invalidate) return;
   std::vector<uint64_t> inos;

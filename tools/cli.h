@@ -46,6 +46,8 @@ struct Common {
   size_t max_loaded = 0;  // mount --max-loaded (FsOptions::max_loaded)
   S3Flags s3;             // an s3:// root: --endpoint-url, --region, ...
   std::string part_size = "8MiB";  // --part-size, parsed into s3.part_size
+  std::string keep_dtype;  // --keep-dtype REGEX (FsOptions::keep_dtype)
+  uint64_t compute_cache_mib = 512;  // mount --compute-cache-mib
 };
 
 
