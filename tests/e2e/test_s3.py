@@ -126,6 +126,34 @@ def test_index_and_check_a_sharded_checkpoint_in_s3(main_ckpt, s3_env, ckptfs):
     assert r.returncode == 0, r.stdout.decode() + r.stderr.decode()
 
 
+def test_a_writer_step_in_s3_gets_its_commit_records_checksums(s3_env, ckptfs, tmp_path):
+    # The record is an object too: read through the S3 source, its times are
+    # the objects' Last-Modified. upload_tree puts it after .metadata.
+    from harness import spawn_ranks
+    gen = os.path.join(os.path.dirname(os.path.abspath(__file__)), "writer_gen.py")
+    job = {"kind": "save", "seed": 9, "dir": str(tmp_path / "run" / "step_9"),
+           "oracle": str(tmp_path / "oracle.pt"), "rows": str(tmp_path / "rows.json")}
+    spawn_ranks(gen, 2, job, name="writer save (s3)")
+    with open(job["rows"]) as f:
+        written = {(t["fqn"], tuple(c["offsets"])): c["crc32c"]
+                   for t in json.load(f)["tensors"] for c in t["chunks"]}
+    upload_tree(s3_env["client"], str(tmp_path / "run"), "writer/")
+    url = f"s3://{BUCKET}/writer/"
+    r = ckptfs("index", url)
+    assert r.returncode == 0 and b"warning" not in r.stderr, r.stderr.decode()
+    dump = ckptfs("index", "--dump", url)
+    assert dump.returncode == 0, dump.stderr.decode()
+    indexed = {}
+    for line in dump.stdout.decode().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if "\x00t" not in row.get("key", ""):
+            continue
+        fqn = row["key"].split("\x00t", 1)[1]
+        for c in row["value"]["chunks"]:
+            indexed[(fqn, tuple(c["offsets"]))] = c.get("crc32c")
+    assert written and indexed == written
+
+
 def test_an_object_overwritten_after_indexing_is_reported(main_ckpt, s3_env, ckptfs):
     prefix = "overwrite/"
     keys = upload_tree(s3_env["client"], main_ckpt["out_dir"], prefix)
