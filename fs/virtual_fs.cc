@@ -397,8 +397,8 @@ Status VirtualFs::BuildViews(int i, Node* dir) {
   // their layouts back; tensors/ keeps its files (each layout is made on open).
   for (PendingDir& p : pending) {
     Node* view = AddVirtual(dir, p.name, /*is_dir=*/true, i);
-    view->is_mesh = p.is_mesh;
-    view->is_npy = p.is_npy && view->children.empty();
+    if (view->is_mesh != p.is_mesh) view->is_mesh = p.is_mesh;
+    if (const bool fill = p.is_npy && view->children.empty(); view->is_npy != fill) view->is_npy = fill;
     for (ViewFile& f : p.files) AddViewFile(view, std::move(f), i);
   }
   return Status::OK();
@@ -548,9 +548,11 @@ void VirtualFs::AddViewFile(Node* view, ViewFile f, int ckpt) {
     dir = it != dir->children.end() ? nodes_[it->second - 1].get() : AddVirtual(dir, part, /*is_dir=*/true, ckpt);
   }
   Node* n = AddVirtual(dir, f.name.substr(f.name.rfind('/') + 1), /*is_dir=*/false, ckpt);
-  n->size = f.layout->size();
+  // A node filled again after an unload is read meanwhile without the lock
+  // (AttrOf, Open): what a reload leaves as it was is not written.
+  if (const uint64_t size = f.layout->size(); n->size != size) n->size = size;
+  if (n->problem != f.problem) n->problem = std::move(f.problem);
   n->layout = std::move(f.layout);
-  n->problem = std::move(f.problem);
 }
 
 // REQUIRES: construction time, or mu_ held exclusively.
