@@ -829,6 +829,11 @@ FsResult<size_t> VirtualFs::Read(uint64_t handle, char* buf, size_t size, uint64
     return e;
   };
   if (!n.problem.empty()) return fail(FsError(EIO, n.problem));
+  // One changed source makes the whole checkpoint suspect: files the read
+  // does not touch may belong to a save that replaced them all.
+  if (h->served->stale.load())
+    return fail(FsError(EIO, Join(h->served->dir, "") + ": a source changed since indexing; the checkpoint reads as "
+                                 "EIO until it is indexed again"));
   auto plan = Plan(*n.layout, offset, size);
   if (!plan.ok()) return fail(FsError::From(plan.status()));
   SourceReader* reader = h->served->reader.get();  // kept loaded by the open handle

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <optional>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -140,21 +141,53 @@ std::vector<std::string> FindCheckpointDirs(const std::string& root) {
   return out;
 }
 
+namespace {
+
+enum class Clock { kMtime, kCtime };
+
+// The time `name` in `dir` was last written (kMtime) or changed (kCtime),
+// in ns; nullopt when it is missing.
+std::optional<int64_t> FileTime(const DirListing& dir, const std::string& name, Clock clock) {
+  struct stat st;
+  if (::lstat((dir.abs + "/" + name).c_str(), &st) != 0) return std::nullopt;
+  const struct timespec& t = clock == Clock::kMtime ? st.st_mtim : st.st_ctim;
+  return int64_t(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
+}
+
+// True when no file of `dir` but `except` was written (or changed) after `at`.
+bool NothingAfter(const DirListing& dir, int64_t at, Clock clock, const std::string& except) {
+  for (const std::string& f : dir.files)
+    if (f != except && FileTime(dir, f, clock).value_or(INT64_MAX) > at) return false;
+  return true;
+}
+
+bool RecordIsCurrent(const DirListing& dir) {
+  auto record = FileTime(dir, kCommitRecord, Clock::kMtime);
+  if (!record) return false;
+  // Modification times, not ctimes: a copy that keeps them (cp -a, rsync -a)
+  // keeps its record. A shard rewritten after the save changes its own
+  // mtime, never .metadata's: that is corruption for the record's checksums
+  // to find, not a new save.
+  if (dir.has_file(".metadata")) return *FileTime(dir, ".metadata", Clock::kMtime) <= *record;
+  return NothingAfter(dir, *record, Clock::kMtime, "");
+}
+
+}  // namespace
+
+bool CommitRecordIsCurrent(const std::string& root, const std::string& rel) {
+  auto listing = ListDir(root, rel);
+  return listing.ok() && RecordIsCurrent(*listing);
+}
+
 bool CommitPointIsNewest(const std::string& root, const std::string& rel) {
   auto listing = ListDir(root, rel);
   if (!listing.ok()) return false;
-  auto ctime = [&](const std::string& name) -> int64_t {
-    struct stat st;
-    if (::lstat((listing->abs + "/" + name).c_str(), &st) != 0) return INT64_MAX;
-    return int64_t(st.st_ctim.tv_sec) * 1'000'000'000 + st.st_ctim.tv_nsec;
-  };
-  const std::string record = kCommitRecord;
-  const bool has_record = ctime(record) != INT64_MAX;
-  if (!has_record && !listing->has_file(".metadata")) return false;
-  const int64_t commit = ctime(has_record ? record : ".metadata");
-  for (const std::string& f : listing->files)
-    if ((has_record || f != ".metadata") && ctime(f) > commit) return false;
-  return true;
+  if (RecordIsCurrent(*listing)) {
+    auto record = FileTime(*listing, kCommitRecord, Clock::kCtime);
+    return record && NothingAfter(*listing, *record, Clock::kCtime, "");
+  }
+  auto metadata = FileTime(*listing, ".metadata", Clock::kCtime);
+  return metadata && NothingAfter(*listing, *metadata, Clock::kCtime, ".metadata");
 }
 
 std::string CommitRecordPath(const std::string& root, const std::string& dir) {

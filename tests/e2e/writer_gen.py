@@ -22,6 +22,9 @@ Jobs (``spawn_ranks(__file__, world, job)``; ``job["kind"]``):
   tensor a DTensor on the other dim than it was saved on (Shard(1) for
   Shard(0) and the reverse, Shard(0) for 1-d), non-tensors as placeholders;
   rank 0 writes the full values to ``job["out"]``.
+- ``stock``: like ``save``, but with torch's own ``FileSystemWriter``
+  (``dcp.save(sd, checkpoint_id=dir)``): the same state, as a stock save
+  writes it (one ``__<rank>_0.distcp`` per rank).
 - ``steps``: saves ``job["steps"]`` one after another into
   ``job["root"]/step_<n>`` (for the crash tests: the parent SIGKILLs a rank
   at a random moment; rank 0 appends ``ready N`` before and ``done N``
@@ -141,6 +144,14 @@ def _job_save(job: dict, mesh) -> None:
     _save(sd, job, job["dir"])
 
 
+def _job_stock(job: dict, mesh) -> None:
+    sd = state(job["seed"], mesh)
+    oracle = flat_full(sd)
+    if dist.get_rank() == 0:
+        torch.save(oracle, job["oracle"])
+    dcp.save(sd, checkpoint_id=job["dir"])
+
+
 def _job_load(job: dict, mesh) -> None:
     oracle = torch.load(job["oracle"], weights_only=False)
     target = {}
@@ -192,7 +203,7 @@ def _worker(rank: int, world: int, init_file: str, job: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        {"save": _job_save, "load": _job_load, "steps": _job_steps}[job["kind"]](job, mesh)
+        {"save": _job_save, "stock": _job_stock, "load": _job_load, "steps": _job_steps}[job["kind"]](job, mesh)
         # No rank tears gloo down while a peer may still be in a collective
         # with it (torch's teardown has aborted a rank that did).
         dist.barrier()

@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
@@ -172,6 +173,31 @@ TEST_F(VirtualFsTest, SourceModifiedAfterIndexingReadsAsEIO) {
   EXPECT_NE(n.status().message().find("run `ckptfs index` again"), std::string::npos);
   ASSERT_FALSE(log_.empty());
   EXPECT_NE(log_.back().find("model/consolidated/model.safetensors"), std::string::npos) << log_.back();
+}
+
+// A re-save can rewrite one rank's file and leave another's as it was: once
+// any source of a checkpoint changed, bytes from its untouched files are
+// not served either (they may belong to the save that was replaced).
+TEST_F(VirtualFsTest, RegressionUntouchedFileOfAChangedCheckpointReadsAsEIO) {
+  const std::string whole = ReadAll("model/consolidated/model.safetensors");
+  uint64_t header = 0;
+  std::memcpy(&header, whole.data(), 8);
+  const uint64_t rank0_data = 8 + header;  // rows 0..1 of w: shard-00001's 4 bytes
+  ASSERT_EQ(whole.substr(rank0_data, 4), std::string("\0\1\2\3", 4));
+  {
+    std::fstream f(dir_ / "step" / "model" / "shard-00002-model-00001-of-00001.safetensors",
+                   std::ios::binary | std::ios::in | std::ios::out | std::ios::ate);
+    f << "tail";
+  }
+  EXPECT_EQ(vfs_->RecheckSources(), 1u);  // what the watcher does on a change
+  auto a = vfs_->Resolve("model/consolidated/model.safetensors");
+  auto h = vfs_->Open(a->ino, O_RDONLY);
+  ASSERT_TRUE(h.ok());
+  std::string buf(4, '\0');
+  auto n = vfs_->Read(*h, buf.data(), buf.size(), rank0_data);
+  vfs_->Release(*h);
+  ASSERT_FALSE(n.ok()) << "served " << buf.size() << " bytes of a checkpoint whose other file changed";
+  EXPECT_EQ(n.status().err(), EIO);
 }
 
 // --max-loaded under concurrency: four checkpoints, one kept loaded, eight
