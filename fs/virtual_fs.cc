@@ -524,8 +524,7 @@ FsError VirtualFs::EnsureLayout(Node* n, const Served& served) {
     return FsError();
   }
   if (spec) {
-    ASSIGN_OR_RETURN(uint64_t ino, OpenMesh(Find(spec->parent), spec->name));
-    (void)ino;
+    if (auto built = OpenMesh(Find(spec->parent), spec->name); !built.ok()) return built.status();
   }
   std::shared_lock lock(mu_);
   if (n->layout) return FsError();
