@@ -49,6 +49,8 @@ struct VirtualFs::Node {
   bool is_mesh = false;                         // a mesh/ dir: specs are made on lookup
   bool is_spec = false;                         // a mesh/<spec>/ dir
   bool built = false;                           // a mesh/<spec>/ dir: its files have layouts
+  bool detached = false;                        // its checkpoint was replaced or removed
+  std::atomic<uint64_t> nlookup{0};             // references the kernel holds (lookups - forgets)
   bool is_npy = false;                          // tensors/: its files are made on first use
   int npy = -1;                                 // a tensors/ file: its tensor's index in the
                                                 // checkpoint; its layout is made on open
@@ -58,7 +60,7 @@ struct VirtualFs::Node {
 };
 
 struct VirtualFs::Handle {
-  const Node* node;
+  std::shared_ptr<const Node> node;
   int fd = -1;               // source files
   Served* served = nullptr;  // virtual files: holds it loaded (Served::handles)
   mutable ReadStream stream;  // virtual files: follows the reader for read-ahead
@@ -84,11 +86,11 @@ VirtualFs::VirtualFs(FsOptions options, SourceTree tree, CheckpointLoader loader
   mounted_at_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
                        std::chrono::system_clock::now().time_since_epoch())
                        .count();
-  auto root = std::make_unique<Node>();
+  auto root = std::make_shared<Node>();
   root->kind = Node::Kind::kSourceDir;
   root->ino = kRootIno;
   root->parent = kRootIno;
-  nodes_.push_back(std::move(root));
+  nodes_[kRootIno] = std::move(root);
   source_inos_[""] = kRootIno;
 }
 
@@ -168,19 +170,45 @@ void VirtualFs::AddCheckpoint(const std::string& dir, std::optional<Checkpoint> 
 // REQUIRES: mu_ held exclusively.
 int VirtualFs::HostLocked(std::unique_ptr<Served> s, Detached* old) {
   const std::string dir = s->dir;
-  if (int prev = HostedBy(dir); prev >= 0) served_[prev]->removed = true;
+  const int prev = HostedBy(dir);
+  if (prev >= 0) served_[prev]->removed = true;
   const int i = int(served_.size());
   s->index = i;
   hosted_[dir] = i;
   served_.push_back(std::move(s));
   if (auto it = source_inos_.find(dir); it != source_inos_.end()) {
-    Node* n = nodes_[it->second - 1].get();
+    Node* n = NodeLocked(it->second);
     for (const auto& [name, ino] : n->children) old->names.push_back(name);
     n->children.clear();
     n->ckpt = -1;
     old->dir_ino = n->ino;
   }
+  if (prev >= 0) DetachLocked(prev);
   return i;
+}
+
+// Its directories are emptied, so nothing reaches its nodes but the inode
+// numbers the kernel holds (a lookup in one of them is ENOENT).
+void VirtualFs::DetachLocked(int i) {
+  for (auto it = nodes_.begin(); it != nodes_.end();) {
+    Node& n = *it->second;
+    if (n.is_source() || n.ckpt != i) {
+      ++it;
+      continue;
+    }
+    n.detached = true;
+    n.children.clear();
+    it = n.nlookup == 0 ? nodes_.erase(it) : std::next(it);
+  }
+}
+
+void VirtualFs::Forget(uint64_t ino, uint64_t nlookup) {
+  std::unique_lock lock(mu_);
+  auto it = nodes_.find(ino);
+  if (it == nodes_.end()) return;
+  Node& n = *it->second;
+  n.nlookup -= std::min<uint64_t>(nlookup, n.nlookup);
+  if (n.nlookup == 0 && n.detached) nodes_.erase(it);
 }
 
 void VirtualFs::DropKernelEntries(const Detached& old) const {
@@ -198,12 +226,13 @@ void VirtualFs::RemoveCheckpoint(const std::string& dir) {
     served_[i]->removed = true;
     hosted_.erase(dir);
     if (auto it = source_inos_.find(dir); it != source_inos_.end()) {
-      Node* n = nodes_[it->second - 1].get();
+      Node* n = NodeLocked(it->second);
       for (const auto& [name, ino] : n->children) old.names.push_back(name);
       n->children.clear();
       n->ckpt = -1;
       old.dir_ino = n->ino;
     }
+    DetachLocked(i);
   }
   DropKernelEntries(old);
   Unload(i, /*wait=*/true);
@@ -307,7 +336,7 @@ bool VirtualFs::Unload(int i, bool wait) {
     std::unique_lock lock(mu_);
     if (!s->resident || s->handles > 0) return false;
     s->resident = false;
-    for (const auto& n : nodes_) {
+    for (const auto& [ino, n] : nodes_) {
       if (n->ckpt != i) continue;
       if (n->layout) layouts.push_back(std::move(n->layout));
       n->built = false;
@@ -429,10 +458,12 @@ Result<ShardingRules> VirtualFs::RulesFor(const Checkpoint& ckpt) const {
 FsResult<uint64_t> VirtualFs::OpenMesh(Node* mesh_dir, const std::string& name) {
   Served* served = ServedAt(mesh_dir->ckpt);
   if (Status st = EnsureLoaded(mesh_dir->ckpt); !st.ok()) return LoadFailure(st);
+  if (served->removed) return FsError(ESTALE, Join(served->dir, "") + ": replaced or removed; look it up again");
   std::lock_guard<std::mutex> load(served->load_mu);  // one build at a time
   {
     std::shared_lock lock(mu_);
-    if (auto it = mesh_dir->children.find(name); it != mesh_dir->children.end() && nodes_[it->second - 1]->built)
+    if (auto it = mesh_dir->children.find(name); it != mesh_dir->children.end() && NodeLocked(it->second) &&
+                                                 NodeLocked(it->second)->built)
       return it->second;  // built by another thread meanwhile
   }
   const Checkpoint& ckpt = served->ckpt;
@@ -471,6 +502,7 @@ FsResult<uint64_t> VirtualFs::OpenMesh(Node* mesh_dir, const std::string& name) 
 FsError VirtualFs::FillNpy(Node* npy_dir) {
   Served* served = ServedAt(npy_dir->ckpt);
   if (Status st = EnsureLoaded(npy_dir->ckpt); !st.ok()) return LoadFailure(st);
+  if (served->removed) return FsError(ESTALE, Join(served->dir, "") + ": replaced or removed; look it up again");
   std::lock_guard<std::mutex> load(served->load_mu);  // one fill at a time
   {
     std::shared_lock lock(mu_);
@@ -510,8 +542,8 @@ FsError VirtualFs::EnsureLayout(Node* n, const Served& served) {
     std::shared_lock lock(mu_);
     if (n->layout) return FsError();
     for (Node* up = n; !spec;) {
-      Node* parent = nodes_[up->parent - 1].get();
-      if (parent->kind != Node::Kind::kVirtualDir) break;
+      Node* parent = NodeLocked(up->parent);
+      if (!parent || parent->kind != Node::Kind::kVirtualDir) break;
       if (parent->is_spec) spec = parent;
       up = parent;
     }
@@ -524,7 +556,9 @@ FsError VirtualFs::EnsureLayout(Node* n, const Served& served) {
     return FsError();
   }
   if (spec) {
-    if (auto built = OpenMesh(Find(spec->parent), spec->name); !built.ok()) return built.status();
+    std::shared_ptr<Node> mesh_dir = Find(spec->parent);
+    if (!mesh_dir) return FsError(ESTALE, PathOf(*n) + ": its checkpoint was replaced or removed");
+    if (auto built = OpenMesh(mesh_dir.get(), spec->name); !built.ok()) return built.status();
   }
   std::shared_lock lock(mu_);
   if (n->layout) return FsError();
@@ -544,7 +578,7 @@ void VirtualFs::AddViewFile(Node* view, ViewFile f, int ckpt) {
   for (size_t at = 0, slash; (slash = f.name.find('/', at)) != std::string::npos; at = slash + 1) {
     const std::string part = f.name.substr(at, slash - at);
     auto it = dir->children.find(part);
-    dir = it != dir->children.end() ? nodes_[it->second - 1].get() : AddVirtual(dir, part, /*is_dir=*/true, ckpt);
+    dir = it != dir->children.end() ? NodeLocked(it->second) : AddVirtual(dir, part, /*is_dir=*/true, ckpt);
   }
   Node* n = AddVirtual(dir, f.name.substr(f.name.rfind('/') + 1), /*is_dir=*/false, ckpt);
   // A node filled again after an unload is read meanwhile without the lock
@@ -559,25 +593,25 @@ void VirtualFs::AddViewFile(Node* view, ViewFile f, int ckpt) {
 // again keeps its inode numbers.
 VirtualFs::Node* VirtualFs::AddVirtual(Node* parent, const std::string& name, bool is_dir, int ckpt) {
   if (auto it = parent->children.find(name); it != parent->children.end()) {
-    Node* old = nodes_[it->second - 1].get();
-    if (old->ckpt == ckpt && old->is_dir() == is_dir) return old;
+    Node* old = NodeLocked(it->second);
+    if (old && old->ckpt == ckpt && old->is_dir() == is_dir) return old;
   }
-  auto n = std::make_unique<Node>();
+  auto n = std::make_shared<Node>();
   n->ckpt = ckpt;
   n->kind = is_dir ? Node::Kind::kVirtualDir : Node::Kind::kVirtualFile;
-  n->ino = nodes_.size() + 1;
+  n->ino = next_ino_++;
   n->parent = parent->ino;
   n->name = name;
   parent->children[name] = n->ino;
-  nodes_.push_back(std::move(n));
-  return nodes_.back().get();
+  nodes_[n->ino] = n;
+  return n.get();
 }
 
 // Returns the node for source path `rel`, creating it (and its parents).
 VirtualFs::Node* VirtualFs::SourceNode(const std::string& rel, NodeKind kind) {
   {
     std::shared_lock lock(mu_);
-    if (auto it = source_inos_.find(rel); it != source_inos_.end()) return nodes_[it->second - 1].get();
+    if (auto it = source_inos_.find(rel); it != source_inos_.end()) return NodeLocked(it->second);
   }
   uint64_t parent = kRootIno;
   if (auto slash = rel.rfind('/'); slash != std::string::npos)
@@ -585,18 +619,18 @@ VirtualFs::Node* VirtualFs::SourceNode(const std::string& rel, NodeKind kind) {
   std::unique_lock lock(mu_);
   if (auto it = source_inos_.find(rel); it != source_inos_.end()) {
     // The same path may have become another kind (a file replaced by a link).
-    nodes_[it->second - 1]->kind = kind;
-    return nodes_[it->second - 1].get();
+    NodeLocked(it->second)->kind = kind;
+    return NodeLocked(it->second);
   }
-  auto n = std::make_unique<Node>();
+  auto n = std::make_shared<Node>();
   n->kind = kind;
-  n->ino = nodes_.size() + 1;
+  n->ino = next_ino_++;
   n->parent = parent;
   n->rel = rel;
   n->name = rel.substr(rel.rfind('/') == std::string::npos ? 0 : rel.rfind('/') + 1);
   source_inos_[rel] = n->ino;
-  nodes_.push_back(std::move(n));
-  return nodes_.back().get();
+  nodes_[n->ino] = n;
+  return n.get();
 }
 
 size_t VirtualFs::NodeCount() const {
@@ -609,15 +643,20 @@ size_t VirtualFs::ServedCount() const {
   return served_.size();
 }
 
-VirtualFs::Node* VirtualFs::Find(uint64_t ino) const {
+std::shared_ptr<VirtualFs::Node> VirtualFs::Find(uint64_t ino) const {
   std::shared_lock lock(mu_);
-  if (ino == 0 || ino > nodes_.size()) return nullptr;
-  return nodes_[ino - 1].get();
+  auto it = nodes_.find(ino);
+  return it == nodes_.end() ? nullptr : it->second;
+}
+
+VirtualFs::Node* VirtualFs::NodeLocked(uint64_t ino) const {
+  auto it = nodes_.find(ino);
+  return it == nodes_.end() ? nullptr : it->second.get();
 }
 
 std::string VirtualFs::PathOf(const Node& n) const {
   if (n.is_source()) return n.rel;
-  const Node* p = Find(n.parent);
+  std::shared_ptr<const Node> p = Find(n.parent);
   return p ? Join(PathOf(*p), n.name) : n.name;
 }
 
@@ -659,8 +698,8 @@ bool IsViewName(const std::string& name) {
 
 }  // namespace
 
-FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name) {
-  Node* p = Find(parent);
+FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name, bool for_kernel) {
+  std::shared_ptr<Node> p = Find(parent);
   if (!p) return FsError(ENOENT, "unknown inode " + std::to_string(parent));
   if (!p->is_dir()) return FsError(ENOTDIR, PathOf(*p) + " is not a directory");
   if (name == "." ) return AttrOf(*p);
@@ -676,22 +715,30 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name) {
   Status load_error;
   Pin pin = EnsureViewsOf(*p, &load_error);
   Touch(p->ckpt);
-  if (FsError e = NeedsNpy(*p) ? FillNpy(p) : FsError(); !e.ok()) return e;
+  if (FsError e = NeedsNpy(*p) ? FillNpy(p.get()) : FsError(); !e.ok()) return e;
   uint64_t child = 0;
   bool built = true;
   {
     std::shared_lock lock(mu_);
     auto it = p->children.find(name);
     if (it != p->children.end()) child = it->second;
-    if (child && p->is_mesh) built = nodes_[child - 1]->built;
+    if (child && p->is_mesh && NodeLocked(child)) built = NodeLocked(child)->built;
   }
   if ((!child || !built) && p->is_mesh) {
-    ASSIGN_OR_RETURN(child, OpenMesh(p, name));
+    ASSIGN_OR_RETURN(child, OpenMesh(p.get(), name));
   }
   // A view of a checkpoint that cannot be loaded exists; it cannot be served.
   if (!child && !load_error.ok() && IsViewName(name)) return FsError(EIO, load_error.message());
   if (!child) return FsError(ENOENT, Join(PathOf(*p), name) + ": no such file or directory");
-  return AttrOf(*Find(child));
+  std::shared_ptr<Node> c = Find(child);
+  if (!c) return FsError(ESTALE, Join(PathOf(*p), name) + ": its checkpoint was replaced or removed");
+  ASSIGN_OR_RETURN(Attr a, AttrOf(*c));
+  if (for_kernel) {
+    std::shared_lock lock(mu_);  // Forget() erases under it exclusively
+    if (!NodeLocked(child)) return FsError(ESTALE, Join(PathOf(*p), name) + ": its checkpoint was removed");
+    ++c->nlookup;
+  }
+  return a;
 }
 
 bool VirtualFs::NeedsNpy(const Node& n) const {
@@ -730,13 +777,13 @@ VirtualFs::Pin VirtualFs::EnsureViewsOf(const Node& dir, Status* error) {
 }
 
 FsResult<Attr> VirtualFs::GetAttr(uint64_t ino) {
-  Node* n = Find(ino);
+  std::shared_ptr<Node> n = Find(ino);
   if (!n) return FsError(ENOENT, "unknown inode " + std::to_string(ino));
   return AttrOf(*n);
 }
 
 FsResult<std::vector<DirEntry>> VirtualFs::ReadDir(uint64_t ino) {
-  Node* p = Find(ino);
+  std::shared_ptr<Node> p = Find(ino);
   if (!p) return FsError(ENOENT, "unknown inode " + std::to_string(ino));
   if (!p->is_dir()) return FsError(ENOTDIR, PathOf(*p) + " is not a directory");
   std::vector<DirEntry> out;
@@ -748,7 +795,7 @@ FsResult<std::vector<DirEntry>> VirtualFs::ReadDir(uint64_t ino) {
     }
   }
   Pin pin = EnsureViewsOf(*p);
-  if (FsError e = NeedsNpy(*p) ? FillNpy(p) : FsError(); !e.ok()) return e;
+  if (FsError e = NeedsNpy(*p) ? FillNpy(p.get()) : FsError(); !e.ok()) return e;
   // Inodes only (a virtual dir may hold 100k files): a node and its name
   // live as long as the VirtualFs.
   std::vector<uint64_t> children;
@@ -761,17 +808,17 @@ FsResult<std::vector<DirEntry>> VirtualFs::ReadDir(uint64_t ino) {
   for (const DirEntry& e : out) real.insert(e.name);
   out.reserve(out.size() + children.size());
   for (uint64_t child : children) {
-    const Node& c = *Find(child);
-    if (real.count(c.name)) continue;
-    auto a = AttrOf(c);
-    if (a.ok()) out.push_back({c.name, *a});
+    std::shared_ptr<const Node> c = Find(child);
+    if (!c || real.count(c->name)) continue;  // gone: its checkpoint was removed meanwhile
+    auto a = AttrOf(*c);
+    if (a.ok()) out.push_back({c->name, *a});
   }
   std::sort(out.begin(), out.end(), [](const DirEntry& a, const DirEntry& b) { return a.name < b.name; });
   return out;
 }
 
 FsResult<uint64_t> VirtualFs::Open(uint64_t ino, int flags) {
-  Node* n = Find(ino);
+  std::shared_ptr<Node> n = Find(ino);
   if (!n) return FsError(ENOENT, "unknown inode " + std::to_string(ino));
   if ((flags & O_ACCMODE) != O_RDONLY || (flags & (O_TRUNC | O_CREAT | O_APPEND)))
     return FsError(EROFS, PathOf(*n) + ": read-only file system");
@@ -799,7 +846,7 @@ FsResult<uint64_t> VirtualFs::Open(uint64_t ino, int flags) {
       return s.status();
     }
     h->served = *s;
-    if (FsError e = EnsureLayout(n, **s); !e.ok()) {
+    if (FsError e = EnsureLayout(n.get(), **s); !e.ok()) {
       Unpin(*s);
       return e;
     }
@@ -846,7 +893,7 @@ FsResult<size_t> VirtualFs::Read(uint64_t handle, char* buf, size_t size, uint64
 }
 
 FsResult<std::string> VirtualFs::ReadLink(uint64_t ino) {
-  Node* n = Find(ino);
+  std::shared_ptr<Node> n = Find(ino);
   if (!n) return FsError(ENOENT, "unknown inode " + std::to_string(ino));
   if (n->kind != Node::Kind::kSourceLink) return FsError(EINVAL, PathOf(*n) + " is not a symlink");
   return tree_.ReadLink(n->rel);
@@ -860,8 +907,8 @@ void VirtualFs::InvalidateCheckpoint(size_t i) {
   std::vector<uint64_t> inos;
   {
     std::shared_lock lock(mu_);
-    for (const auto& n : nodes_)
-      if (n->kind == Node::Kind::kVirtualFile && n->ckpt == int(i)) inos.push_back(n->ino);
+    for (const auto& [ino, n] : nodes_)
+      if (n->kind == Node::Kind::kVirtualFile && n->ckpt == int(i)) inos.push_back(ino);
   }
   for (uint64_t ino : inos) options_.invalidate(ino);
 }

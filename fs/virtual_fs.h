@@ -23,11 +23,12 @@
 // layout on its first open. Live: checkpoints can be added and removed while
 // mounted.
 //
-// Inode numbers are allocated on first lookup and kept for the life of the
-// mount (kernel FORGETs are ignored). The table grows with distinct paths
-// looked up, not with unloads: a reload fills the nodes it had. The nodes
-// of a replaced or removed checkpoint stay (its rows are freed once no file
-// of it is open).
+// Inode numbers are allocated on first lookup and never reused (so the
+// FUSE generation is always 0). The table grows with distinct paths looked
+// up, not with unloads: a reload fills the nodes it had. The nodes of a
+// replaced or removed checkpoint leave the tree at once and the table once
+// the kernel forgets them (its rows are freed once no file of it is open).
+// Source nodes stay for the life of the mount.
 //
 // Errors served on reads and opens are logged through a LogLimiter (a few
 // lines per checkpoint and cause every 10 s, then a count).
@@ -128,7 +129,9 @@ class VirtualFs {
   static Result<std::unique_ptr<VirtualFs>> Create(Catalog catalog, FsOptions options);
   ~VirtualFs();
 
-  FsResult<Attr> Lookup(uint64_t parent, const std::string& name);
+  // `for_kernel`: the answer goes to the kernel, which holds the inode until
+  // it forgets it (Forget).
+  FsResult<Attr> Lookup(uint64_t parent, const std::string& name, bool for_kernel = false);
   FsResult<Attr> GetAttr(uint64_t ino);
   // Entries other than "." and "..", sorted by name.
   FsResult<std::vector<DirEntry>> ReadDir(uint64_t ino);
@@ -139,6 +142,9 @@ class VirtualFs {
   void Release(uint64_t handle);
   // The target of a symlink in the source tree (never followed by us).
   FsResult<std::string> ReadLink(uint64_t ino);
+  // The kernel dropped `nlookup` of its references to `ino` (FUSE forget).
+  // A node of a replaced or removed checkpoint is freed once it holds none.
+  void Forget(uint64_t ino, uint64_t nlookup);
   // Nodes in the table and checkpoint entries held (for tests and logs).
   size_t NodeCount() const;
   size_t ServedCount() const;
@@ -272,7 +278,14 @@ class VirtualFs {
   FsError EnsureLayout(Node* file, const Served& served);
   static void ReturnFreedMemory();
   Result<ShardingRules> RulesFor(const Checkpoint& ckpt) const;
-  Node* Find(uint64_t ino) const;
+  // Shared: a node of a removed checkpoint may leave the table meanwhile.
+  std::shared_ptr<Node> Find(uint64_t ino) const;
+  // nullptr when `ino` left the table. REQUIRES: mu_ held.
+  Node* NodeLocked(uint64_t ino) const;
+  // Takes the nodes of replaced or removed checkpoint `i` out of the tree;
+  // those the kernel does not hold leave the table. REQUIRES: mu_ held
+  // exclusively.
+  void DetachLocked(int i);
   Node* SourceNode(const std::string& rel, NodeKind kind);
   Node* AddVirtual(Node* parent, const std::string& name, bool is_dir, int ckpt);
   void AddViewFile(Node* view, ViewFile f, int ckpt);
@@ -292,7 +305,8 @@ class VirtualFs {
   // Lock order: a Served's load_mu, then mu_. mu_ is never held during I/O.
   mutable std::shared_mutex mu_;  // guards nodes_, source_inos_, served_, hosted_
   mutable std::atomic<uint64_t> use_clock_{0};
-  std::vector<std::unique_ptr<Node>> nodes_;         // ino - 1 -> node
+  std::unordered_map<uint64_t, std::shared_ptr<Node>> nodes_;  // ino -> node
+  uint64_t next_ino_ = kRootIno + 1;                 // never reused
   std::unordered_map<std::string, uint64_t> source_inos_;
   std::vector<std::unique_ptr<Served>> served_;      // append-only
   std::unordered_map<std::string, int> hosted_;      // dir -> live entry of served_

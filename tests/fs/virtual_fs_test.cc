@@ -368,6 +368,41 @@ TEST_F(EvictionTest, ChurnKeepsTheNodeTableBounded) {
   EXPECT_EQ(vfs_->ServedCount(), served);
 }
 
+// A checkpoint saved again into its directory (live mounts) replaces the
+// one served: the old one's nodes leave the tree at once and the table once
+// the kernel forgets the inodes it looked up, so a mount whose steps come
+// and go for days does not grow. The kernel's old inodes answer ESTALE (it
+// looks the path up again), never the old or the new bytes.
+TEST_F(EvictionTest, NodesOfAReplacedCheckpointLeaveOnceTheKernelForgetsThem) {
+  struct Held {
+    uint64_t view, file;
+  };
+  auto kernel_lookups = [&]() -> Held {
+    auto step = vfs_->Lookup(VirtualFs::kRootIno, "step_1", /*for_kernel=*/true);
+    auto view = vfs_->Lookup(step->ino, "consolidated", true);
+    auto file = vfs_->Lookup(view->ino, "model.safetensors", true);
+    auto npy = vfs_->ReadDir(vfs_->Resolve("step_1/tensors")->ino);  // nodes no lookup holds
+    EXPECT_TRUE(file.ok() && npy.ok() && npy->size() == 1u);
+    return {view->ino, file->ino};
+  };
+  auto replace_and_forget = [&](const Held& held) {
+    vfs_->AddCheckpoint("step_1");
+    auto h = vfs_->Open(held.file, O_RDONLY);
+    EXPECT_FALSE(h.ok());
+    EXPECT_EQ(h.status().err(), ESTALE) << h.status().message();
+    vfs_->Forget(held.file, 1);
+    vfs_->Forget(held.view, 1);
+  };
+  replace_and_forget(kernel_lookups());
+  EXPECT_EQ(TensorBytes(1), Want(1));
+  const size_t nodes = vfs_->NodeCount();
+  for (int round = 0; round < 50; ++round) {
+    replace_and_forget(kernel_lookups());
+    EXPECT_EQ(TensorBytes(1), Want(1));
+  }
+  EXPECT_EQ(vfs_->NodeCount(), nodes) << "replaced checkpoints' nodes stayed";
+}
+
 // A checkpoint whose load fails (a damaged store) answers EIO for its views,
 // not ENOENT, and is loaded once the store is repaired, without a remount.
 // Within the backoff the loader is not asked again.
