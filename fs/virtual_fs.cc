@@ -293,6 +293,7 @@ Status VirtualFs::LoadLocked(int i, Served* s) {
     std::unique_lock lock(mu_);  // Acquire() reads it under mu_
     s->resident = true;
   }
+  ++resident_count_;
   if (s->failures > 0) Info(Join(s->dir, "") + ": loaded after " + std::to_string(s->failures) + " failed attempts");
   s->failures = 0;
   s->load_error.clear();
@@ -313,9 +314,10 @@ void VirtualFs::EvictBeyondLimit(int keep) {
     for (const auto& [dir, i] : hosted_)
       if (i != keep && served_[i]->resident) loaded.push_back({served_[i]->last_used.load(), i});
   }
-  if (loaded.size() + 1 <= options_.max_loaded) return;
+  const size_t wanted = loaded.size() + (keep >= 0 ? 1 : 0);
+  if (wanted <= options_.max_loaded) return;
   std::sort(loaded.begin(), loaded.end());
-  size_t excess = loaded.size() + 1 - options_.max_loaded;
+  size_t excess = wanted - options_.max_loaded;
   for (const auto& [used, i] : loaded) {
     if (excess == 0) break;
     if (!Unload(i, /*wait=*/false)) continue;
@@ -336,6 +338,7 @@ bool VirtualFs::Unload(int i, bool wait) {
     std::unique_lock lock(mu_);
     if (!s->resident || s->handles > 0) return false;
     s->resident = false;
+    --resident_count_;
     for (const auto& [ino, n] : nodes_) {
       if (n->ckpt != i) continue;
       if (n->layout) layouts.push_back(std::move(n->layout));
@@ -368,8 +371,12 @@ FsResult<VirtualFs::Served*> VirtualFs::Acquire(int i) {
   return s;
 }
 
+// Checkpoints pinned while another loaded may leave more than max_loaded
+// loaded; the last unpin brings the count back down.
 void VirtualFs::Unpin(Served* s) {
-  if (--s->handles == 0 && s->removed) Unload(s->index, /*wait=*/true);
+  if (--s->handles > 0) return;
+  if (s->removed) Unload(s->index, /*wait=*/true);
+  if (options_.max_loaded > 0 && resident_count_.load() > options_.max_loaded) EvictBeyondLimit(-1);
 }
 
 std::vector<LoadedCheckpoint> VirtualFs::LoadAll() {

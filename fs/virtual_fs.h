@@ -254,7 +254,8 @@ class VirtualFs {
   void Unpin(Served* s);
   void Touch(int i) const;
   // Unloads least recently used checkpoints (never `keep`, never one with an
-  // open file) until at most max_loaded are loaded.
+  // open file) until at most max_loaded are loaded, counting `keep` (>= 0)
+  // as about to be.
   void EvictBeyondLimit(int keep);
   // Frees the rows and layouts of checkpoint `i`, keeping its nodes, or does
   // nothing when a file of it is open or it is in use. False when nothing
@@ -305,6 +306,7 @@ class VirtualFs {
   // Lock order: a Served's load_mu, then mu_. mu_ is never held during I/O.
   mutable std::shared_mutex mu_;  // guards nodes_, source_inos_, served_, hosted_
   mutable std::atomic<uint64_t> use_clock_{0};
+  std::atomic<size_t> resident_count_{0};  // checkpoints loaded (resident)
   std::unordered_map<uint64_t, std::shared_ptr<Node>> nodes_;  // ino -> node
   uint64_t next_ino_ = kRootIno + 1;                 // never reused
   std::unordered_map<std::string, uint64_t> source_inos_;
