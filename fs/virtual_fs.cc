@@ -729,7 +729,7 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name, bool 
     std::shared_lock lock(mu_);
     auto it = p->children.find(name);
     if (it != p->children.end()) child = it->second;
-    if (child && p->is_mesh && NodeLocked(child)) built = NodeLocked(child)->built;
+    if (const Node* c = child && p->is_mesh ? NodeLocked(child) : nullptr; c && c->is_spec) built = c->built;
   }
   if ((!child || !built) && p->is_mesh) {
     ASSIGN_OR_RETURN(child, OpenMesh(p.get(), name));

@@ -358,6 +358,7 @@ TEST_F(EvictionTest, ChurnKeepsTheNodeTableBounded) {
     const std::string npy = ReadPath(step + "/tensors/w.npy");
     EXPECT_EQ(npy.substr(npy.size() - 8), Want(s));
     EXPECT_FALSE(ReadPath(step + "/mesh/tp2/rank-00000/model.safetensors").empty());
+    EXPECT_NE(ReadPath(step + "/mesh/README").find("rank"), std::string::npos);
   };
   for (int s = 0; s < kSteps; ++s) touch_all(s);
   const size_t nodes = vfs_->NodeCount(), served = vfs_->ServedCount();
