@@ -17,6 +17,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "core/cast.h"
 #include "core/planner.h"
 #include "indexer/checksums.h"
 
@@ -48,7 +49,8 @@ struct VirtualFs::Node {
                                                 // a source dir: whose views `children` holds
   bool is_mesh = false;                         // a mesh/ dir: specs are made on lookup
   bool is_spec = false;                         // a mesh/<spec>/ dir
-  bool built = false;                           // a mesh/<spec>/ dir: its files have layouts
+  bool is_dtype_view = false;                   // a consolidated.<dtype>/ dir
+  bool built = false;                           // either: its files have layouts (again after an unload)
   bool detached = false;                        // its checkpoint was replaced or removed
   std::atomic<uint64_t> nlookup{0};             // references the kernel holds (lookups - forgets)
   bool is_npy = false;                          // tensors/: its files are made on first use
@@ -82,7 +84,8 @@ VirtualFs::VirtualFs(FsOptions options, SourceTree tree, CheckpointLoader loader
     : options_(std::move(options)),
       tree_(std::move(tree)),
       loader_(std::move(loader)),
-      limiter_([this](const std::string& line) { Log(line); }) {
+      limiter_([this](const std::string& line) { Log(line); }),
+      compute_(std::make_unique<ComputeCache>(options_.compute_cache_bytes)) {
   mounted_at_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
                        std::chrono::system_clock::now().time_since_epoch())
                        .count();
@@ -234,6 +237,7 @@ void VirtualFs::RemoveCheckpoint(const std::string& dir) {
     }
     DetachLocked(i);
   }
+  compute_->Drop(i);  // nothing new can look them up
   DropKernelEntries(old);
   Unload(i, /*wait=*/true);
 }
@@ -285,7 +289,7 @@ Status VirtualFs::LoadLocked(int i, Served* s) {
   }
   s->ckpt = std::move(*ckpt);
   s->reader = std::make_unique<SourceReader>(tree_.root(), &s->ckpt.files, GroupPolicy{}, 1ull << 30, options_.read);
-  if (options_.verify_checksums) s->reader->SetChecksumGate(std::make_unique<ChecksumGate>(s->ckpt));
+  if (options_.verify_checksums) UseChecksums(*s);
   if (!s->has_access) s->access = AccessOf(tree_, s->ckpt);
   s->has_access = true;
   RETURN_IF_ERROR(BuildViews(i, SourceNode(s->dir, Node::Kind::kSourceDir)));
@@ -300,6 +304,16 @@ Status VirtualFs::LoadLocked(int i, Served* s) {
   ReturnFreedMemory();
   Info(Join(s->dir, "") + ": loaded (" + std::to_string(s->ckpt.tensors.size()) + " tensors)");
   return Status::OK();
+}
+
+void VirtualFs::UseChecksums(Served& s) {
+  auto gate = std::make_unique<ChecksumGate>(s.ckpt);
+  // Said, not hidden: --verify-checksums checks nothing of a checkpoint
+  // without a writer's checksums.
+  if (gate->chunks() == 0)
+    Log(Join(s.dir, "") + ": --verify-checksums: no writer checksums in its index (not saved by ckptfs's writer, "
+        "or its commit record was refused: see `ckptfs index` and `ckptfs verify`); its reads are not checked");
+  s.reader->SetChecksumGate(std::move(gate));
 }
 
 void VirtualFs::Touch(int i) const {
@@ -346,6 +360,7 @@ bool VirtualFs::Unload(int i, bool wait) {
     }
   }
   layouts.clear();
+  compute_->Drop(i);
   s->reader.reset();
   s->ckpt = Checkpoint();
   ReturnFreedMemory();
@@ -417,6 +432,7 @@ Status VirtualFs::BuildViews(int i, Node* dir) {
     pending.push_back({"consolidated", std::move(*files)});
   else
     Log(Join(ckpt.dir, "consolidated") + ": not created: " + files.status().message());
+  if (std::string why = MergedViewRefusal(ckpt); !why.empty()) Log(Join(ckpt.dir, why));
   pending.push_back({"tensors", {}, false, true});
   if (auto items = BytesView(ckpt); !items.empty()) pending.push_back({"bytes", std::move(items)});
   if (auto rules = RulesFor(ckpt); rules.ok()) {
@@ -440,17 +456,79 @@ Status VirtualFs::BuildViews(int i, Node* dir) {
   return Status::OK();
 }
 
+namespace {
+
+// The text of sidecar `name` of `ckpt` ("" when it has none or it cannot be read).
+std::string ReadSidecar(const std::string& root, const Checkpoint& ckpt, const std::string& name) {
+  auto it = ckpt.sidecars.find(name);
+  if (it == ckpt.sidecars.end()) return "";
+  std::ifstream f(root + "/" + ckpt.files[it->second].path);
+  std::stringstream text;
+  text << f.rdbuf();
+  return text.str();
+}
+
+// "tp2.bf16" -> {"tp2", "bf16"}; "tp2" -> {"tp2", ""}.
+std::pair<std::string, std::string> SplitDTypeSuffix(const std::string& name) {
+  const size_t dot = name.rfind('.');
+  if (dot == std::string::npos) return {name, ""};
+  return {name.substr(0, dot), name.substr(dot + 1)};
+}
+
+}  // namespace
+
+Result<DTypeView> VirtualFs::DTypeViewFor(const Checkpoint& ckpt, const std::string& suffix) const {
+  auto to = ParseViewDType(suffix);
+  if (!to) return Status::NotFound("unknown dtype '" + suffix + "': the dtype views are .bf16, .fp16 and .fp32");
+  DTypeView view{*to, options_.keep_dtype, ""};
+  if (ckpt.sidecars.count("config.json")) view.config_json = ReadSidecar(tree_.root(), ckpt, "config.json");
+  return view;
+}
+
+// Builds consolidated.<dtype>/ on first lookup; ENOENT, with a log line,
+// for a name that is no dtype view.
+FsResult<uint64_t> VirtualFs::OpenDTypeView(Node* dir, const std::string& name) {
+  int i;
+  {
+    std::shared_lock lock(mu_);
+    i = dir->ckpt;
+  }
+  if (i < 0) return FsError(ENOENT, Join(dir->rel, name) + ": no checkpoint here now");
+  Served* served = ServedAt(i);
+  if (Status st = EnsureLoaded(i); !st.ok()) return LoadFailure(st);  // the caller holds a pin
+  if (served->removed) return FsError(ESTALE, Join(served->dir, "") + ": replaced or removed; look it up again");
+  std::lock_guard<std::mutex> load(served->load_mu);  // one build at a time
+  {
+    std::shared_lock lock(mu_);
+    if (auto it = dir->children.find(name); it != dir->children.end() && NodeLocked(it->second) &&
+                                            NodeLocked(it->second)->built)
+      return it->second;  // built by another thread meanwhile
+  }
+  const Checkpoint& ckpt = served->ckpt;
+  const std::string where = Join(ckpt.dir, name);
+  auto fail = [&](const std::string& why) {
+    Log(where + ": " + why);
+    return FsError(ENOENT, where + ": " + why);
+  };
+  auto view = DTypeViewFor(ckpt, SplitDTypeSuffix(name).second);
+  if (!view.ok()) return fail(view.status().message());
+  auto files = ConsolidatedView(ckpt, ckpt.files, options_.consolidated, &*view);
+  if (!files.ok()) return fail("not created: " + files.status().message());
+  std::unique_lock lock(mu_);
+  if (dir->ckpt != i) return FsError(ESTALE, served->dir + ": replaced or removed; look it up again");
+  Node* view_dir = AddVirtual(dir, name, /*is_dir=*/true, i);  // or the one built before an unload
+  view_dir->is_dtype_view = true;
+  view_dir->built = true;
+  for (ViewFile& f : *files) AddViewFile(view_dir, std::move(f), i);
+  return view_dir->ino;
+}
+
 // The preset for the checkpoint's model family (config.json's model_type,
 // else its tensor names) and the head counts head-aware splits need, with
 // the --rules file's rules first.
 Result<ShardingRules> VirtualFs::RulesFor(const Checkpoint& ckpt) const {
   ModelFacts facts;
-  if (auto it = ckpt.sidecars.find("config.json"); it != ckpt.sidecars.end()) {
-    std::ifstream f(tree_.root() + "/" + ckpt.files[it->second].path);
-    std::stringstream text;
-    text << f.rdbuf();
-    facts = ParseModelFacts(text.str());
-  }
+  if (ckpt.sidecars.count("config.json")) facts = ParseModelFacts(ReadSidecar(tree_.root(), ckpt, "config.json"));
   std::vector<std::string> names;
   if (auto weights = ModelWeights(ckpt, options_.consolidated); weights.ok())
     for (const auto& w : *weights) names.push_back(w.entry_name());
@@ -479,12 +557,21 @@ FsResult<uint64_t> VirtualFs::OpenMesh(Node* mesh_dir, const std::string& name) 
     Log(where + ": " + why);
     return FsError(ENOENT, where + ": " + why);
   };
-  auto spec = ParseMeshSpec(name);
+  // tp2.bf16: the spec's dtype view.
+  const auto [spec_name, suffix] = SplitDTypeSuffix(name);
+  std::optional<DTypeView> dtype;
+  if (!suffix.empty()) {
+    auto view = DTypeViewFor(ckpt, suffix);
+    if (!view.ok()) return fail(view.status().message());
+    dtype = std::move(*view);
+  }
+  auto spec = ParseMeshSpec(spec_name);
   if (!spec.ok()) return fail(spec.status().message());
-  if (spec->name != name) return fail("not the canonical name; open mesh/" + spec->name);
+  if (spec->name != spec_name)
+    return fail("not the canonical name; open mesh/" + spec->name + (suffix.empty() ? "" : "." + suffix));
   auto rules = RulesFor(ckpt);
   if (!rules.ok()) return fail(rules.status().message());
-  auto mesh = MeshView(ckpt, ckpt.files, *spec, *rules, options_.consolidated);
+  auto mesh = MeshView(ckpt, ckpt.files, *spec, *rules, options_.consolidated, dtype ? &*dtype : nullptr);
   if (!mesh.ok()) return fail(mesh.status().message());
   for (const std::string& note : mesh->notes) Log(where + ": " + note);
   std::vector<std::vector<ViewFile>>& ranks = mesh->ranks;
@@ -551,7 +638,7 @@ FsError VirtualFs::EnsureLayout(Node* n, const Served& served) {
     for (Node* up = n; !spec;) {
       Node* parent = NodeLocked(up->parent);
       if (!parent || parent->kind != Node::Kind::kVirtualDir) break;
-      if (parent->is_spec) spec = parent;
+      if (parent->is_spec || parent->is_dtype_view) spec = parent;
       up = parent;
     }
   }
@@ -563,9 +650,10 @@ FsError VirtualFs::EnsureLayout(Node* n, const Served& served) {
     return FsError();
   }
   if (spec) {
-    std::shared_ptr<Node> mesh_dir = Find(spec->parent);
-    if (!mesh_dir) return FsError(ESTALE, PathOf(*n) + ": its checkpoint was replaced or removed");
-    if (auto built = OpenMesh(mesh_dir.get(), spec->name); !built.ok()) return built.status();
+    std::shared_ptr<Node> up = Find(spec->parent);
+    if (!up) return FsError(ESTALE, PathOf(*n) + ": its checkpoint was replaced or removed");
+    auto built = spec->is_spec ? OpenMesh(up.get(), spec->name) : OpenDTypeView(up.get(), spec->name);
+    if (!built.ok()) return built.status();
   }
   std::shared_lock lock(mu_);
   if (n->layout) return FsError();
@@ -700,7 +788,8 @@ FsResult<Attr> VirtualFs::AttrOf(const Node& n) const {
 namespace {
 
 bool IsViewName(const std::string& name) {
-  return name == "consolidated" || name == "tensors" || name == "mesh" || name == "bytes";
+  return name == "consolidated" || name == "tensors" || name == "mesh" || name == "bytes" ||
+         name.rfind("consolidated.", 0) == 0;
 }
 
 }  // namespace
@@ -729,10 +818,14 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name, bool 
     std::shared_lock lock(mu_);
     auto it = p->children.find(name);
     if (it != p->children.end()) child = it->second;
-    if (const Node* c = child && p->is_mesh ? NodeLocked(child) : nullptr; c && c->is_spec) built = c->built;
+    if (const Node* c = child ? NodeLocked(child) : nullptr; c && (c->is_spec || c->is_dtype_view)) built = c->built;
   }
   if ((!child || !built) && p->is_mesh) {
     ASSIGN_OR_RETURN(child, OpenMesh(p.get(), name));
+  }
+  if ((!child || !built) && p->kind == Node::Kind::kSourceDir && name.rfind("consolidated.", 0) == 0 &&
+      ViewsAttached(*p)) {
+    ASSIGN_OR_RETURN(child, OpenDTypeView(p.get(), name));
   }
   // A view of a checkpoint that cannot be loaded exists; it cannot be served.
   if (!child && !load_error.ok() && IsViewName(name)) return FsError(EIO, load_error.message());
@@ -746,6 +839,11 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name, bool 
     ++c->nlookup;
   }
   return a;
+}
+
+bool VirtualFs::ViewsAttached(const Node& dir) const {
+  std::shared_lock lock(mu_);
+  return dir.ckpt >= 0;
 }
 
 bool VirtualFs::NeedsNpy(const Node& n) const {
@@ -891,6 +989,7 @@ FsResult<size_t> VirtualFs::Read(uint64_t handle, char* buf, size_t size, uint64
   if (!plan.ok()) return fail(FsError::From(plan.status()));
   SourceReader* reader = h->served->reader.get();  // kept loaded by the open handle
   Status st = reader->Execute(*plan, buf);
+  if (st.ok() && !plan->computes.empty()) st = compute_->Fill(plan->computes, buf, *reader, n.ckpt);
   if (!st.ok()) {
     if (st.code() == Status::Code::kStale) InvalidateCheckpoint(n.ckpt);
     return fail(FsError::From(st));
@@ -909,6 +1008,7 @@ FsResult<std::string> VirtualFs::ReadLink(uint64_t ino) {
 void VirtualFs::InvalidateCheckpoint(size_t i) {
   Served* s = ServedAt(int(i));
   if (s->stale.exchange(true)) return;
+  compute_->Drop(int(i));
   Log(Join(s->dir, "") + ": a source changed since indexing; its views read as EIO until it is indexed again");
   if (!options_.invalidate) return;
   std::vector<uint64_t> inos;

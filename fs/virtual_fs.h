@@ -57,6 +57,7 @@
 #include "core/layout.h"
 #include "core/meta.h"
 #include "core/views.h"
+#include "fs/compute_cache.h"
 #include "fs/fs_error.h"
 #include "fs/log_limiter.h"
 #include "fs/source_tree.h"
@@ -87,6 +88,14 @@ struct FsOptions {
   std::function<void(uint64_t ino)> invalidate;
   // Read-ahead and overlapped source reads (indexer/source_reader.h).
   ReadOptions read;
+  // Tensors a dtype view (consolidated.<dtype>/, mesh/<spec>.<dtype>/)
+  // keeps as saved: a regex searched in their names (`--keep-dtype`).
+  std::string keep_dtype;
+  // Bytes of computed tensor blocks kept for readers (`--compute-cache-mib`,
+  // fs/compute_cache.h). 512 MiB: a ~1B-parameter model's largest matrices
+  // many times over, 2 % of a 24 GiB machine, which the page cache needs
+  // more (it holds the served pages themselves).
+  uint64_t compute_cache_bytes = 512ull << 20;
   // Check each chunk's recorded CRC32C on its first read; a mismatch is EIO
   // for the reads touching that chunk (ChecksumGate, indexer/checksums.h).
   bool verify_checksums = false;
@@ -252,6 +261,8 @@ class VirtualFs {
   // ESTALE for one replaced or removed meanwhile, EIO when it cannot load.
   FsResult<Served*> Acquire(int i);
   void Unpin(Served* s);
+  // Gives a loaded checkpoint's reader its ChecksumGate (--verify-checksums).
+  void UseChecksums(Served& s);
   void Touch(int i) const;
   // Unloads least recently used checkpoints (never `keep`, never one with an
   // open file) until at most max_loaded are loaded, counting `keep` (>= 0)
@@ -272,7 +283,13 @@ class VirtualFs {
   // Drops the kernel's cache of every virtual file of checkpoint `i`, once.
   void InvalidateCheckpoint(size_t i);
   FsResult<uint64_t> OpenMesh(Node* mesh_dir, const std::string& spec_name);
+  // consolidated.<dtype>/ of the checkpoint shown in `dir`, made on its
+  // first lookup (ENOENT with a log line for an unknown dtype).
+  FsResult<uint64_t> OpenDTypeView(Node* dir, const std::string& name);
+  // The DTypeView for suffix `suffix` of checkpoint `ckpt`.
+  Result<DTypeView> DTypeViewFor(const Checkpoint& ckpt, const std::string& suffix) const;
   bool NeedsNpy(const Node& dir) const;
+  bool ViewsAttached(const Node& dir) const;
   FsError FillNpy(Node* npy_dir);
   // The layout of a virtual file whose checkpoint is pinned and loaded: a
   // tensors/ file's and a mesh file's are made again after an unload.
@@ -307,6 +324,7 @@ class VirtualFs {
   mutable std::shared_mutex mu_;  // guards nodes_, source_inos_, served_, hosted_
   mutable std::atomic<uint64_t> use_clock_{0};
   std::atomic<size_t> resident_count_{0};  // checkpoints loaded (resident)
+  std::unique_ptr<ComputeCache> compute_;  // blocks of computed tensors, tagged by checkpoint
   std::unordered_map<uint64_t, std::shared_ptr<Node>> nodes_;  // ino -> node
   uint64_t next_ino_ = kRootIno + 1;                 // never reused
   std::unordered_map<std::string, uint64_t> source_inos_;

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <set>
 
+#include "indexer/commit_record.h"
 #include "indexer/file_table.h"
 #include "indexer/format_reader.h"
 #include "indexer/readers.h"
@@ -78,6 +79,9 @@ Result<std::optional<Checkpoint>> ReadCheckpoint(const std::string& root, const 
     ckpt.files = files.Take();
     if (claimed) *claimed = r->ClaimedSubdirs(listing);
     if (!options.file_index_mapping.empty()) RETURN_IF_ERROR(LoadFileIndexMapping(options.file_index_mapping, ckpt));
+    Status record = UseCommitRecord(root, ckpt);
+    if (!record.ok() && record.code() != Status::Code::kNotFound && options.warn)
+      options.warn(record.message() + "; indexed from the files alone, without the writer's checksums");
     return std::optional<Checkpoint>(std::move(ckpt));
   }
   return std::optional<Checkpoint>();
@@ -89,12 +93,16 @@ namespace {
 
 // What an unrecognised directory that holds shard files lacks, or "".
 std::string MissingCommitPoint(const DirListing& d) {
-  size_t distcp = 0, safetensors = 0;
+  size_t distcp = 0, safetensors = 0, unpublished = 0;
   for (const std::string& f : d.files) {
     distcp += f.ends_with(".distcp");
     safetensors += f.ends_with(".safetensors");
+    unpublished += f.ends_with(".safetensors.tmp");
   }
   if (distcp) return std::to_string(distcp) + " .distcp file(s) but no .metadata: an interrupted DCP save";
+  // ckptfs's writer (layout="hf") renames NAME.tmp to NAME only at commit.
+  if (unpublished && !safetensors)
+    return std::to_string(unpublished) + " .safetensors.tmp file(s) and no shard published: an interrupted save";
   if (safetensors) return std::to_string(safetensors) + " .safetensors file(s) no format reads as a checkpoint";
   if (std::binary_search(d.dirs.begin(), d.dirs.end(), ".ckptfs"))
     return ".ckptfs/ without a commit record: an interrupted ckptfs save";

@@ -17,6 +17,9 @@ struct ScanOptions {
   std::function<void(size_t, size_t)> progress;
   // Overrides every checkpoint's fqn -> file index mapping (JSON file).
   std::string file_index_mapping;
+  // Told why a checkpoint's commit record of ckptfs's writer was not used
+  // (indexer/commit_record.h); the checkpoint is read from its files then.
+  std::function<void(const std::string&)> warn;
 };
 
 // Fails only when `root` cannot be read at all; problems inside checkpoints

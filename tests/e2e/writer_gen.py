@@ -25,6 +25,10 @@ Jobs (``spawn_ranks(__file__, world, job)``; ``job["kind"]``):
 - ``stock``: like ``save``, but with torch's own ``FileSystemWriter``
   (``dcp.save(sd, checkpoint_id=dir)``): the same state, as a stock save
   writes it (one ``__<rank>_0.distcp`` per rank).
+- ``flat``: loads the plain state dict ``job["state"]`` (torch.save) and
+  saves it into ``job["dir"]`` with ckptfs's StorageWriter
+  (``job["writer"] == "ckptfs"``, ``job["layout"]`` "dcp" or "hf") or
+  torch's own FileSystemWriter (``"stock"``).
 - ``steps``: saves ``job["steps"]`` one after another into
   ``job["root"]/step_<n>`` (for the crash tests: the parent SIGKILLs a rank
   at a random moment; rank 0 appends ``ready N`` before and ``done N``
@@ -152,6 +156,14 @@ def _job_stock(job: dict, mesh) -> None:
     dcp.save(sd, checkpoint_id=job["dir"])
 
 
+def _job_flat(job: dict, mesh) -> None:
+    sd = torch.load(job["state"], weights_only=True)
+    if job["writer"] == "stock":
+        dcp.save(sd, checkpoint_id=job["dir"])
+    else:
+        _save(sd, job, job["dir"])
+
+
 def _job_load(job: dict, mesh) -> None:
     oracle = torch.load(job["oracle"], weights_only=False)
     target = {}
@@ -203,7 +215,7 @@ def _worker(rank: int, world: int, init_file: str, job: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        {"save": _job_save, "stock": _job_stock, "load": _job_load, "steps": _job_steps}[job["kind"]](job, mesh)
+        {"save": _job_save, "stock": _job_stock, "flat": _job_flat, "load": _job_load, "steps": _job_steps}[job["kind"]](job, mesh)
         # No rank tears gloo down while a peer may still be in a collective
         # with it (torch's teardown has aborted a rank that did).
         dist.barrier()
