@@ -324,11 +324,12 @@ TEST_F(EvictionTest, AnOpenFileKeepsItsCheckpointLoaded) {
 
 // The kernel keeps the inodes it looked up (for an hour here) and opens them
 // without a new lookup: an unload in between must not make them ESTALE.
-// Each kind of view file: consolidated/, tensors/ (layout made on open) and
-// mesh/ (made on lookup of its spec).
+// Each kind of view file: consolidated/, tensors/ (layout made on open),
+// mesh/ (made on lookup of its spec) and consolidated.<dtype>/ (likewise).
 TEST_F(EvictionTest, FilesLookedUpBeforeAnUnloadOpenAfterIt) {
   const std::vector<std::string> files = {"step_0/consolidated/model.safetensors", "step_0/tensors/w.npy",
-                                          "step_0/mesh/tp2/rank-00001/model.safetensors"};
+                                          "step_0/mesh/tp2/rank-00001/model.safetensors",
+                                          "step_0/consolidated.bf16/model.safetensors"};
   std::vector<uint64_t> inos;
   std::vector<std::string> before;
   for (const std::string& f : files) {
