@@ -96,12 +96,12 @@ Status UseCommitRecord(const std::string& root, Checkpoint& ckpt) {
   // Only a record that really lies in this checkpoint (no symlink out of it).
   char real[PATH_MAX];
   if (!::realpath(sst.c_str(), real) || sst != real)
-    return Status::InvalidArgument(sst + " is reached through a symlink");
+    return Status::InvalidArgument("it is reached through a symlink");
   if (!CommitRecordIsCurrent(root, ckpt.dir))
-    return Status::Stale(sst + " is older than the save the directory holds (another writer saved into it since)");
+    return Status::Stale("it is older than the save the directory holds (another writer saved into it since)");
   ASSIGN_OR_RETURN(Checkpoint record, ReadCommitRecord(sst));
   Status applied = ApplyCommitRecord(record, ckpt);
-  return applied.ok() ? applied : applied.WithContext(sst + " disagrees with the files");
+  return applied.ok() ? applied : applied.WithContext("it disagrees with the files");
 }
 
 }  // namespace ckptfs
