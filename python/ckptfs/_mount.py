@@ -115,7 +115,7 @@ def _sigint_held():
     if isinstance(previous, _Held):  # nested: the outer hold re-delivers
         yield previous
         return
-    if previous is None:  # a handler not set from Python: it could not be put back
+    if previous is None or previous == signal.SIG_IGN:  # not ours to restore / nothing to hold
         yield None
         return
     held = _Held()
@@ -127,7 +127,7 @@ def _sigint_held():
         if held.count:
             if callable(previous):
                 previous(signal.SIGINT, sys._getframe())
-            elif previous == signal.SIG_DFL:
+            else:  # SIG_DFL: the process ends, as it would have, after the cleanup
                 os.kill(os.getpid(), signal.SIGINT)
 
 
@@ -277,14 +277,14 @@ class Mount:
         made = mnt is None
         if not made:
             _check_mountpoint(os.path.abspath(mnt))
-        # realpath: as mountinfo shows it.
-        self.path = os.path.realpath(tempfile.mkdtemp(prefix="ckptfs-mnt-") if made else mnt)
         for key in ("foreground", "f", "log_file"):
             options.pop(key, None)  # the daemon is ours: foreground, output to log_path
-        self.log_path = os.path.abspath(log_file) if log_file else _new_log()
-        cmd = [binary, "mount", "-f", self.src, self.path, *_flags(options)]
         self._daemon: _Daemon | None = None
-        with _sigint_held() as held:
+        with _sigint_held() as held:  # from the first thing made that would need removing
+            # realpath: as mountinfo shows it.
+            self.path = os.path.realpath(tempfile.mkdtemp(prefix="ckptfs-mnt-") if made else mnt)
+            self.log_path = os.path.abspath(log_file) if log_file else _new_log()
+            cmd = [binary, "mount", "-f", self.src, self.path, *_flags(options)]
             try:
                 self._daemon = _Daemon(_spawn(cmd, self.log_path), self.path, made, self.log_path,
                                        own_log=not log_file)
