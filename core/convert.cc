@@ -33,6 +33,12 @@ float DecodeSmall(uint32_t code, int e, int m, int bias, bool ieee_special, bool
   return sign ? -v : v;
 }
 
+// The "fnuz" 8-bit floats (AMD's): no infinities, no negative zero; the
+// code of negative zero, 0x80, is the one NaN.
+float DecodeFnuz(uint8_t code, int e, int m, int bias) {
+  return code == 0x80 ? std::numeric_limits<float>::quiet_NaN() : DecodeSmall(code, e, m, bias, false, false);
+}
+
 uint32_t BitsAt(const uint8_t* src, uint64_t bit, int width) {
   uint32_t v = 0;
   for (int i = 0; i < width; ++i) {
@@ -47,7 +53,7 @@ uint32_t BitsAt(const uint8_t* src, uint64_t bit, int width) {
 bool NeedsFloat32View(DType t) {
   switch (t) {
     case DType::kBF16: case DType::kF8_E5M2: case DType::kF8_E4M3: case DType::kF8_E8M0:
-    case DType::kF4: case DType::kF6_E2M3: case DType::kF6_E3M2:
+    case DType::kF8_E4M3FNUZ: case DType::kF8_E5M2FNUZ: case DType::kF4: case DType::kF6_E2M3: case DType::kF6_E3M2:
       return true;
     default:
       return false;
@@ -78,6 +84,8 @@ double DecodeElement(DType t, const uint8_t* src, uint64_t k) {
     case DType::kBF16: return FromBits(uint32_t(load(uint16_t(), 2)) << 16);
     case DType::kF8_E4M3: return DecodeSmall(src[k], 4, 3, 7, false, true);
     case DType::kF8_E5M2: return DecodeSmall(src[k], 5, 2, 15, true, false);
+    case DType::kF8_E4M3FNUZ: return DecodeFnuz(src[k], 4, 3, 8);
+    case DType::kF8_E5M2FNUZ: return DecodeFnuz(src[k], 5, 2, 16);
     case DType::kF8_E8M0:
       return src[k] == 0xff ? std::numeric_limits<double>::quiet_NaN() : std::ldexp(1.0, int(src[k]) - 127);
     case DType::kF4: return DecodeSmall(BitsAt(src, 4 * k, 4), 2, 1, 1, false, false);

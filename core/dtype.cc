@@ -22,6 +22,7 @@ constexpr DTypeInfo kInfo[] = {
     {DType::kF8_E4M3, "F8_E4M3", 8},  {DType::kF8_E8M0, "F8_E8M0", 8},
     {DType::kF4, "F4", 4},            {DType::kF6_E2M3, "F6_E2M3", 6},
     {DType::kF6_E3M2, "F6_E3M2", 6},  {DType::kC64, "C64", 64},
+    {DType::kF8_E4M3FNUZ, "F8_E4M3FNUZ", 8}, {DType::kF8_E5M2FNUZ, "F8_E5M2FNUZ", 8},
 };
 
 const DTypeInfo& Info(DType t) { return kInfo[static_cast<int>(t)]; }

@@ -17,6 +17,7 @@ namespace ckptfs {
 enum class DType : uint8_t {
   kBOOL, kU8, kI8, kI16, kU16, kF16, kBF16, kI32, kU32, kF32, kF64, kI64, kU64,
   kF8_E5M2, kF8_E4M3, kF8_E8M0, kF4, kF6_E2M3, kF6_E3M2, kC64,
+  kF8_E4M3FNUZ, kF8_E5M2FNUZ,  // appended: the store keeps dtypes by number
 };
 
 // Every dtype, in declaration order (for tests and tables).
@@ -24,7 +25,7 @@ inline constexpr DType kAllDTypes[] = {
     DType::kBOOL, DType::kU8, DType::kI8, DType::kI16, DType::kU16, DType::kF16,
     DType::kBF16, DType::kI32, DType::kU32, DType::kF32, DType::kF64, DType::kI64,
     DType::kU64, DType::kF8_E5M2, DType::kF8_E4M3, DType::kF8_E8M0, DType::kF4,
-    DType::kF6_E2M3, DType::kF6_E3M2, DType::kC64};
+    DType::kF6_E2M3, DType::kF6_E3M2, DType::kC64, DType::kF8_E4M3FNUZ, DType::kF8_E5M2FNUZ};
 
 // Bits per element: 1 byte for BOOL, 4 for F4, 6 for F6_*, 64 for C64 ...
 int DTypeBits(DType t);

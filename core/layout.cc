@@ -60,6 +60,16 @@ void Layout::AddSource(FileId file, uint64_t file_offset, uint64_t length) {
   if (length) segments_.push_back(std::move(s));
 }
 
+void Layout::AddComputed(std::shared_ptr<const Computation> c) {
+  Segment s;
+  s.kind = Segment::Kind::kComputed;
+  s.offset = size_;
+  s.length = c->nbytes();
+  s.computed = std::move(c);
+  size_ += s.length;
+  if (s.length) segments_.push_back(std::move(s));
+}
+
 Shape TensorSlice::shape() const {
   if (joined.empty()) return box.lengths;
   Shape s = joined[0].lengths;
@@ -70,7 +80,7 @@ Shape TensorSlice::shape() const {
 uint64_t TensorSlice::nbytes() const {
   uint64_t n = 1;
   for (uint64_t d : shape()) n *= d;
-  return ByteSize(tensor->dtype, n).value_or(0);
+  return ByteSize(dtype(), n).value_or(0);
 }
 
 std::vector<Box> TensorSlice::ByteOrder() const {
@@ -102,7 +112,7 @@ std::vector<Box> TensorSlice::ByteOrder() const {
 
 void SortForSafetensors(SliceList& slices) {
   std::stable_sort(slices.begin(), slices.end(), [](const TensorSlice& a, const TensorSlice& b) {
-    int ra = DTypeAlignmentRank(a.tensor->dtype), rb = DTypeAlignmentRank(b.tensor->dtype);
+    int ra = DTypeAlignmentRank(a.dtype()), rb = DTypeAlignmentRank(b.dtype());
     if (ra != rb) return ra > rb;
     return a.entry_name() < b.entry_name();
   });
@@ -115,7 +125,7 @@ std::vector<SafetensorsEntry> Entries(const SliceList& slices) {
   uint64_t at = 0;
   for (const TensorSlice& s : slices) {
     uint64_t n = s.nbytes();
-    entries.push_back({s.entry_name(), s.tensor->dtype, s.shape(), at, at + n});
+    entries.push_back({s.entry_name(), s.dtype(), s.shape(), at, at + n});
     at += n;
   }
   return entries;
@@ -129,7 +139,15 @@ Result<Layout> SafetensorsFileLayout(const SliceList& slices, const std::map<std
   layout.Reserve(slices.size() + 1);  // exact unless tensors are joined
   layout.AddLiteral(std::move(header));
   for (const TensorSlice& s : slices)
-    for (const Box& b : s.ByteOrder()) RETURN_IF_ERROR(layout.AddTensor(s.tensor, b));
+    for (const Box& b : s.ByteOrder()) {
+      if (s.cast && *s.cast != s.tensor->dtype) {
+        if (!InBounds(b, s.tensor->shape))
+          return Status::InvalidArgument("box " + ToString(b) + " is outside tensor '" + s.tensor->fqn + "'");
+        layout.AddComputed(MakeCast(s.tensor, b, *s.cast));
+      } else {
+        RETURN_IF_ERROR(layout.AddTensor(s.tensor, b));
+      }
+    }
   return layout;
 }
 

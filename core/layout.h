@@ -4,6 +4,8 @@
 //   literal   bytes held in memory (a safetensors header, a JSON file)
 //   tensor    the row-major bytes of a box of a tensor, gathered from chunks
 //   source    a byte range of one source file, passed through (sidecars)
+//   computed  the bytes of a tensor computed from source tensors (a dtype
+//             cast, a LoRA merge: core/compute.h)
 //
 // Sizes are fixed when the layout is built, so stat and readdir never read
 // shard data. Layouts are immutable and shared between threads.
@@ -11,16 +13,18 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "core/compute.h"
 #include "core/meta.h"
 #include "core/status.h"
 
 namespace ckptfs {
 
 struct Segment {
-  enum class Kind { kLiteral, kTensor, kSource };
+  enum class Kind { kLiteral, kTensor, kSource, kComputed };
   Kind kind = Kind::kLiteral;
   uint64_t offset = 0;  // in the virtual file
   uint64_t length = 0;
@@ -32,6 +36,7 @@ struct Segment {
   DType as = DType::kF32;
   FileId file = 0;                             // kSource
   uint64_t file_offset = 0;                    // kSource
+  std::shared_ptr<const Computation> computed;  // kComputed: all its output bytes
 };
 
 class Layout {
@@ -43,6 +48,7 @@ class Layout {
   // The same elements converted to float32 on read (core/convert.h).
   Status AddTensorAsFloat32(std::shared_ptr<const TensorMeta> tensor, const Box& box);
   void AddSource(FileId file, uint64_t file_offset, uint64_t length);
+  void AddComputed(std::shared_ptr<const Computation> c);
   // Room for `n` segments: a layout lives as long as its checkpoint is loaded,
   // and growth by doubling would leave up to half its segments unused.
   void Reserve(size_t n) { segments_.reserve(n); }
@@ -59,13 +65,18 @@ class Layout {
 // Or, for one rank's share of a fused tensor (Phi-3 qkv_proj: its q, k and v
 // rows), several boxes joined along `join_dim`: then `joined` holds them in
 // order and `box` is unused.
+//
+// `cast`, when set, serves the elements cast to that dtype (a dtype view);
+// dtype() is then the stored entry's dtype.
 struct TensorSlice {
   std::shared_ptr<const TensorMeta> tensor;
   Box box;
   std::string name;
   std::vector<Box> joined;
   int join_dim = 0;
+  std::optional<DType> cast;
   const std::string& entry_name() const { return name.empty() ? tensor->fqn : name; }
+  DType dtype() const { return cast ? *cast : tensor->dtype; }
   // The stored entry's shape: box.lengths, or the joined boxes' sum.
   Shape shape() const;
   uint64_t nbytes() const;
@@ -75,7 +86,7 @@ struct TensorSlice {
   std::vector<Box> ByteOrder() const;
   static TensorSlice Whole(std::shared_ptr<const TensorMeta> t) {
     Box b = Box::Whole(t->shape);
-    return {std::move(t), std::move(b), "", {}, 0};
+    return {std::move(t), std::move(b), "", {}, 0, std::nullopt};
   }
 };
 using SliceList = std::vector<TensorSlice>;

@@ -145,4 +145,21 @@ void Chunk::set_unavailable(std::string why) {
   DropEmptyExtra();
 }
 
+std::vector<ByteMeta> BytesOutsideChunks(const Checkpoint& ckpt, FileId file, uint64_t size) {
+  std::vector<std::pair<uint64_t, uint64_t>> used;  // [begin, end)
+  for (const auto& t : ckpt.tensors)
+    for (const Chunk& c : t->chunks)
+      if (c.file() == file && c.length() > 0) used.emplace_back(c.offset(), c.offset() + c.length());
+  std::sort(used.begin(), used.end());
+  std::vector<ByteMeta> out;
+  uint64_t at = 0;
+  for (const auto& [begin, end] : used) {
+    if (begin > at) out.push_back({file, at, std::min(begin, size) - at});
+    at = std::max(at, end);
+    if (at >= size) break;
+  }
+  if (at < size) out.push_back({file, at, size - at});
+  return out;
+}
+
 }  // namespace ckptfs

@@ -143,6 +143,10 @@ struct SourceFile {
   int64_t ctime_ns = 0;
   uint64_t inode = 0;
   std::string transform;  // "" for a plain file; "zstd"
+  // CRC32C of the bytes no tensor chunk covers (BytesOutsideChunks), when
+  // the writer recorded one: zip framing, headers, BYTE_IO items.
+  bool has_rest_crc32c = false;
+  uint32_t rest_crc32c = 0;
   uint32_t base = 0;
   uint64_t base_offset = 0;
   uint64_t base_length = 0;
@@ -171,6 +175,10 @@ struct Checkpoint {
   // checkpoint are listed but their reads fail with this reason.
   std::string incomplete;
 };
+
+// The byte ranges of file `file` (of `size` bytes) that no tensor chunk of
+// `ckpt` covers, in file order: what a writer wrote besides tensor data.
+std::vector<ByteMeta> BytesOutsideChunks(const Checkpoint& ckpt, FileId file, uint64_t size);
 
 // Everything a scan of a source root found.
 struct Catalog {

@@ -213,6 +213,9 @@ Result<ReadPlan> Plan(const Layout& layout, uint64_t offset, uint64_t length) {
       case Segment::Kind::kSource:
         plan.copies.push_back({s.file, s.file_offset + a, dst, b - a});
         break;
+      case Segment::Kind::kComputed:
+        plan.computes.push_back({s.computed.get(), a, dst, b - a});
+        break;
       case Segment::Kind::kTensor: {
         Status st;
         if (!s.convert) {
@@ -259,6 +262,7 @@ Result<ReadPlan> Plan(const Layout& layout, uint64_t offset, uint64_t length) {
   for (const auto& c : plan.copies) (c.to_scratch ? scratch : spans).emplace_back(c.dst_offset, c.length);
   for (const auto& l : plan.literals) spans.emplace_back(l.dst_offset, l.length);
   for (const auto& v : plan.converts) spans.emplace_back(v.dst_offset, v.length);
+  for (const auto& c : plan.computes) spans.emplace_back(c.dst_offset, c.length);
   for (auto* list : {&spans, &scratch}) {
     SortRuns(*list, std::less<std::pair<uint64_t, uint64_t>>());
     const uint64_t want = list == &spans ? length : plan.scratch_size;

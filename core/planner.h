@@ -42,6 +42,15 @@ struct ConvertOp {
   uint64_t length = 0;          // bytes written to the destination
 };
 
+// Bytes [offset, offset + length) of a computed tensor's output, to be
+// computed (or taken from a cache) by the executor: see core/compute.h.
+struct ComputeOp {
+  const Computation* computed = nullptr;  // owned by the Layout; valid while it lives
+  uint64_t offset = 0;                    // in the computed tensor's output
+  uint64_t dst_offset = 0;
+  uint64_t length = 0;
+};
+
 struct LiteralOp {
   const char* data = nullptr;  // points into the Layout; valid while it lives
   uint64_t dst_offset = 0;
@@ -52,6 +61,7 @@ struct ReadPlan {
   std::vector<CopyOp> copies;      // sorted by (to_scratch, dst_offset), coalesced
   std::vector<LiteralOp> literals;
   std::vector<ConvertOp> converts;
+  std::vector<ComputeOp> computes;  // not run by SourceReader::Execute
   uint64_t scratch_size = 0;       // bytes of scratch the copies fill
   uint64_t length = 0;             // bytes the plan fills (range clipped to EOF)
 };

@@ -53,6 +53,13 @@ ShardingRule Rule(const std::string& pattern, SplitKind kind, int dim = 0) {
   return ShardingRule{pattern, kind, dim, std::regex(pattern)};
 }
 
+// A rule for weights stored [in, out].
+ShardingRule Transposed(const std::string& pattern, SplitKind kind) {
+  ShardingRule r = Rule(pattern, kind);
+  r.transposed = true;
+  return r;
+}
+
 // Number after `key.` in fqn ("layers.12.mlp" -> 12), or nullopt.
 std::optional<uint64_t> IndexAfter(const std::string& fqn, const std::string& key) {
   std::string needle = key + ".";
@@ -104,39 +111,73 @@ ModelFacts ParseModelFacts(const std::string& config_json) {
   nlohmann::json j = nlohmann::json::parse(config_json, nullptr, false);
   if (!j.is_object()) return f;
   if (j.contains("model_type") && j["model_type"].is_string()) f.model_type = j["model_type"];
+  if (j.contains("architectures") && j["architectures"].is_array())
+    for (const auto& a : j["architectures"])
+      if (a.is_string()) f.architectures.push_back(a);
   // Multimodal configs (Gemma 3, Llava) keep the language model's numbers here.
   const nlohmann::json& c = j.contains("text_config") && j["text_config"].is_object() ? j["text_config"] : j;
   auto count = [&](const char* key) -> uint64_t {
     return c.contains(key) && c[key].is_number_unsigned() ? c[key].get<uint64_t>() : 0;
   };
   f.num_heads = count("num_attention_heads");
+  if (f.num_heads == 0) f.num_heads = count("n_head");  // GPT-2's name for it
   f.num_kv_heads = count("num_key_value_heads");
   if (f.num_kv_heads == 0) f.num_kv_heads = f.num_heads;  // transformers' default: MHA
   return f;
 }
 
-ShardingRules PresetRules(const ModelFacts& facts, const std::vector<std::string>& fqns) {
-  static const char* const kLlamaFamily[] = {"llama",  "mistral", "mixtral", "qwen2",       "qwen3",
-                                             "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
-                                             "phi3",   "olmo2"};
-  const std::string& type = facts.model_type;
-  bool llama = std::find(std::begin(kLlamaFamily), std::end(kLlamaFamily), type) != std::end(kLlamaFamily);
-  if (type.empty())
-    llama = std::any_of(fqns.begin(), fqns.end(), [](const std::string& f) {
-      return f.find("q_proj") != std::string::npos || f.find("qkv_proj") != std::string::npos ||
-             f.find("embed_tokens") != std::string::npos;
+namespace {
+
+// A family's preset is chosen by config.json's model_type, else by its
+// architectures (Kimi-K2 states model_type "kimi_k2" with DeepseekV3ForCausalLM).
+struct Family {
+  const char* preset;
+  std::vector<std::string> model_types, architectures;
+};
+
+const std::vector<Family>& Families() {
+  static const std::vector<Family> kFamilies = {
+      {"llama",
+       {"llama", "mistral", "mixtral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
+        "phi3", "olmo2"},
+       {"LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+        "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM",
+        "Phi3ForCausalLM", "Olmo2ForCausalLM"}},
+      {"deepseek_v3", {"deepseek_v3"}, {"DeepseekV3ForCausalLM"}},
+      {"llama4", {"llama4", "llama4_text"}, {"Llama4ForConditionalGeneration", "Llama4ForCausalLM"}},
+      {"gpt2", {"gpt2"}, {"GPT2LMHeadModel"}},
+  };
+  return kFamilies;
+}
+
+const Family* FamilyOf(const ModelFacts& facts) {
+  auto has = [](const std::vector<std::string>& v, const std::string& x) {
+    return std::find(v.begin(), v.end(), x) != v.end();
+  };
+  for (const Family& f : Families())
+    if (has(f.model_types, facts.model_type)) return &f;
+  for (const std::string& arch : facts.architectures)
+    for (const Family& f : Families())
+      if (has(f.architectures, arch)) return &f;
+  return nullptr;
+}
+
+// Without config.json: DeepSeek's MLA names, else the Llama family's.
+const char* PresetByNames(const std::vector<std::string>& fqns) {
+  auto any = [&](std::initializer_list<const char*> keys) {
+    return std::any_of(fqns.begin(), fqns.end(), [&](const std::string& f) {
+      return std::any_of(keys.begin(), keys.end(), [&](const char* k) { return f.find(k) != std::string::npos; });
     });
-  ShardingRules r;
-  r.facts = facts;
-  r.preset = llama ? "llama" : "generic";
-  if (!llama) {
-    // Unknown family: nothing is split unless a rules file says how.
-    r.unknown_model = "no sharding preset for " + (type.empty() ? "these tensor names" : "model_type '" + type + "'");
-    if (type == "gpt2")
-      r.unknown_model += " (its Conv1D c_attn, c_fc, c_proj weights are stored [in, out] with q, k, v fused)";
-    return r;
-  }
-  r.rules = {
+  };
+  if (any({"kv_a_proj_with_mqa", "kv_b_proj"})) return "deepseek_v3";
+  if (any({"q_proj", "qkv_proj", "embed_tokens"})) return "llama";
+  return nullptr;
+}
+
+// Llama, Mistral, Qwen, Gemma, Phi-3, OLMo-2, Mixtral/Qwen-MoE experts
+// (per-expert, and transformers 5's fused [E, 2I, H] / [E, H, I]).
+std::vector<ShardingRule> LlamaRules() {
+  return {
       Rule(R"((^|\.)q_proj\.(weight|bias)$)", SplitKind::kQHeads),
       Rule(R"((^|\.)(k_proj|v_proj)\.(weight|bias)$)", SplitKind::kKvHeads),
       Rule(R"((^|\.)qkv_proj\.(weight|bias)$)", SplitKind::kQkv),
@@ -146,6 +187,77 @@ ShardingRules PresetRules(const ModelFacts& facts, const std::vector<std::string
       Rule(R"((^|\.)(embed_tokens|lm_head)\.weight$)", SplitKind::kVocab),
       Rule(R"(norm\.(weight|bias)$)", SplitKind::kReplicate),
   };
+}
+
+// The rules that go before LlamaRules() (or replace them, for GPT-2).
+std::vector<ShardingRule> FamilyRules(const std::string& preset) {
+  if (preset == "deepseek_v3")
+    return {
+        // MLA as vLLM's DeepseekV2MLAAttention and Megatron's MLASelfAttention
+        // cut it: the low-rank down-projections are replicated, the
+        // up-projections (q_b_proj rows: heads x qk_head_dim; kv_b_proj rows:
+        // heads x (qk_nope_head_dim + v_head_dim)) column-parallel in whole
+        // heads; o_proj row-parallel (LlamaRules).
+        Rule(R"((^|\.)(q_a_proj|kv_a_proj_with_mqa)\.(weight|bias)$)", SplitKind::kReplicate),
+        Rule(R"((^|\.)(q_b_proj|kv_b_proj)\.weight$)", SplitKind::kQHeads),
+        Rule(R"((^|\.)shared_head\.head\.weight$)", SplitKind::kVocab),  // the MTP layer's head
+    };
+  if (preset == "llama4")
+    return {
+        // The vision tower's heads are not the text model's (text_config's);
+        // vLLM can run it data-parallel, whole on each rank.
+        Rule(R"((^|\.)(vision_model|multi_modal_projector)\.)", SplitKind::kReplicate),
+        // Fused experts are stored [E, H, 2I] and [E, I, H]: vLLM transposes
+        // them on load, then cuts gate and up (and down's input) over tp.
+        Transposed(R"((^|\.)experts\.gate_up_proj$)", SplitKind::kGateUp),
+        Transposed(R"((^|\.)experts\.down_proj$)", SplitKind::kRow),
+    };
+  if (preset == "gpt2")
+    return {
+        // Conv1D stores [in, out]; vLLM's GPT-2 loader transposes c_attn,
+        // c_fc and c_proj and loads them as QKVParallelLinear,
+        // ColumnParallelLinear and RowParallelLinear. wpe stays whole.
+        Transposed(R"((^|\.)attn\.c_attn\.(weight|bias)$)", SplitKind::kQkv),
+        Transposed(R"((^|\.)mlp\.c_fc\.(weight|bias)$)", SplitKind::kColumn),
+        Transposed(R"((^|\.)(attn|mlp)\.c_proj\.weight$)", SplitKind::kRow),
+        Rule(R"((^|\.)(wte|lm_head)\.weight$)", SplitKind::kVocab),
+    };
+  return {};
+}
+
+// Names alone cannot tell a fused experts tensor's layout: [E, 2I, H]
+// (transformers 5's Mixtral, Qwen-MoE, DeepSeek-V3) or [E, H, 2I]
+// (Llama-4). Cutting it on the wrong dim would give wrong experts, so it is
+// held whole on every tp rank and the note says so.
+ShardingRule FusedExpertsByNames() {
+  ShardingRule r = Rule(R"((^|\.)experts\.(gate_up_proj|down_proj)$)", SplitKind::kReplicate);
+  r.note =
+      "fused experts (experts.gate_up_proj, experts.down_proj) are held whole on every tp rank: without "
+      "config.json's model_type their layout is unknown ([E, 2I, H] as transformers 5 saves Mixtral, Qwen-MoE "
+      "and DeepSeek-V3, or Llama-4's [E, H, 2I]). Put config.json next to the weights, or say how to cut them "
+      "with `ckptfs mount --rules FILE` (\"transposed\": true for [E, H, 2I])";
+  return r;
+}
+
+}  // namespace
+
+ShardingRules PresetRules(const ModelFacts& facts, const std::vector<std::string>& fqns) {
+  const std::string& type = facts.model_type;
+  const Family* family = FamilyOf(facts);
+  const bool by_names = !family && type.empty();
+  const char* preset = family ? family->preset : by_names ? PresetByNames(fqns) : nullptr;
+  ShardingRules r;
+  r.facts = facts;
+  r.preset = preset ? preset : "generic";
+  if (!preset) {
+    // Unknown family: nothing is split unless a rules file says how.
+    r.unknown_model = "no sharding preset for " + (type.empty() ? "these tensor names" : "model_type '" + type + "'");
+    return r;
+  }
+  if (by_names) r.rules.push_back(FusedExpertsByNames());
+  for (ShardingRule& rule : FamilyRules(r.preset)) r.rules.push_back(std::move(rule));
+  if (r.preset != "gpt2")
+    for (ShardingRule& rule : LlamaRules()) r.rules.push_back(std::move(rule));
   return r;
 }
 
@@ -165,11 +277,14 @@ Result<ShardingRules> LoadRulesFile(const std::string& text, ShardingRules base)
       return Status::InvalidArgument("rules file: unknown kind '" + kind +
                                      "' (column, row, vocab, replicate, dim, q_heads, kv_heads, qkv, gate_up)");
     int dim = r.contains("dim") && r["dim"].is_number_integer() ? r["dim"].get<int>() : 0;
+    if (r.contains("transposed") && !r["transposed"].is_boolean())
+      return Status::InvalidArgument("rules file: \"transposed\" is true or false (true: weights stored [in, out])");
     try {
       rules.push_back(Rule(r["pattern"].get<std::string>(), *k, dim));
     } catch (const std::regex_error& e) {
       return Status::InvalidArgument("rules file: bad pattern '" + r["pattern"].get<std::string>() + "': " + e.what());
     }
+    rules.back().transposed = r.value("transposed", false);
   }
   rules.insert(rules.end(), base.rules.begin(), base.rules.end());
   base.rules = std::move(rules);
@@ -260,11 +375,15 @@ Status SplitByRule(TensorPlacement& p, const ShardingRule& rule, const std::stri
                    uint64_t tp) {
   const size_t lead = p.fused_experts ? 1 : 0;  // rules describe the per-expert matrix
   const std::string where = Where(name, p.shape);
-  int dim = int(lead);
+  const bool matrix = p.shape.size() >= lead + 2;  // else a bias: its one dim is the output
+  // nn.Linear stores [out, in]; a transposed rule's weights are [in, out].
+  const int out_dim = int(lead) + (rule.transposed && matrix ? 1 : 0);
+  const int in_dim = int(lead) + (rule.transposed ? 0 : 1);
+  int dim = out_dim;
   if (rule.kind == SplitKind::kReplicate) return Status::OK();
   if (rule.kind == SplitKind::kRow) {
-    if (p.shape.size() < lead + 2) return Status::OK();  // a row-parallel bias is added once, whole
-    dim = int(lead) + 1;
+    if (!matrix) return Status::OK();  // a row-parallel bias is added once, whole
+    dim = in_dim;
   } else if (rule.kind == SplitKind::kDim) {
     dim = rule.dim;
   }
@@ -353,6 +472,7 @@ Result<TensorPlacement> PlaceTensor(const Shape& shape, const std::string& name,
   if (spec.tp == 1) return p;
   for (const auto& r : rules.rules)
     if (std::regex_search(name, r.re)) {
+      p.note = r.note;
       RETURN_IF_ERROR(SplitByRule(p, r, name, rules.facts, spec.tp));
       break;
     }

@@ -16,10 +16,17 @@
 // refused where vLLM refuses. Fused tensors (Phi-3 qkv_proj, gate_up_proj)
 // are split per part and the rank's pieces joined again.
 //
+// A rule can say its weights are stored transposed, [in, out] (GPT-2's
+// Conv1D, Llama-4's fused experts): column kinds then cut the last dim and
+// row kinds the one before it.
+//
 // Experts: per-expert names (`experts.<e>.`) go to ep ranks in contiguous
 // blocks; fused expert tensors (`experts.gate_up_proj [E, 2I, H]`, as
-// transformers 5 saves them) are sliced on dim 0 in the same blocks, and
-// the rules apply to the per-expert matrix behind it (dims shifted by one).
+// transformers 5 saves them, or Llama-4's `[E, H, 2I]`) are sliced on dim 0
+// in the same blocks, and the rules apply to the per-expert matrix behind it
+// (dims shifted by one). Which of the two layouts a fused tensor has is
+// known only from config.json: a preset chosen from tensor names holds them
+// whole on every tp rank, with a note, rather than cut a dim it cannot name.
 // Layers (`layers.<i>.`) go to pp stages in contiguous ranges (torch.chunk
 // sizes), embeddings on the first stage, the final norm and lm_head on the
 // last.
@@ -70,13 +77,17 @@ struct ShardingRule {
   SplitKind kind = SplitKind::kReplicate;
   int dim = 0;          // for kDim
   std::regex re;
+  bool transposed = false;  // weights stored [in, out]: column cuts the last dim, row the one before
+  std::string note;         // why the tensors it matches are held whole (layout.json "notes", the log)
 };
 
-// What head-aware splitting needs from config.json; 0 = not stated.
+// What head-aware splitting and the choice of preset need from config.json;
+// 0 = not stated.
 struct ModelFacts {
   std::string model_type;
-  uint64_t num_heads = 0;     // num_attention_heads
+  uint64_t num_heads = 0;     // num_attention_heads (GPT-2: n_head)
   uint64_t num_kv_heads = 0;  // num_key_value_heads (num_heads when absent)
+  std::vector<std::string> architectures;  // e.g. "DeepseekV3ForCausalLM"
 };
 
 // Reads the facts from config.json's text (text_config for multimodal
@@ -84,21 +95,27 @@ struct ModelFacts {
 ModelFacts ParseModelFacts(const std::string& config_json);
 
 struct ShardingRules {
-  std::string preset;               // "llama", "generic", ...
+  std::string preset;               // "llama", "deepseek_v3", "llama4", "gpt2", "generic", ...
   std::vector<ShardingRule> rules;  // first match wins; no match = replicate
   ModelFacts facts;
   // Why nothing is split, for a model no preset knows ("" otherwise).
   std::string unknown_model;
 };
 
-// The preset for a model family: "llama" covers Llama, Mistral, Qwen2/3,
-// Gemma, Phi-3, OLMo-2 and the Mixtral/Qwen-MoE expert names, per-expert
-// and fused. Without facts.model_type the preset is chosen from the names.
+// The preset for a model family, from config.json's model_type, else its
+// architectures: "llama" covers Llama, Mistral, Qwen2/3, Gemma, Phi-3,
+// OLMo-2 and the Mixtral/Qwen-MoE expert names, per-expert and fused;
+// "deepseek_v3" adds MLA's projections; "llama4" Llama-4's transposed fused
+// experts and its vision tower (whole); "gpt2" cuts Conv1D weights. Without
+// either the preset is chosen from the names (DeepSeek's MLA names, else
+// q_proj/qkv_proj/embed_tokens for the Llama family), and fused experts are
+// held whole (ShardingRule::note says why).
 ShardingRules PresetRules(const ModelFacts& facts, const std::vector<std::string>& fqns);
 
-// Reads a rules file: {"rules": [{"pattern": "...", "kind": KIND, "dim": N}]}
-// with KIND one of column, row, vocab, replicate, dim, q_heads, kv_heads,
-// qkv, gate_up ("dim" with kind "dim"). Its rules go before `base`'s.
+// Reads a rules file: {"rules": [{"pattern": "...", "kind": KIND, "dim": N,
+// "transposed": BOOL}]} with KIND one of column, row, vocab, replicate, dim,
+// q_heads, kv_heads, qkv, gate_up ("dim" with kind "dim"; "transposed" for
+// weights stored [in, out]). Its rules go before `base`'s.
 Result<ShardingRules> LoadRulesFile(const std::string& json_text, ShardingRules base);
 
 // torch.chunk sizes: the [begin, end) of part `i` of `n` split into `parts`.
@@ -118,6 +135,7 @@ struct TensorPlacement {
   std::optional<uint64_t> ep_group;  // ep group holding an `experts.<e>.` tensor
   bool fused_experts = false;        // dim 0 indexes experts, sliced over ep
   int dim = -1;                    // tp split dim; -1 = whole on every tp rank
+  std::string note;                // the matched rule's reason for holding it whole
   struct Part {
     uint64_t begin = 0, size = 0;  // along dim
     uint64_t heads = 0;            // split in whole heads when > 0

@@ -3,10 +3,12 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <regex>
 #include <set>
 
 #include <nlohmann/json.hpp>
 
+#include "core/cast.h"
 #include "core/convert.h"
 #include "core/safetensors.h"
 
@@ -99,10 +101,18 @@ std::string FileProblem(const SliceList& list, const Checkpoint& ckpt) {
 }
 
 // Safetensors files (+ index.json when more than one) for `groups`, then
-// the sidecars. Fills *file_of (fqn -> file name) when given.
+// the sidecars. Fills *file_of (fqn -> file name) when given. A PEFT adapter
+// keeps its weights in one file named as peft names it: peft reads no other
+// name and no sharded adapter.
 Result<std::vector<ViewFile>> HfFolder(const std::vector<SliceList>& groups, const Checkpoint& ckpt,
                                        const std::vector<SourceFile>& files,
-                                       std::map<std::string, std::string>* file_of = nullptr) {
+                                       std::map<std::string, std::string>* file_of = nullptr,
+                                       const DTypeView* dtype = nullptr) {
+  const bool adapter = IsPeftAdapter(ckpt);
+  if (adapter && groups.size() > 1)
+    return Status::NotSupported("a PEFT adapter's weights must fit one adapter_model.safetensors (peft reads no "
+                                "sharded adapter); these would take " + std::to_string(groups.size()) +
+                                " files: raise --max-file-size");
   std::vector<ViewFile> out;
   uint64_t total = 0;
   std::map<std::string, std::string> names;  // fqn -> file, sorted for the index
@@ -110,7 +120,8 @@ Result<std::vector<ViewFile>> HfFolder(const std::vector<SliceList>& groups, con
     SliceList list = groups[i];
     SortForSafetensors(list);
     ASSIGN_OR_RETURN(Layout layout, SafetensorsFileLayout(list, kHfMetadata));
-    std::string name = groups.size() == 1 ? "model.safetensors" : ShardName(i, groups.size());
+    std::string name = adapter ? kPeftWeightsName
+                       : groups.size() == 1 ? "model.safetensors" : ShardName(i, groups.size());
     for (const TensorSlice& s : list) {
       names.emplace_hint(names.end(), s.entry_name(), name);
       total += s.nbytes();
@@ -131,6 +142,12 @@ Result<std::vector<ViewFile>> HfFolder(const std::vector<SliceList>& groups, con
   }
   for (const auto& [name, id] : ckpt.sidecars) {
     Layout layout;
+    if (dtype && name == "config.json") {
+      ASSIGN_OR_RETURN(std::string text, ConfigForDType(dtype->config_json, dtype->to));
+      layout.AddLiteral(std::move(text));
+      out.push_back({name, std::make_shared<const Layout>(std::move(layout)), ""});
+      continue;
+    }
     layout.AddSource(id, 0, files.at(id).size);
     out.push_back({name, std::make_shared<const Layout>(std::move(layout)), ""});
   }
@@ -157,6 +174,15 @@ std::string TopKey(const TensorMeta& t) {
 }
 
 }  // namespace
+
+bool IsPeftAdapter(const Checkpoint& ckpt) { return ckpt.sidecars.count(kPeftConfigName) > 0; }
+
+std::string MergedViewRefusal(const Checkpoint& ckpt) {
+  if (!IsPeftAdapter(ckpt)) return "";
+  return "merged/: not created: merging PEFT adapters on read is not supported by this version of ckptfs "
+         "(consolidated/ serves the adapter itself); merge with peft's PeftModel.merge_and_unload() and "
+         "save_pretrained()";
+}
 
 Result<SliceList> ModelWeights(const Checkpoint& ckpt, const ConsolidatedOptions& options) {
   SliceList out;
@@ -201,16 +227,47 @@ Result<SliceList> ModelWeights(const Checkpoint& ckpt, const ConsolidatedOptions
   return out;
 }
 
+Status CastSlices(SliceList& slices, const DTypeView& view) {
+  std::regex keep;
+  try {
+    if (!view.keep.empty()) keep = std::regex(view.keep);
+  } catch (const std::regex_error& e) {
+    return Status::InvalidArgument("--keep-dtype '" + view.keep + "' is not a valid regular expression: " + e.what());
+  }
+  for (TensorSlice& s : slices) {
+    const DType from = s.tensor->dtype;
+    if (!IsCastable(from) || from == view.to) continue;
+    if (!view.keep.empty() && std::regex_search(s.entry_name(), keep)) continue;
+    s.cast = view.to;
+  }
+  return Status::OK();
+}
+
+Result<std::string> ConfigForDType(const std::string& config_json, DType to) {
+  auto j = nlohmann::ordered_json::parse(config_json, nullptr, false);
+  if (!j.is_object()) return Status::InvalidArgument("config.json is not a JSON object; cannot name the served dtype");
+  const std::string name(TorchDTypeName(to));
+  j["dtype"] = name;
+  if (j.contains("torch_dtype")) j["torch_dtype"] = name;
+  // Composite models (text_config, vision_config) carry their own.
+  for (auto& [key, sub] : j.items())
+    if (sub.is_object())
+      for (const char* field : {"dtype", "torch_dtype"})
+        if (sub.contains(field)) sub[field] = name;
+  return j.dump(2) + "\n";
+}
+
 Result<std::vector<ViewFile>> ConsolidatedView(const Checkpoint& ckpt, const std::vector<SourceFile>& files,
-                                               const ConsolidatedOptions& options) {
+                                               const ConsolidatedOptions& options, const DTypeView* dtype) {
   ASSIGN_OR_RETURN(SliceList slices, ModelWeights(ckpt, options));
+  if (dtype) RETURN_IF_ERROR(CastSlices(slices, *dtype));
   std::vector<SliceList> groups;
   if (!ckpt.file_index.empty()) {
     ASSIGN_OR_RETURN(groups, SplitByMapping(slices, ckpt.file_index));
   } else {
     groups = SplitBySize(slices, options.max_file_bytes);
   }
-  return HfFolder(groups, ckpt, files);
+  return HfFolder(groups, ckpt, files, nullptr, dtype);
 }
 
 std::string EscapeFileName(const std::string& fqn) {
@@ -329,7 +386,7 @@ nlohmann::ordered_json BoxJson(const Box& b) { return {{"offsets", Shape(b.offse
 // layout.json's entry for one slice: its box, or for a fused tensor the
 // boxes joined along join_dim.
 nlohmann::ordered_json SliceJson(const TensorSlice& s, const std::string& file) {
-  nlohmann::ordered_json j = {{"dtype", std::string(DTypeName(s.tensor->dtype))},
+  nlohmann::ordered_json j = {{"dtype", std::string(DTypeName(s.dtype()))},
                               {"global_shape", s.tensor->shape}};
   if (s.joined.empty()) {
     j["offsets"] = Shape(s.box.offsets);
@@ -346,17 +403,22 @@ nlohmann::ordered_json SliceJson(const TensorSlice& s, const std::string& file) 
 }
 
 // What a user should know about the spec as a whole (layout.json "notes",
-// and the log): a tp spec that split nothing, and why.
+// and the log): tensors a rule holds whole for a reason (each reason once),
+// a tp spec that split nothing, and why.
 std::vector<std::string> MeshNotes(const MeshSpec& spec, const ShardingRules& rules,
                                    const std::vector<TensorPlacement>& placements) {
   if (spec.tp == 1) return {};
+  std::vector<std::string> notes;
+  for (const TensorPlacement& p : placements)
+    if (!p.note.empty() && std::find(notes.begin(), notes.end(), p.note) == notes.end()) notes.push_back(p.note);
   bool split = std::any_of(placements.begin(), placements.end(), [](const TensorPlacement& p) { return p.dim >= 0; });
-  if (split) return {};
+  if (split) return notes;
   std::string why = !rules.unknown_model.empty()
                         ? rules.unknown_model
                         : "no rule of the '" + rules.preset + "' rules matched a tensor it could split";
-  return {"tp" + std::to_string(spec.tp) + " split nothing: " + why +
-          "; every rank holds whole copies. Say how to split with `ckptfs mount --rules FILE` (see mesh/README)"};
+  notes.push_back("tp" + std::to_string(spec.tp) + " split nothing: " + why + "; every rank holds whole copies. " +
+                  "Say how to split with `ckptfs mount --rules FILE` (see mesh/README)");
+  return notes;
 }
 
 // One rank's folder: its slices in safetensors file(s), the sidecars, and
@@ -364,10 +426,10 @@ std::vector<std::string> MeshNotes(const MeshSpec& spec, const ShardingRules& ru
 Result<std::vector<ViewFile>> MeshRankFiles(const Checkpoint& ckpt, const std::vector<SourceFile>& files,
                                             const MeshSpec& spec, uint64_t rank, const ShardingRules& rules,
                                             const SliceList& slices, const std::vector<std::string>& notes,
-                                            const ConsolidatedOptions& options) {
+                                            const ConsolidatedOptions& options, const DTypeView* dtype) {
   std::map<std::string, std::string> file_of;
   ASSIGN_OR_RETURN(std::vector<ViewFile> out,
-                   HfFolder(SplitBySize(slices, options.max_file_bytes), ckpt, files, &file_of));
+                   HfFolder(SplitBySize(slices, options.max_file_bytes), ckpt, files, &file_of, dtype));
   nlohmann::ordered_json tensors = nlohmann::ordered_json::object();
   for (const TensorSlice& s : slices) Append(tensors, s.entry_name(), SliceJson(s, file_of[s.entry_name()]));
   const MeshCoord c = CoordOf(spec, rank);
@@ -387,8 +449,10 @@ Result<std::vector<ViewFile>> MeshRankFiles(const Checkpoint& ckpt, const std::v
 }  // namespace
 
 Result<MeshFiles> MeshView(const Checkpoint& ckpt, const std::vector<SourceFile>& files, const MeshSpec& spec,
-                           const ShardingRules& rules, const ConsolidatedOptions& options) {
+                           const ShardingRules& rules, const ConsolidatedOptions& options,
+                           const DTypeView* dtype) {
   ASSIGN_OR_RETURN(SliceList weights, ModelWeights(ckpt, options));
+  if (dtype) RETURN_IF_ERROR(CastSlices(weights, *dtype));
   std::vector<std::pair<std::string, Shape>> shapes;
   shapes.reserve(weights.size());
   for (const auto& w : weights) shapes.emplace_back(w.entry_name(), w.tensor->shape);
@@ -416,7 +480,7 @@ Result<MeshFiles> MeshView(const Checkpoint& ckpt, const std::vector<SourceFile>
     for (size_t i = 0; i < weights.size(); ++i) {
       std::optional<RankSlice> r = SliceOf(placements[i], spec, rank);
       if (!r) continue;
-      TensorSlice s{weights[i].tensor, r->boxes[0], weights[i].name, {}, 0};
+      TensorSlice s{weights[i].tensor, r->boxes[0], weights[i].name, {}, 0, weights[i].cast};
       if (r->boxes.size() > 1) {
         s.joined = std::move(r->boxes);
         s.join_dim = r->join_dim;
@@ -424,7 +488,7 @@ Result<MeshFiles> MeshView(const Checkpoint& ckpt, const std::vector<SourceFile>
       slices.push_back(std::move(s));
     }
     ASSIGN_OR_RETURN(std::vector<ViewFile> rank_files, MeshRankFiles(ckpt, files, spec, rank, rules, slices,
-                                                                     out.notes, options));
+                                                                     out.notes, options, dtype));
     out.ranks.push_back(std::move(rank_files));
   }
   return out;
@@ -464,9 +528,11 @@ std::string MeshReadme(const ShardingRules& rules) {
   s += "Rules in use (" + rules.preset + "; first match wins, no match = replicated):\n";
   for (const auto& r : rules.rules)
     s += "  " + r.pattern + "  ->  " + SplitKindName(r.kind) +
-         (r.kind == SplitKind::kDim ? " " + std::to_string(r.dim) : "") + "\n";
+         (r.kind == SplitKind::kDim ? " " + std::to_string(r.dim) : "") + (r.transposed ? " (stored [in, out])" : "") +
+         (r.note.empty() ? "" : "\n      " + r.note) + "\n";
   s += "\nOverride or extend with `ckptfs mount --rules FILE` (JSON: {\"rules\": [{\"pattern\": REGEX,\n"
-       "\"kind\": column|row|vocab|replicate|dim|q_heads|kv_heads|qkv|gate_up, \"dim\": N}]}).\n";
+       "\"kind\": column|row|vocab|replicate|dim|q_heads|kv_heads|qkv|gate_up, \"dim\": N,\n"
+       "\"transposed\": true for weights stored [in, out]}]}).\n";
   return s;
 }
 

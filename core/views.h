@@ -49,13 +49,46 @@ struct ConsolidatedOptions {
 // an error.
 Result<SliceList> ModelWeights(const Checkpoint& ckpt, const ConsolidatedOptions& options);
 
+// A dtype view of a folder (`consolidated.bf16/`, `mesh/tp2.fp16/`): every
+// castable tensor (core/cast.h) not already in `to` is cast on read; tensors
+// whose name in the view matches `keep` (std::regex, ECMAScript, searched)
+// are served as saved. config.json is rewritten to name the served dtype:
+// `dtype`, and `torch_dtype` where the source has it (in sub-configs such as
+// text_config too); `config_json` is the source's text ("" when it has none).
+struct DTypeView {
+  DType to = DType::kBF16;
+  std::string keep;
+  std::string config_json;
+};
+
+// Marks the slices a dtype view casts. InvalidArgument for a bad `keep`.
+Status CastSlices(SliceList& slices, const DTypeView& view);
+// `config_json` with its dtype fields set to `to` (see DTypeView).
+Result<std::string> ConfigForDType(const std::string& config_json, DType to);
+
+// A PEFT adapter folder (adapter_config.json beside the weights): its
+// consolidated/ is again an adapter folder, weights in kPeftWeightsName.
+inline constexpr const char* kPeftConfigName = "adapter_config.json";
+inline constexpr const char* kPeftWeightsName = "adapter_model.safetensors";
+bool IsPeftAdapter(const Checkpoint& ckpt);
+
+// Why a PEFT adapter folder has no merged/ (its base with the adapter
+// merged on read): "" for a folder that is no adapter. Merging is not built
+// yet, so every adapter gets the reason and a way to merge meanwhile; the
+// mount logs it and `ckptfs check` reports it.
+std::string MergedViewRefusal(const Checkpoint& ckpt);
+
 // The Hugging Face folder for `ckpt`: model.safetensors, or
 // model-0000i-of-0000N.safetensors + model.safetensors.index.json (split by
 // ckpt.file_index when present, else by max_file_bytes and the header cap),
-// plus the sidecar files. `files` is the catalog's file table.
+// plus the sidecar files. `files` is the catalog's file table. For a PEFT
+// adapter, adapter_model.safetensors (NotSupported when it would need
+// more than one file).
+// With `dtype`, the folder's dtype view (consolidated.<dtype>/).
 Result<std::vector<ViewFile>> ConsolidatedView(const Checkpoint& ckpt,
                                                const std::vector<SourceFile>& files,
-                                               const ConsolidatedOptions& options);
+                                               const ConsolidatedOptions& options,
+                                               const DTypeView* dtype = nullptr);
 
 // Every rank's folder under `spec`: its slice of each tensor it holds (in
 // model.safetensors, or split files + index.json when large), the sidecars,
@@ -69,7 +102,8 @@ struct MeshFiles {
   std::vector<std::string> notes;
 };
 Result<MeshFiles> MeshView(const Checkpoint& ckpt, const std::vector<SourceFile>& files, const MeshSpec& spec,
-                           const ShardingRules& rules, const ConsolidatedOptions& options);
+                           const ShardingRules& rules, const ConsolidatedOptions& options,
+                           const DTypeView* dtype = nullptr);
 
 // tensors/: one NumPy .npy file per tensor (NPY 1.0 header + C-order data),
 // named EscapeFileName(fqn) + ".npy". Dtypes NumPy lacks (BF16, F8_*, F4,

@@ -23,9 +23,8 @@ std::string Where(const Checkpoint& ckpt, const TensorMeta& t, size_t c) {
 
 // The CRC32C of a byte range, read in pieces of at most 8 MiB into `buf`.
 Result<uint32_t> ChecksumOf(const ByteMeta& range, SourceReader& reader, std::vector<char>& buf,
-                            const std::function<void(uint64_t)>& on_piece) {
+                            const std::function<void(uint64_t)>& on_piece, uint32_t crc = 0) {
   constexpr uint64_t kPiece = 8 << 20;
-  uint32_t crc = 0;
   for (uint64_t at = 0; at < range.length; at += kPiece) {
     ReadPlan plan;
     plan.length = std::min(kPiece, range.length - at);
@@ -36,6 +35,28 @@ Result<uint32_t> ChecksumOf(const ByteMeta& range, SourceReader& reader, std::ve
     on_piece(plan.length);
   }
   return crc;
+}
+
+// File `id`'s bytes outside its chunks against the writer's CRC32C of them.
+void VerifyRest(const Checkpoint& ckpt, FileId id, SourceReader& reader, std::vector<char>& buf,
+                ChecksumReport& report, const std::function<void(uint64_t)>& on_bytes) {
+  const SourceFile& f = ckpt.files[id];
+  ++report.files;
+  uint32_t crc = 0;
+  for (const ByteMeta& range : BytesOutsideChunks(ckpt, id, f.size)) {
+    auto got = ChecksumOf(range, reader, buf, [&](uint64_t n) {
+      report.bytes += n;
+      if (on_bytes) on_bytes(report.bytes);
+    }, crc);
+    if (!got.ok()) {
+      report.problems.push_back(f.path + ": " + got.status().message());
+      return;
+    }
+    crc = *got;
+  }
+  if (crc != f.rest_crc32c)
+    report.problems.push_back(f.path + ": the bytes outside its tensor data (framing, headers, non-tensor items) have "
+                              "CRC32C " + Hex(crc) + ", the writer recorded " + Hex(f.rest_crc32c));
 }
 
 }  // namespace
@@ -62,6 +83,8 @@ ChecksumReport VerifyChunkChecksums(const Checkpoint& ckpt, SourceReader& reader
         report.problems.push_back(Where(ckpt, *t, c) + ": CRC32C " + Hex(*got) + ", the writer recorded " +
                                   Hex(chunk.crc32c()));
     }
+  for (FileId id = 0; id < ckpt.files.size(); ++id)
+    if (ckpt.files[id].has_rest_crc32c) VerifyRest(ckpt, id, reader, buf, report, on_bytes);
   return report;
 }
 

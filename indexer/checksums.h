@@ -21,6 +21,7 @@ namespace ckptfs {
 
 struct ChecksumReport {
   uint64_t chunks = 0;  // chunks with a recorded checksum, all read
+  uint64_t files = 0;   // files whose other bytes (SourceFile::rest_crc32c) were read
   uint64_t bytes = 0;
   // One line per chunk that differs or cannot be read: tensor, chunk, file,
   // byte range, and the two values.
@@ -28,7 +29,9 @@ struct ChecksumReport {
 };
 
 // Reads each chunk of `ckpt` that carries a checksum through `reader` (so a
-// changed source is an error, not a mismatch) and compares. `on_bytes`, when
+// changed source is an error, not a mismatch) and compares; then, for each
+// file with a recorded SourceFile::rest_crc32c, its bytes outside the
+// chunks. `on_bytes`, when
 // set, is told the bytes read so far.
 ChecksumReport VerifyChunkChecksums(const Checkpoint& ckpt, SourceReader& reader,
                                     const std::function<void(uint64_t)>& on_bytes = {});

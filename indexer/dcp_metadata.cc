@@ -41,14 +41,23 @@ std::string_view ModuleOf(const PickleValue* v) {
   return cls && cls->IsGlobal() ? cls->global_module() : std::string_view();
 }
 
-std::optional<DType> PropertiesDType(const PickleValue* props) {
+constexpr std::string_view kFloat4x2 = "float4_e2m1fn_x2";
+
+// The torch.dtype global of TensorProperties; nullptr when it has none.
+const PickleValue* PropertiesDTypeGlobal(const PickleValue* props) {
   const PickleValue* dtype = Field(props, "dtype");
   if (!dtype && props && props->kind() == PickleValue::Kind::kBuild) {
     // TensorProperties pickles its state as a 5-tuple (dtype, layout, ...).
     const PickleValue* st = props->build_state();
     if (st && st->AsTuple() && !st->AsTuple()->empty()) dtype = st->At(0);
   }
-  if (!dtype || !dtype->IsGlobal()) return std::nullopt;
+  return dtype && dtype->IsGlobal() ? dtype : nullptr;
+}
+
+std::optional<DType> PropertiesDType(const PickleValue* props) {
+  const PickleValue* dtype = PropertiesDTypeGlobal(props);
+  if (!dtype) return std::nullopt;
+  if (dtype->global_name() == kFloat4x2) return DType::kF4;
   return DTypeFromTorchName(dtype->global_name());
 }
 
@@ -79,11 +88,20 @@ std::unordered_map<std::string_view, const PickleValue*> PlannerPaths(const Pick
 // of both are checked against one shape.
 Status ReadTensorEntry(const std::string& rel, const std::string& fqn, const PickleValue* v, const PickleValue* path,
                        std::map<std::string, TensorMeta>& tensors, std::map<std::string, std::vector<Box>>& declared) {
+  const PickleValue* torch_dtype = PropertiesDTypeGlobal(Field(v, "properties"));
   auto dtype = PropertiesDType(Field(v, "properties"));
   auto size = Field(v, "size") ? AsShape(*Field(v, "size")) : std::nullopt;
   const PickleValue* chunks = Field(v, "chunks");
+  if (torch_dtype && !dtype && torch_dtype->global_module() == "torch")
+    return Status::NotSupported("tensor '" + fqn + "': dtype torch." + std::string(torch_dtype->global_name()) +
+                                " has no safetensors or NumPy equivalent; left out (every other tensor is served)");
   if (!dtype || !size || !chunks || !chunks->AsSequence())
     return Status::Corruption(rel + ": tensor '" + fqn + "' has malformed metadata (dtype, size or chunks)");
+  // float4_e2m1fn_x2 elements are bytes of two F4 values: served as F4, the last dim counted in F4 values.
+  const uint64_t unpack = torch_dtype->global_name() == kFloat4x2 ? 2 : 1;
+  if (unpack != 1 && size->empty())
+    return Status::NotSupported("tensor '" + fqn + "': a 0-d torch.float4_e2m1fn_x2 has no F4 shape; left out");
+  if (unpack != 1) size->back() *= unpack;
   if (auto known = tensors.find(fqn); known != tensors.end() && (known->second.dtype != *dtype || known->second.shape != *size))
     return Status::Corruption(rel + ": tensor '" + fqn + "' is " + std::string(DTypeName(*dtype)) + ShapeToString(*size) +
                               " here but " + std::string(DTypeName(known->second.dtype)) +
@@ -104,6 +122,10 @@ Status ReadTensorEntry(const std::string& rel, const std::string& fqn, const Pic
     auto len = Field(ch, "sizes") ? AsShape(*Field(ch, "sizes")) : std::nullopt;
     if (!off || !len || off->size() != size->size() || len->size() != size->size())
       return Status::Corruption(rel + ": tensor '" + fqn + "' has a malformed chunk");
+    if (unpack != 1) {
+      off->back() *= unpack;
+      len->back() *= unpack;
+    }
     declared[fqn].push_back(Box{*off, *len});
   }
   return Status::OK();
@@ -115,6 +137,7 @@ Status ReadStateDictMetadata(const std::string& rel, const PickleValue* root,
   const PickleValue* sdm = Field(root, "state_dict_metadata");
   if (!sdm || !sdm->AsDict()) return Status::Corruption(rel + ": Metadata has no state_dict_metadata dict");
   const auto paths = PlannerPaths(root);
+  std::vector<std::string> left_out;  // tensors of dtypes the index cannot hold
   // A pickled dict can repeat a key (Python would keep the last value); a
   // repeated tensor would mix the chunk boxes of two declarations.
   std::unordered_set<std::string_view> seen;
@@ -128,10 +151,14 @@ Status ReadStateDictMetadata(const std::string& rel, const PickleValue* root,
     if (cls != "TensorStorageMetadata")
       return Status::Corruption(rel + ": '" + *fqn + "' has metadata of class " + std::string(cls));
     auto path = paths.find(*fqn);
-    RETURN_IF_ERROR(ReadTensorEntry(rel, *fqn, e.value, path == paths.end() ? nullptr : path->second, tensors,
-                                    declared));
+    Status st = ReadTensorEntry(rel, *fqn, e.value, path == paths.end() ? nullptr : path->second, tensors, declared);
+    if (st.code() == Status::Code::kNotSupported) left_out.push_back(st.message());
+    else RETURN_IF_ERROR(st);
   }
-  return Status::OK();
+  if (left_out.empty()) return Status::OK();
+  std::string all = left_out.front();
+  for (size_t i = 1; i < left_out.size(); ++i) all += "; " + left_out[i];
+  return Status::NotSupported(all);
 }
 
 // storage_data {MetadataIndex: _StorageInfo}: tensor items keyed by (fqn,
@@ -172,7 +199,10 @@ Status ReadDcpMetadata(const std::string& rel, const PickleValue* root, std::map
                        std::map<std::string, StorageInfo>& byte_storage,
                        std::map<std::string, std::vector<uint64_t>>& reformulated,
                        std::map<ChunkKey, std::string>* tensor_meta) {
-  RETURN_IF_ERROR(ReadStateDictMetadata(rel, root, tensors, declared));
+  // Tensors of a dtype the index cannot hold are left out (NotSupported,
+  // naming them, returned last); everything else is read.
+  Status left_out = ReadStateDictMetadata(rel, root, tensors, declared);
+  if (left_out.code() != Status::Code::kNotSupported) RETURN_IF_ERROR(left_out);
   RETURN_IF_ERROR(ReadStorageData(rel, root, storage, byte_storage));
   // ByteCheckpoint: {MetadataIndex: pickled tensor description | None}.
   if (tensor_meta)
@@ -189,7 +219,7 @@ Status ReadDcpMetadata(const std::string& rel, const PickleValue* root, std::map
       if (e.key->AsStr() && e.value->AsDict())
         if (const PickleValue* orig = e.value->DictGet("nd_reformulated_orig_global_shape"))
           if (auto shape = AsShape(*orig)) reformulated[*e.key->AsStr()] = *shape;
-  return Status::OK();
+  return left_out;
 }
 
 }  // namespace ckptfs

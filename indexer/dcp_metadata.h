@@ -28,6 +28,9 @@ std::string_view ClassOf(const PickleValue* v);
 // The module of that class ("torch.distributed.checkpoint.metadata").
 std::string_view ModuleOf(const PickleValue* v);
 
+// The element type of a TensorProperties; torch.float4_e2m1fn_x2 is F4
+// (ReadDcpMetadata doubles its last dim). nullopt for a dtype the index
+// cannot hold.
 std::optional<DType> PropertiesDType(const PickleValue* props);
 std::optional<uint64_t> UInt(const PickleValue* v);
 

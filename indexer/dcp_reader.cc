@@ -142,7 +142,8 @@ void LoadMetadataFile(const std::string& rel, FileTable& files, DcpPlan& plan, C
     return AddProblem(out, rel + ": not a DCP Metadata object (" + std::string(ClassOf(root)) + ")", true);
   Status st = ReadDcpMetadata(rel, root, plan.tensors, plan.declared, plan.storage, plan.byte_storage,
                               plan.reformulated, nullptr);
-  if (!st.ok()) AddProblem(out, st.message(), true);
+  // Tensors of a dtype the index cannot hold are named; the rest is served.
+  if (!st.ok()) AddProblem(out, st.message(), st.code() != Status::Code::kNotSupported);
   plan.docs.push_back(std::move(*doc));
 }
 
@@ -185,6 +186,20 @@ Result<TorchArchive> ReadItem(const StorageInfo& si, int fd, FileId id, FileTabl
   return ReadDecoded(decoded, item);
 }
 
+// A float4_e2m1fn_x2 item (bytes of two F4 values): the metadata's F4 box
+// counts values, so its last dim is twice the item's.
+void PlacePackedF4(const TorchTensorRecord& r, const std::string& rel, FileId data_file, Chunk& c) {
+  std::vector<uint64_t> values = r.shape;
+  if (!values.empty()) values.back() *= 2;
+  if (values != c.box().lengths)
+    c.set_unavailable(rel + ": the item's shape " + ShapeToString(r.shape) + " (float4_e2m1fn_x2) is not the chunk's " +
+                      ShapeToString(c.box().lengths) + " F4 values");
+  else if (!NormalizeStrides(r.shape, r.strides).empty())
+    c.set_unavailable(rel + ": a non-contiguous float4_e2m1fn_x2 item is not supported");
+  else
+    c.set_bytes({data_file, r.data_offset, r.storage_bytes_available});
+}
+
 // Points `c` at the item's one tensor, or says why it cannot be.
 void PlaceChunk(const TorchArchive& archive, const std::string& rel, FileId data_file, const TensorMeta& t,
                        Chunk& c) {
@@ -193,6 +208,7 @@ void PlaceChunk(const TorchArchive& archive, const std::string& rel, FileId data
     return;
   }
   const TorchTensorRecord& r = archive.tensors[0];
+  if (r.torch_dtype == "float4_e2m1fn_x2" && t.dtype == DType::kF4) return PlacePackedF4(r, rel, data_file, c);
   if (r.dtype != t.dtype) {
     c.set_unavailable(rel + ": the item is " + std::string(DTypeName(r.dtype)) + ", the metadata says " +
                       std::string(DTypeName(t.dtype)));

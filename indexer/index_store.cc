@@ -559,6 +559,14 @@ Status Store::Ingest(const std::string& sst_path) {
   return FromRocks(db_->IngestExternalFile({sst_path}, io), "ingest " + sst_path + " into " + path_);
 }
 
+Result<Checkpoint> ReadCommitRecord(const std::string& sst_path) {
+  ASSIGN_OR_RETURN(std::vector<rows::Row> all, ReadSst(sst_path));
+  CheckpointEntry entry;
+  auto ckpt = DecodeCommitRows(all, &entry);
+  if (!ckpt.ok()) return ckpt.status().WithContext("commit record " + sst_path);
+  return ckpt;
+}
+
 Status WriteCommitRecord(const std::string& abs_root, const Checkpoint& ckpt, const std::string& sst_path) {
   if (abs_root.empty() || abs_root[0] != '/')
     return Status::InvalidArgument("commit record: the source root must be an absolute path, not '" + abs_root + "'");

@@ -136,6 +136,13 @@ class Store {
 // every file path are relative to `abs_root`.
 Status WriteCommitRecord(const std::string& abs_root, const Checkpoint& ckpt, const std::string& sst_path);
 
+// The checkpoint a writer's commit record (WriteCommitRecord) describes,
+// its rows checked as untrusted input (one checkpoint's keys, paths inside
+// it, counts and file ids consistent), its paths relative to the root the
+// writer had. Nothing here says the files still hold what it describes:
+// see indexer/commit_record.h.
+Result<Checkpoint> ReadCommitRecord(const std::string& sst_path);
+
 // Stats every source file and compares it with the indexed identity; Stale
 // naming the first few changed files, or OK.
 Status CheckSources(const Catalog& catalog);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <functional>
+#include <optional>
 #include <cerrno>
 #include <chrono>
 #include <climits>
@@ -12,6 +13,7 @@
 #include <cstring>
 #include <set>
 
+#include "indexer/commit_record.h"
 #include "indexer/file_table.h"
 #include "indexer/format_reader.h"
 #include "indexer/readers.h"
@@ -77,6 +79,9 @@ Result<std::optional<Checkpoint>> ReadCheckpoint(const std::string& root, const 
     ckpt.files = files.Take();
     if (claimed) *claimed = r->ClaimedSubdirs(listing);
     if (!options.file_index_mapping.empty()) RETURN_IF_ERROR(LoadFileIndexMapping(options.file_index_mapping, ckpt));
+    Status record = UseCommitRecord(root, ckpt);
+    if (!record.ok() && record.code() != Status::Code::kNotFound && options.warn)
+      options.warn(record.message() + "; indexed from the files alone, without the writer's checksums");
     return std::optional<Checkpoint>(std::move(ckpt));
   }
   return std::optional<Checkpoint>();
@@ -88,12 +93,16 @@ namespace {
 
 // What an unrecognised directory that holds shard files lacks, or "".
 std::string MissingCommitPoint(const DirListing& d) {
-  size_t distcp = 0, safetensors = 0;
+  size_t distcp = 0, safetensors = 0, unpublished = 0;
   for (const std::string& f : d.files) {
     distcp += f.ends_with(".distcp");
     safetensors += f.ends_with(".safetensors");
+    unpublished += f.ends_with(".safetensors.tmp");
   }
   if (distcp) return std::to_string(distcp) + " .distcp file(s) but no .metadata: an interrupted DCP save";
+  // ckptfs's writer (layout="hf") renames NAME.tmp to NAME only at commit.
+  if (unpublished && !safetensors)
+    return std::to_string(unpublished) + " .safetensors.tmp file(s) and no shard published: an interrupted save";
   if (safetensors) return std::to_string(safetensors) + " .safetensors file(s) no format reads as a checkpoint";
   if (std::binary_search(d.dirs.begin(), d.dirs.end(), ".ckptfs"))
     return ".ckptfs/ without a commit record: an interrupted ckptfs save";
@@ -140,21 +149,53 @@ std::vector<std::string> FindCheckpointDirs(const std::string& root) {
   return out;
 }
 
+namespace {
+
+enum class Clock { kMtime, kCtime };
+
+// The time `name` in `dir` was last written (kMtime) or changed (kCtime),
+// in ns; nullopt when it is missing.
+std::optional<int64_t> FileTime(const DirListing& dir, const std::string& name, Clock clock) {
+  struct stat st;
+  if (::lstat((dir.abs + "/" + name).c_str(), &st) != 0) return std::nullopt;
+  const struct timespec& t = clock == Clock::kMtime ? st.st_mtim : st.st_ctim;
+  return int64_t(t.tv_sec) * 1'000'000'000 + t.tv_nsec;
+}
+
+// True when no file of `dir` but `except` was written (or changed) after `at`.
+bool NothingAfter(const DirListing& dir, int64_t at, Clock clock, const std::string& except) {
+  for (const std::string& f : dir.files)
+    if (f != except && FileTime(dir, f, clock).value_or(INT64_MAX) > at) return false;
+  return true;
+}
+
+bool RecordIsCurrent(const DirListing& dir) {
+  auto record = FileTime(dir, kCommitRecord, Clock::kMtime);
+  if (!record) return false;
+  // Modification times, not ctimes: a copy that keeps them (cp -a, rsync -a)
+  // keeps its record. A shard rewritten after the save changes its own
+  // mtime, never .metadata's: that is corruption for the record's checksums
+  // to find, not a new save.
+  if (dir.has_file(".metadata")) return *FileTime(dir, ".metadata", Clock::kMtime) <= *record;
+  return NothingAfter(dir, *record, Clock::kMtime, "");
+}
+
+}  // namespace
+
+bool CommitRecordIsCurrent(const std::string& root, const std::string& rel) {
+  auto listing = ListDir(root, rel);
+  return listing.ok() && RecordIsCurrent(*listing);
+}
+
 bool CommitPointIsNewest(const std::string& root, const std::string& rel) {
   auto listing = ListDir(root, rel);
   if (!listing.ok()) return false;
-  auto ctime = [&](const std::string& name) -> int64_t {
-    struct stat st;
-    if (::lstat((listing->abs + "/" + name).c_str(), &st) != 0) return INT64_MAX;
-    return int64_t(st.st_ctim.tv_sec) * 1'000'000'000 + st.st_ctim.tv_nsec;
-  };
-  const std::string record = kCommitRecord;
-  const bool has_record = ctime(record) != INT64_MAX;
-  if (!has_record && !listing->has_file(".metadata")) return false;
-  const int64_t commit = ctime(has_record ? record : ".metadata");
-  for (const std::string& f : listing->files)
-    if ((has_record || f != ".metadata") && ctime(f) > commit) return false;
-  return true;
+  if (RecordIsCurrent(*listing)) {
+    auto record = FileTime(*listing, kCommitRecord, Clock::kCtime);
+    return record && NothingAfter(*listing, *record, Clock::kCtime, "");
+  }
+  auto metadata = FileTime(*listing, ".metadata", Clock::kCtime);
+  return metadata && NothingAfter(*listing, *metadata, Clock::kCtime, ".metadata");
 }
 
 std::string CommitRecordPath(const std::string& root, const std::string& dir) {

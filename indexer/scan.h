@@ -17,6 +17,9 @@ struct ScanOptions {
   std::function<void(size_t, size_t)> progress;
   // Overrides every checkpoint's fqn -> file index mapping (JSON file).
   std::string file_index_mapping;
+  // Told why a checkpoint's commit record of ckptfs's writer was not used
+  // (indexer/commit_record.h); the checkpoint is read from its files then.
+  std::function<void(const std::string&)> warn;
 };
 
 // Fails only when `root` cannot be read at all; problems inside checkpoints
@@ -41,15 +44,22 @@ std::vector<std::string> FindCheckpointDirs(const std::string& root);
 inline constexpr char kCommitRecord[] = ".ckptfs/commit.sst";
 std::string CommitRecordPath(const std::string& root, const std::string& dir);
 
+// True when directory `rel` of `root` holds ckptfs's writer's commit record
+// and it belongs to the save the directory holds now: written no earlier
+// than that save's own commit point (DCP's .metadata) or, without one, than
+// any of its files. Another writer saving into the same directory later
+// leaves the record behind, describing files rewritten or gone: it is
+// then ignored, never trusted.
+bool CommitRecordIsCurrent(const std::string& root, const std::string& rel);
+
 // True when directory `rel` of `root` holds a commit point written after
-// every other file in it: ckptfs's writer's commit record
-// (.ckptfs/commit.sst, written last in both its layouts) when there is one,
-// else DCP's .metadata, which torch renames into place after all shards are
-// durable. A checkpoint saved again into the same directory may be indexed
-// again only then; before, its old .metadata would describe new,
-// half-written shards. Formats without such a file (safetensors folders
-// not written by ckptfs, torch.save files) have none: they are indexed
-// again only by `ckptfs index`.
+// every other file in it: ckptfs's writer's commit record when it is
+// current (above), else DCP's .metadata, which torch renames into place
+// after all shards are durable. A checkpoint saved again into the same
+// directory may be indexed again only then; before, its old .metadata
+// would describe new, half-written shards. Formats without such a file
+// (safetensors folders not written by ckptfs, torch.save files) have none:
+// they are indexed again only by `ckptfs index`.
 bool CommitPointIsNewest(const std::string& root, const std::string& rel);
 
 // Reads directory `rel` of `root` (absolute, resolved) alone, as the scan

@@ -272,6 +272,16 @@ Status SourceReader::Execute(const ReadPlan& plan, char* dst) {
   return ExecuteUngated(plan, dst);
 }
 
+Status SourceReader::CheckSources(const std::vector<FileId>& ids) {
+  for (FileId raw : ids) {
+    const SourceFile& f = (*files_)[raw];
+    const FileId id = f.derived() ? f.base : raw;
+    ASSIGN_OR_RETURN(int fd, Fd(id));
+    RETURN_IF_ERROR(CheckUnchanged(id, fd));
+  }
+  return Status::OK();
+}
+
 Status SourceReader::ExecuteUngated(const ReadPlan& plan, char* dst) {
   for (const LiteralOp& l : plan.literals) std::memcpy(dst + l.dst_offset, l.data, l.length);
   if (plan.copies.empty()) return Status::OK();

@@ -84,6 +84,11 @@ class SourceReader {
   // True once any source was seen changed (reads of it fail from then on).
   bool any_stale() const { return any_stale_->load(); }
 
+  // Checks sources `ids` are unchanged since indexing, as Execute does after
+  // its reads (a derived source: its base file): for bytes computed from
+  // them earlier and served from a cache. Stale naming the first changed.
+  Status CheckSources(const std::vector<FileId>& ids);
+
   // Stats every (non-derived) source by path now; Stale naming the first
   // one that changed since indexing (it then fails every read), else OK.
   Status Recheck();

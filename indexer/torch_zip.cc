@@ -301,6 +301,7 @@ constexpr NamedDType kTorchDTypes[] = {
     {"bool", DType::kBOOL},         {"uint16", DType::kU16},       {"uint32", DType::kU32},
     {"uint64", DType::kU64},        {"float8_e4m3fn", DType::kF8_E4M3},
     {"float8_e5m2", DType::kF8_E5M2}, {"float8_e8m0fnu", DType::kF8_E8M0},
+    {"float8_e4m3fnuz", DType::kF8_E4M3FNUZ}, {"float8_e5m2fnuz", DType::kF8_E5M2FNUZ},
     {"complex64", DType::kC64},     {"cfloat", DType::kC64},
 };
 
@@ -456,7 +457,9 @@ Result<TorchTensorRef> MatchRebuild(int version, const std::vector<const PickleV
     const PickleValue* d = args[6];
     if (!d->IsGlobal() || d->global_module() != "torch")
       return BadTensor("_rebuild_tensor_v3 dtype is not a torch dtype: " + d->DebugString(200));
-    auto dt = DTypeFromTorchName(d->global_name());
+    // float4_e2m1fn_x2's elements are bytes (two F4 values each): indexed
+    // as U8 here, its torch_dtype kept; readers that know it unpack it.
+    auto dt = d->global_name() == "float4_e2m1fn_x2" ? DType::kU8 : DTypeFromTorchName(d->global_name());
     if (!dt) return Status::NotSupported("torch tensor: dtype torch." + std::string(d->global_name()) + " is not supported");
     ref.dtype = *dt;
     ref.torch_dtype = d->global_name();

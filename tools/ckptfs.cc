@@ -61,6 +61,9 @@ void AddCommon(CLI::App* cmd, Common& c, bool view_flags) {
                     "(replaces the model-weight rule)");
     cmd->add_option("--rules", c.rules,
                     "Mesh sharding rules (JSON {\"rules\": [{\"pattern\", \"kind\", \"dim\"}]}) placed before the preset's");
+    cmd->add_option("--keep-dtype", c.keep_dtype,
+                    "Dtype views (consolidated.bf16/, mesh/tp2.fp16/, ...) keep the tensors whose names match this "
+                    "regex (ECMAScript, searched) as saved, e.g. 'e_score_correction_bias|router'");
   }
 }
 
@@ -106,6 +109,10 @@ void AddIndexAndMount(CLI::App& app, Flags& f, Commands& cmd) {
   m->add_option("--max-loaded", f.max_loaded,
                 "Checkpoints kept loaded in memory (rows and views); beyond it the least recently used one with no "
                 "open file is unloaded and loaded again on next use (default 32; 0 = no limit)");
+  m->add_option("--compute-cache-mib", f.c.compute_cache_mib,
+                "MiB of computed tensor blocks (dtype casts) kept for readers, least recently used dropped first "
+                "(default 512)")
+      ->check(CLI::Range(uint64_t(1), uint64_t(1) << 20));
   m->add_option("--readahead-mib", f.readahead_mib,
                 "Source MiB read ahead of each sequential reader of a virtual file; 0 = off (default 32)")
       ->check(CLI::Range(0u, 4096u));
@@ -217,7 +224,11 @@ int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::f
   mo.rescan_ms = f.rescan_ms;
   mo.log = [out](const std::string& line) { out->Write(LogLevel::kWarn, line); };
   mo.live.log = [out](const std::string& line) { out->Write(LogLevel::kInfo, line); };
-  mo.live.scan = [root = fs->root()](const std::string& rel) { return ScanCheckpointDir(root, rel); };
+  mo.live.scan = [root = fs->root(), out](const std::string& rel) {
+    ScanOptions so;
+    so.warn = [out](const std::string& line) { out->Write(LogLevel::kWarn, line); };
+    return ScanCheckpointDir(root, rel, so);
+  };
   mo.live.resaved = [root = fs->root()](const std::string& rel) { return CommitPointIsNewest(root, rel); };
   mo.live.commit = [store](const Checkpoint& ckpt) { return store->Commit(ckpt); };
   mo.live.remove = [store](const std::string& dir) { return store->Remove(dir); };

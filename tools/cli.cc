@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <iostream>
 #include <mutex>
 #include <set>
@@ -106,38 +107,13 @@ static Status VerifyRebuilt(Store& store) {
                             "under " + store.path() + " (or give --index a directory on another disk)");
 }
 
-// One scanned checkpoint into the store: from its writer's commit record
-// when it has one whose sources are unchanged, else from the scan.
-static Status StoreCheckpoint(Store& store, const std::string& root, const Checkpoint& ck) {
-  const std::string sst = CommitRecordPath(root, ck.dir);
-  char real[PATH_MAX];
-  if (::access(sst.c_str(), F_OK) == 0) {
-    // Only a record that really lies in this checkpoint (no symlink out of
-    // it), so that it is stored as this checkpoint and no other.
-    Status s = ::realpath(sst.c_str(), real) && sst == real
-                   ? store.Ingest(sst)
-                   : Status::InvalidArgument("it is reached through a symlink");
-    if (s.ok()) {
-      auto ingested = store.Load(ck.dir);
-      Catalog one;
-      one.root = root;
-      if (ingested.ok()) one.checkpoints.push_back(std::move(*ingested));
-      s = ingested.ok() ? CheckSources(one) : ingested.status();
-      if (s.ok()) return s;
-    }
-    std::fprintf(stderr, "ckptfs: warning: %s not used (%s); indexed from the files instead\n", sst.c_str(),
-                 s.message().c_str());
-  }
-  return store.Commit(ck);
-}
-
 // Commits every checkpoint of the scan, each in its own batch, and removes
 // the checkpoints the scan no longer found.
 static Status StoreCatalog(Store& store, const Catalog& catalog) {
   std::set<std::string> found;
   for (const Checkpoint& ck : catalog.checkpoints) {
     found.insert(ck.dir);
-    RETURN_IF_ERROR(StoreCheckpoint(store, catalog.root, ck));
+    RETURN_IF_ERROR(store.Commit(ck));
   }
   for (const CheckpointEntry& e : store.List())
     if (!found.count(e.dir)) RETURN_IF_ERROR(store.Remove(e.dir));
@@ -179,6 +155,7 @@ int BuildIndex(const Common& c, bool quiet) {
   }
   ScanOptions so;
   so.file_index_mapping = c.mapping;
+  so.warn = [](const std::string& line) { std::fprintf(stderr, "ckptfs: warning: %s\n", line.c_str()); };
   Progress progress("indexing " + c.root, 0, "dirs scanned");
   so.progress = [&](size_t dirs, size_t) { progress.Update(dirs); };
   auto catalog = ScanSource(c.root, so);
@@ -316,6 +293,17 @@ static std::optional<FsOptions> MakeFsOptions(const Common& c, int* exit_code,
   FsOptions fo;
   fo.consolidated.max_file_bytes = c.max_file_bytes;
   fo.max_loaded = c.max_loaded;
+  fo.compute_cache_bytes = c.compute_cache_mib << 20;
+  if (!c.keep_dtype.empty()) {
+    try {
+      std::regex check(c.keep_dtype);
+    } catch (const std::regex_error& e) {
+      Error("--keep-dtype '" + c.keep_dtype + "' is not a valid regular expression (ECMAScript): " + e.what());
+      *exit_code = kExitUsage;
+      return std::nullopt;
+    }
+    fo.keep_dtype = c.keep_dtype;
+  }
   if (!c.rules.empty()) {
     std::ifstream f(c.rules);
     if (!f) {

@@ -42,6 +42,8 @@ struct Common {
   std::string names;  // --names FILE
   bool reindex = false;
   size_t max_loaded = 0;  // mount --max-loaded (FsOptions::max_loaded)
+  std::string keep_dtype;  // --keep-dtype REGEX (FsOptions::keep_dtype)
+  uint64_t compute_cache_mib = 512;  // mount --compute-cache-mib
 };
 
 

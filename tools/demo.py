@@ -7,10 +7,13 @@
    through ckptfs's writer (ckptfs.torch.StorageWriter): weights as
    DTensors sharded tensor-parallel style, plus AdamW state.
 3. As soon as each step's save commits (the writer's commit record lands
-   last: every chunk's place and CRC32C, no file parsed), the mount
-   shows MNT/step_N/consolidated/; the eval loop here loads it with
+   last: every chunk's place and CRC32C, checked against the files), the
+   mount shows MNT/step_N/consolidated/; the eval loop here loads it with
    transformers and checks its logits equal the trained model's at that
    step, bit for bit. No conversion, no second copy.
+4. The same step in bf16, cast on read: MNT/step_N/consolidated.bf16/
+   gives the logits transformers gets when it casts the fp32 folder to
+   bf16 as it loads it.
 
     python3 tools/demo.py [--workdir DIR] [--steps N] [--save-every K] [--keep-mounted]
 """
@@ -80,6 +83,21 @@ def evaluate(mnt: Path, refs: Path, step_no: int) -> bool:
     return torch.equal(logits, ref["logits"])
 
 
+def evaluate_bf16(mnt: Path, refs: Path, step_no: int) -> bool:
+    """consolidated.bf16/ (cast by ckptfs on read) against transformers
+    casting consolidated/ to bf16 as it loads it."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    ids = torch.load(refs / f"step_{step_no}.pt")["input_ids"]
+    out = []
+    for folder, dtype in (("consolidated.bf16", None), ("consolidated", torch.bfloat16)):
+        model = AutoModelForCausalLM.from_pretrained(str(mnt / f"step_{step_no}" / folder), dtype=dtype)
+        with torch.no_grad():
+            out.append(model(input_ids=ids).logits)
+        del model
+    return out[0].dtype == torch.bfloat16 and torch.equal(out[0], out[1])
+
+
 def eval_loop(mnt: Path, refs: Path, trainer: threading.Thread, wanted: list[int]) -> int:
     failures = 0
     for n in wanted:
@@ -99,6 +117,10 @@ def eval_loop(mnt: Path, refs: Path, trainer: threading.Thread, wanted: list[int
         same = evaluate(mnt, refs, n)
         failures += not same
         print(f"   eval: step_{n}/consolidated/ {when}; transformers logits equal the trained model's: {same}",
+              flush=True)
+        same = evaluate_bf16(mnt, refs, n)
+        failures += not same
+        print(f"   eval: step_{n}/consolidated.bf16/ (cast on read) gives transformers' own bf16 logits: {same}",
               flush=True)
     return failures
 

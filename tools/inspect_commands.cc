@@ -19,11 +19,13 @@
 #include "core/convert.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
+#include "core/views.h"
 #include "indexer/file_table.h"
 #include "indexer/scan.h"
 #include "indexer/posix_io.h"
 #include "indexer/source_reader.h"
 #include "indexer/checksums.h"
+#include "indexer/commit_record.h"
 #include "tools/cli.h"
 
 namespace ckptfs {
@@ -305,6 +307,9 @@ int RunCheck(const Common& c) {
   std::vector<std::string> problems = FindInterruptedSaves(catalog->root);
   for (const Checkpoint& ck : catalog->checkpoints) {
     for (const std::string& p : ck.problems) problems.push_back(Where(ck) + ": " + p);
+    // A view ckptfs does not offer is no fault of the checkpoint: said, not counted.
+    if (std::string why = MergedViewRefusal(ck); !why.empty())
+      std::fprintf(stderr, "ckptfs: note: %s: %s\n", Where(ck).c_str(), why.c_str());
     std::vector<bool> changed;
     ChangedSources(catalog->root, ck, &changed, &problems);
     UnreadableChunks(catalog->root, ck, changed, &problems);
@@ -421,45 +426,50 @@ void ReadEveryByte(VirtualFs& fs, const std::vector<VFile>& files, uint64_t tota
   }
 }
 
-// The chunks whose writer recorded a CRC32C, read again and compared.
-ChecksumReport CheckChunkChecksums(const std::vector<LoadedCheckpoint>& loaded, std::vector<std::string>* problems) {
-  ChecksumReport all;
-  uint64_t total = 0;
-  for (const LoadedCheckpoint& l : loaded)
-    for (const auto& t : l.ckpt->tensors)
-      for (const Chunk& c : t->chunks)
-        if (c.has_crc32c()) total += c.length();
-  if (total == 0) return all;
-  Progress progress("checksums", total, "bytes");
-  for (const LoadedCheckpoint& l : loaded) {
-    const uint64_t before = all.bytes;
-    ChecksumReport r = VerifyChunkChecksums(*l.ckpt, *l.reader, [&](uint64_t n) { progress.Update(before + n); });
-    all.chunks += r.chunks;
-    all.bytes += r.bytes;
-    for (std::string& p : r.problems) problems->push_back((l.ckpt->dir.empty() ? "" : l.ckpt->dir + ": ") + p);
+// The checksums `l` is verified against: its writer's commit record read
+// now (so the files are checked against what the writer wrote, however the
+// index was built), else those the index holds. nullopt, with a problem or
+// a warning said, when the record cannot be used.
+std::optional<Checkpoint> WithWriterChecksums(const std::string& root, const LoadedCheckpoint& l,
+                                              std::vector<std::string>* problems, std::vector<std::string>* warnings) {
+  Checkpoint ck = *l.ckpt;
+  Status record = UseCommitRecord(root, ck);
+  const std::string dir = ck.dir.empty() ? std::string(".") : ck.dir;
+  if (record.ok() || record.code() == Status::Code::kNotFound) return ck;
+  if (record.code() == Status::Code::kStale) {
+    warnings->push_back(dir + ": " + record.message() + "; its checksums do not apply, none checked");
+    return std::nullopt;
   }
-  return all;
+  problems->push_back(dir + ": saved by ckptfs's writer, but " + record.message() +
+                      " (the files or the record changed since the save); no checksum checked. Re-save the step");
+  return std::nullopt;
 }
 
-// Checkpoints saved by ckptfs's writer (a commit record in their directory)
-// without a single checksummed chunk: the store refused the record (their
-// files changed, or were copied, after the save) and scanned the files, so
-// verify has nothing of the writer's to compare. Said, not hidden.
-std::vector<std::string> UncheckedWriterSaves(const std::string& root, const std::vector<LoadedCheckpoint>& loaded) {
-  std::vector<std::string> out;
+// Every chunk and file whose writer recorded a CRC32C, read again and compared.
+ChecksumReport CheckChecksums(const std::string& root, const std::vector<LoadedCheckpoint>& loaded,
+                              std::vector<std::string>* problems, std::vector<std::string>* warnings) {
+  std::vector<std::pair<Checkpoint, SourceReader*>> checked;
+  uint64_t total = 0;
   for (const LoadedCheckpoint& l : loaded) {
-    const Checkpoint& ck = *l.ckpt;
-    const std::string record = CommitRecordPath(root, ck.dir);
-    bool any_crc = false;
-    for (const auto& t : ck.tensors)
-      for (const Chunk& c : t->chunks) any_crc |= c.has_crc32c();
-    if (any_crc || ::access(record.c_str(), F_OK) != 0) continue;
-    out.push_back((ck.dir.empty() ? std::string(".") : ck.dir) +
-                  ": saved by ckptfs's writer, but indexed from its files without the writer's checksums (its "
-                  "commit record does not match the files: changed or copied since the save); no chunk "
-                  "checksum checked. Re-save the step to get them back");
+    auto ck = WithWriterChecksums(root, l, problems, warnings);
+    if (!ck) continue;
+    for (const auto& t : ck->tensors)
+      for (const Chunk& c : t->chunks)
+        if (c.has_crc32c()) total += c.length();
+    checked.emplace_back(std::move(*ck), l.reader);
   }
-  return out;
+  ChecksumReport all;
+  if (total == 0) return all;
+  Progress progress("checksums", total, "bytes");
+  for (auto& [ck, reader] : checked) {
+    const uint64_t before = all.bytes;
+    ChecksumReport r = VerifyChunkChecksums(ck, *reader, [&](uint64_t n) { progress.Update(before + n); });
+    all.chunks += r.chunks;
+    all.files += r.files;
+    all.bytes += r.bytes;
+    for (std::string& p : r.problems) problems->push_back((ck.dir.empty() ? "" : ck.dir + ": ") + p);
+  }
+  return all;
 }
 
 // Compares consolidated/ tensor by tensor with the Hugging Face folder
@@ -514,13 +524,13 @@ int RunVerify(VirtualFs& fs, const std::string& against, bool as_json) {
   for (const auto& f : files) total += f.attr.size;
   std::vector<std::string> problems;
   ReadEveryByte(fs, files, total, &problems);
-  ChecksumReport sums = CheckChunkChecksums(loaded, &problems);
+  std::vector<std::string> warnings;
+  ChecksumReport sums = CheckChecksums(fs.root(), loaded, &problems, &warnings);
   if (!against.empty() && !CompareAgainst(fs, files, against, &problems)) return kExitNoSource;
-  std::vector<std::string> warnings = UncheckedWriterSaves(fs.root(), loaded);
   for (const auto& w : warnings) std::fprintf(stderr, "ckptfs: warning: %s\n", w.c_str());
   if (as_json) {
     std::cout << json({{"files", files.size()}, {"bytes", total}, {"checksummed_chunks", sums.chunks},
-                       {"checksummed_bytes", sums.bytes}, {"problems", problems}, {"warnings", warnings}})
+                       {"checksummed_bytes", sums.bytes}, {"checksummed_files", sums.files}, {"problems", problems}, {"warnings", warnings}})
                      .dump(2)
               << "\n";
   } else {

@@ -219,15 +219,174 @@ TEST(PlaceTensor, RulesFileOverridesPreset) {
   EXPECT_FALSE(LoadRulesFile(R"({"rules": [{"pattern": "(", "kind": "row"}]})", {}).ok());
   EXPECT_FALSE(LoadRulesFile(R"({"rules": [{"pattern": "x", "kind": "diagonal"}]})", {}).ok());
   EXPECT_TRUE(LoadRulesFile(R"({"rules": [{"pattern": "x", "kind": "qkv"}]})", {}).ok());
+  EXPECT_FALSE(LoadRulesFile(R"({"rules": [{"pattern": "x", "kind": "row", "transposed": 1}]})", {}).ok());
+  // "transposed": a Conv1D weight [in=4, out=6]; column cuts its dim 1.
+  auto conv = LoadRulesFile(R"({"rules": [{"pattern": "c_fc", "kind": "column", "transposed": true}]})", {});
+  ASSERT_TRUE(conv.ok());
+  auto c = Slices(Tensor("h.0.mlp.c_fc.weight", {4, 6}), *ParseMeshSpec("tp2"), *conv, {1, 0});
+  EXPECT_EQ((*c)[1]->boxes, (std::vector<Box>{Box{{0, 3}, {4, 3}}}));
 }
 
 TEST(PresetRules, UnknownModelsSayNothingIsSplit) {
-  auto gpt2 = PresetRules(Facts("gpt2", 4, 4), {"transformer.h.0.attn.c_attn.weight"});
-  EXPECT_EQ(gpt2.preset, "generic");
-  EXPECT_TRUE(gpt2.rules.empty());
-  EXPECT_NE(gpt2.unknown_model.find("model_type 'gpt2'"), std::string::npos);
-  EXPECT_NE(gpt2.unknown_model.find("c_attn"), std::string::npos);
+  auto bert = PresetRules(Facts("bert", 4, 4), {"encoder.layer.0.attention.self.query.weight"});
+  EXPECT_EQ(bert.preset, "generic");
+  EXPECT_TRUE(bert.rules.empty());
+  EXPECT_NE(bert.unknown_model.find("model_type 'bert'"), std::string::npos);
   EXPECT_TRUE(PresetRules(Facts("phi3", 4, 4), {}).unknown_model.empty());
+}
+
+// model_type first; architectures for a model_type no preset names (Kimi-K2
+// is DeepseekV3ForCausalLM under model_type "kimi_k2"); names without either.
+TEST(PresetRules, ChosenByModelTypeThenArchitecturesThenNames) {
+  EXPECT_EQ(PresetRules(Facts("deepseek_v3", 4, 4), {}).preset, "deepseek_v3");
+  EXPECT_EQ(PresetRules(Facts("llama4_text", 4, 2), {}).preset, "llama4");
+  EXPECT_EQ(PresetRules(Facts("llama4", 4, 2), {}).preset, "llama4");
+  EXPECT_EQ(PresetRules(Facts("gpt2", 4, 4), {}).preset, "gpt2");
+  ModelFacts kimi = Facts("kimi_k2", 4, 4);
+  kimi.architectures = {"DeepseekV3ForCausalLM"};
+  EXPECT_EQ(PresetRules(kimi, {}).preset, "deepseek_v3");
+  EXPECT_EQ(PresetRules(Facts("", 0, 0), {"model.layers.0.self_attn.kv_a_proj_with_mqa.weight",
+                                          "model.embed_tokens.weight"}).preset, "deepseek_v3");
+  EXPECT_EQ(PresetRules(Facts("", 0, 0), {"model.embed_tokens.weight"}).preset, "llama");
+}
+
+// Each rank's boxes of a tensor under a preset, as a list per rank.
+std::vector<std::vector<Box>> BoxesOf(const std::string& fqn, Shape shape, const char* spec,
+                                      const ShardingRules& rules, ModelCounts counts = {2, 4}) {
+  auto s = Slices(Tensor(fqn, shape), *ParseMeshSpec(spec), rules, counts);
+  EXPECT_TRUE(s.ok()) << fqn << ": " << s.status().message();
+  std::vector<std::vector<Box>> out;
+  if (s.ok())
+    for (const auto& r : *s) out.push_back(r ? r->boxes : std::vector<Box>{});
+  return out;
+}
+
+Box Cols(uint64_t rows, uint64_t begin, uint64_t end) { return Box{{0, begin}, {rows, end - begin}}; }
+
+// DeepSeek-V3 MLA with 4 heads, qk_nope 8 + qk_rope 4 (qk_head_dim 12),
+// v_head_dim 6, q_lora_rank 16, kv_lora_rank 12, hidden 32. vLLM's
+// DeepseekV2MLAAttention: q_a_proj and kv_a_proj_with_mqa replicated,
+// q_b_proj and kv_b_proj column-parallel (2 heads per rank at tp2), o_proj
+// row-parallel; experts and shared experts as a dense MLP.
+TEST(PlaceTensor, DeepseekV3MlaCutsUpProjectionsInWholeHeads) {
+  auto rules = PresetRules(Facts("deepseek_v3", 4, 4), {});
+  const std::string a = "model.layers.0.self_attn.";
+  for (const char* whole : {"q_a_proj.weight", "kv_a_proj_with_mqa.weight", "q_a_layernorm.weight",
+                            "kv_a_layernorm.weight"}) {
+    Shape shape = std::string(whole).find("layernorm") != std::string::npos ? Shape{16} : Shape{16, 32};
+    for (const auto& r : BoxesOf(a + whole, shape, "tp2", rules))
+      EXPECT_EQ(r, std::vector<Box>{Box::Whole(shape)}) << whole;
+  }
+  auto qb = BoxesOf(a + "q_b_proj.weight", {48, 16}, "tp2", rules);  // 4 heads x 12
+  EXPECT_EQ(qb[1], std::vector<Box>{Rows(24, 48, 16)});
+  auto kvb = BoxesOf(a + "kv_b_proj.weight", {56, 12}, "tp2", rules);  // 4 heads x (8 + 6)
+  EXPECT_EQ(kvb[0], std::vector<Box>{Rows(0, 28, 12)});
+  auto o = BoxesOf(a + "o_proj.weight", {32, 24}, "tp2", rules);  // input: 4 heads x 6
+  EXPECT_EQ(o[1], std::vector<Box>{Cols(32, 12, 24)});
+  auto shared = BoxesOf("model.layers.1.mlp.shared_experts.down_proj.weight", {32, 16}, "tp2", rules);
+  EXPECT_EQ(shared[1], std::vector<Box>{Cols(32, 8, 16)});
+  auto gate = BoxesOf("model.layers.1.mlp.gate.weight", {4, 32}, "tp2", rules);
+  EXPECT_EQ(gate[1], std::vector<Box>{Box::Whole({4, 32})});
+  auto bias = BoxesOf("model.layers.1.mlp.gate.e_score_correction_bias", {4}, "tp2", rules);
+  EXPECT_EQ(bias[1], std::vector<Box>{Box::Whole({4})});
+  // transformers 5: experts.gate_up_proj [E=4, 2I=16, H=32]
+  auto gu = BoxesOf("model.layers.1.mlp.experts.gate_up_proj", {4, 16, 32}, "tp2", rules);
+  EXPECT_EQ(gu[1], (std::vector<Box>{Box{{0, 4, 0}, {4, 4, 32}}, Box{{0, 12, 0}, {4, 4, 32}}}));
+  // 3 heads: tp2 cannot hold whole heads.
+  auto three = Slices(Tensor(a + "kv_b_proj.weight", {42, 12}), *ParseMeshSpec("tp2"),
+                      PresetRules(Facts("deepseek_v3", 3, 3), {}), {1, 0});
+  EXPECT_NE(three.status().message().find("tp2 does not divide num_attention_heads 3"), std::string::npos)
+      << three.status().message();
+}
+
+// Llama-4 stores fused experts [E, H, 2I] and [E, I, H] (I = 24, H = 32):
+// gate is columns [0, 24) of dim 2, up [24, 48). tp2 rank 1 holds gate
+// [12, 24) and up [36, 48), down rows [12, 24) of dim 1.
+TEST(PlaceTensor, Llama4FusedExpertsAreCutOnTheIntermediateDim) {
+  auto rules = PresetRules(Facts("llama4_text", 4, 2), {});
+  const std::string e = "model.layers.1.feed_forward.experts.";
+  auto gu = Slices(Tensor(e + "gate_up_proj", {4, 32, 48}), *ParseMeshSpec("tp2"), rules, {2, 4});
+  ASSERT_TRUE(gu.ok()) << gu.status().message();
+  EXPECT_EQ((*gu)[1]->boxes, (std::vector<Box>{Box{{0, 0, 12}, {4, 32, 12}}, Box{{0, 0, 36}, {4, 32, 12}}}));
+  EXPECT_EQ((*gu)[1]->join_dim, 2);
+  auto down = BoxesOf(e + "down_proj", {4, 24, 32}, "tp2", rules);
+  EXPECT_EQ(down[1], (std::vector<Box>{Box{{0, 12, 0}, {4, 12, 32}}}));
+  // tp2-ep2 rank 3 (tp 1, ep 1): experts 2-3.
+  auto ep = BoxesOf(e + "down_proj", {4, 24, 32}, "tp2-ep2", rules);
+  EXPECT_EQ(ep[3], (std::vector<Box>{Box{{2, 12, 0}, {2, 12, 32}}}));
+  auto shared = BoxesOf("model.layers.1.feed_forward.shared_expert.gate_proj.weight", {24, 32}, "tp2", rules);
+  EXPECT_EQ(shared[1], std::vector<Box>{Rows(12, 24, 32)});
+  auto router = BoxesOf("model.layers.1.feed_forward.router.weight", {4, 32}, "tp2", rules);
+  EXPECT_EQ(router[1], std::vector<Box>{Box::Whole({4, 32})});
+  // Llama4ForConditionalGeneration: the vision tower's heads are not the
+  // text model's; it stays whole, the language model is cut.
+  auto mm = PresetRules(Facts("llama4", 4, 2), {});
+  auto vq = BoxesOf("vision_model.model.layers.0.self_attn.q_proj.weight", {24, 24}, "tp2", mm);
+  EXPECT_EQ(vq[1], std::vector<Box>{Box::Whole({24, 24})});
+  auto proj = BoxesOf("multi_modal_projector.linear_1.weight", {32, 24}, "tp2", mm);
+  EXPECT_EQ(proj[1], std::vector<Box>{Box::Whole({32, 24})});
+  auto tq = BoxesOf("language_model.model.layers.0.self_attn.q_proj.weight", {32, 32}, "tp2", mm);
+  EXPECT_EQ(tq[1], std::vector<Box>{Rows(16, 32, 32)});
+}
+
+// GPT-2's Conv1D weights are [in, out]: c_attn [32, 96] holds q, k, v
+// (4 heads of 8) side by side on dim 1; tp2 rank 1 takes heads 2-3 of each.
+TEST(PlaceTensor, Gpt2Conv1DIsCutOnItsOutputColumns) {
+  auto rules = PresetRules(Facts("gpt2", 4, 4), {});
+  const std::string h = "transformer.h.0.";
+  auto qkv = Slices(Tensor(h + "attn.c_attn.weight", {32, 96}), *ParseMeshSpec("tp2"), rules, {1, 0});
+  ASSERT_TRUE(qkv.ok()) << qkv.status().message();
+  EXPECT_EQ((*qkv)[1]->boxes, (std::vector<Box>{Cols(32, 16, 32), Cols(32, 48, 64), Cols(32, 80, 96)}));
+  EXPECT_EQ((*qkv)[1]->join_dim, 1);
+  auto qkv_bias = BoxesOf(h + "attn.c_attn.bias", {96}, "tp2", rules);
+  EXPECT_EQ(qkv_bias[0], (std::vector<Box>{Box{{0}, {16}}, Box{{32}, {16}}, Box{{64}, {16}}}));
+  EXPECT_EQ(BoxesOf(h + "attn.c_proj.weight", {32, 32}, "tp2", rules)[1], std::vector<Box>{Rows(16, 32, 32)});
+  EXPECT_EQ(BoxesOf(h + "attn.c_proj.bias", {32}, "tp2", rules)[1], std::vector<Box>{Box::Whole({32})});
+  EXPECT_EQ(BoxesOf(h + "mlp.c_fc.weight", {32, 128}, "tp2", rules)[1], std::vector<Box>{Cols(32, 64, 128)});
+  EXPECT_EQ(BoxesOf(h + "mlp.c_fc.bias", {128}, "tp2", rules)[1], (std::vector<Box>{Box{{64}, {64}}}));
+  EXPECT_EQ(BoxesOf(h + "mlp.c_proj.weight", {128, 32}, "tp2", rules)[1], std::vector<Box>{Rows(64, 128, 32)});
+  EXPECT_EQ(BoxesOf("transformer.wte.weight", {64, 32}, "tp2", rules)[1], std::vector<Box>{Rows(32, 64, 32)});
+  EXPECT_EQ(BoxesOf("transformer.wpe.weight", {64, 32}, "tp2", rules)[1], std::vector<Box>{Box::Whole({64, 32})});
+  EXPECT_EQ(BoxesOf(h + "ln_1.weight", {32}, "tp2", rules)[1], std::vector<Box>{Box::Whole({32})});
+  auto tp3 = Slices(Tensor(h + "attn.c_attn.weight", {32, 96}), *ParseMeshSpec("tp3"), rules, {1, 0});
+  EXPECT_NE(tp3.status().message().find("tp3 does not divide num_attention_heads 4"), std::string::npos);
+  // Its layers are h.<i>., not layers.<i>.: pp has no layers to stage.
+  TensorMeta ln = Tensor(h + "ln_1.weight", {32});
+  auto pp2 = Slices(ln, *ParseMeshSpec("pp2"), rules, CountModel({{ln.fqn, ln.shape}}));
+  EXPECT_NE(pp2.status().message().find("pp2 needs at least 2 layers; the checkpoint has 0"), std::string::npos);
+}
+
+// Regression: without config.json the names-based preset cut Llama-4's
+// experts.down_proj [E, I, H] on dim 2, the hidden dim. Names cannot tell
+// [E, H, 2I] from [E, 2I, H]: fused experts stay whole over tp, with a note;
+// ep still takes dim 0, the expert, in either layout.
+TEST(PlaceTensor, RegressionNamesOnlyNeverCutFusedExpertsOnAGuessedDim) {
+  const std::string e = "model.layers.1.feed_forward.experts.";
+  std::vector<std::string> names = {"model.embed_tokens.weight", e + "gate_up_proj", e + "down_proj"};
+  auto rules = PresetRules(Facts("", 0, 0), names);
+  EXPECT_EQ(rules.preset, "llama");
+  for (auto [name, shape] : {std::pair{e + "down_proj", Shape{4, 24, 32}}, {e + "gate_up_proj", Shape{4, 32, 48}}}) {
+    auto p = PlaceTensor(shape, name, *ParseMeshSpec("tp2"), rules, {2, 4});
+    ASSERT_TRUE(p.ok()) << p.status().message();
+    EXPECT_EQ(p->dim, -1) << name;
+    EXPECT_NE(p->note.find("[E, H, 2I]"), std::string::npos) << p->note;
+    EXPECT_NE(p->note.find("config.json"), std::string::npos) << p->note;
+    EXPECT_EQ(BoxesOf(name, shape, "tp2", rules)[1], std::vector<Box>{Box::Whole(shape)}) << name;
+  }
+  auto ep = BoxesOf(e + "down_proj", {4, 24, 32}, "tp2-ep2", rules);
+  EXPECT_EQ(ep[3], (std::vector<Box>{Box{{2, 0, 0}, {2, 24, 32}}}));
+  // config.json says which layout it is: no note, cut.
+  auto llama4 = PresetRules(Facts("llama4", 0, 0), names);
+  auto known = PlaceTensor({4, 24, 32}, e + "down_proj", *ParseMeshSpec("tp2"), llama4, {2, 4});
+  EXPECT_EQ(known->dim, 1);
+  EXPECT_TRUE(known->note.empty());
+  // A rules file can say how to cut them.
+  auto file = LoadRulesFile(R"({"rules": [{"pattern": "experts\\.down_proj$", "kind": "row", "transposed": true}]})",
+                            rules);
+  ASSERT_TRUE(file.ok()) << file.status().message();
+  auto p = PlaceTensor({4, 24, 32}, e + "down_proj", *ParseMeshSpec("tp2"), *file, {2, 4});
+  EXPECT_EQ(p->dim, 1);
+  EXPECT_TRUE(p->note.empty());
 }
 
 TEST(ParseModelFacts, ReadsHeadsWithTransformersDefaults) {
@@ -240,6 +399,10 @@ TEST(ParseModelFacts, ReadsHeadsWithTransformersDefaults) {
   EXPECT_EQ(mm.num_heads, 4u);
   EXPECT_EQ(mm.num_kv_heads, 1u);
   EXPECT_EQ(ParseModelFacts("not json").num_heads, 0u);
+  auto gpt2 = ParseModelFacts(R"({"model_type": "gpt2", "n_head": 12, "architectures": ["GPT2LMHeadModel"]})");
+  EXPECT_EQ(gpt2.num_heads, 12u);
+  EXPECT_EQ(gpt2.num_kv_heads, 12u);
+  EXPECT_EQ(gpt2.architectures, std::vector<std::string>{"GPT2LMHeadModel"});
 }
 
 }  // namespace

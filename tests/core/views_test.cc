@@ -298,18 +298,41 @@ TEST(MeshView, LayoutJsonDescribesFusedSlicesByParts) {
 
 TEST(MeshView, UnknownModelSaysTheSpecSplitNothing) {
   Checkpoint ck;
-  ck.tensors = {Whole("transformer.h.0.attn.c_attn.weight", DType::kF32, {4, 12})};
+  ck.tensors = {Whole("encoder.layer.0.attention.self.query.weight", DType::kF32, {4, 12})};
   ModelFacts facts;
-  facts.model_type = "gpt2";
+  facts.model_type = "bert";
   auto mesh = MeshView(ck, {}, *ParseMeshSpec("tp2"), PresetRules(facts, {}), {});
   ASSERT_TRUE(mesh.ok());
   ASSERT_EQ(mesh->notes.size(), 1u);
   EXPECT_NE(mesh->notes[0].find("tp2 split nothing"), std::string::npos) << mesh->notes[0];
-  EXPECT_NE(mesh->notes[0].find("gpt2"), std::string::npos);
+  EXPECT_NE(mesh->notes[0].find("bert"), std::string::npos);
   auto lj = nlohmann::json::parse(Literal(*Named(mesh->ranks[0], "layout.json")));
   EXPECT_EQ(lj["notes"][0], mesh->notes[0]);
   // tp1 splits nothing by definition: no note.
   EXPECT_TRUE(MeshView(ck, {}, *ParseMeshSpec("tp1"), PresetRules(facts, {}), {})->notes.empty());
+}
+
+// Without config.json fused experts stay whole over tp: said once in the
+// notes however many layers hold them, while the rest is still cut.
+TEST(MeshView, NamesOnlyFusedExpertsAreHeldWholeWithOneNote) {
+  Checkpoint ck;
+  for (int layer = 0; layer < 2; ++layer) {
+    const std::string e = "model.layers." + std::to_string(layer) + ".feed_forward.experts.";
+    ck.tensors.push_back(Whole(e + "gate_up_proj", DType::kF32, {2, 4, 6}));
+    ck.tensors.push_back(Whole(e + "down_proj", DType::kF32, {2, 3, 4}));
+  }
+  ck.tensors.push_back(Whole("model.embed_tokens.weight", DType::kF32, {8, 4}));
+  std::vector<std::string> names;
+  for (const auto& t : ck.tensors) names.push_back(t->fqn);
+  auto mesh = MeshView(ck, {}, *ParseMeshSpec("tp2"), PresetRules(ModelFacts{}, names), {});
+  ASSERT_TRUE(mesh.ok()) << mesh.status().message();
+  ASSERT_EQ(mesh->notes.size(), 1u);
+  EXPECT_NE(mesh->notes[0].find("held whole on every tp rank"), std::string::npos) << mesh->notes[0];
+  auto lj = nlohmann::json::parse(Literal(*Named(mesh->ranks[1], "layout.json")));
+  EXPECT_EQ(lj["notes"][0], mesh->notes[0]);
+  const auto& down = lj["tensors"]["model.layers.1.feed_forward.experts.down_proj"];
+  EXPECT_EQ(down["lengths"], (std::vector<uint64_t>{2, 3, 4}));
+  EXPECT_EQ(lj["tensors"]["model.embed_tokens.weight"]["lengths"], (std::vector<uint64_t>{4, 4}));
 }
 
 TEST(MeshView, ImpossibleSpecBuildsNothing) {
@@ -373,6 +396,36 @@ TEST(ConsolidatedView, SidecarFoldersKeepTheirPaths) {
   const ViewFile* f = Named(*files, "1_Pooling/config.json");
   ASSERT_NE(f, nullptr);
   EXPECT_EQ(f->layout->size(), 9u);
+}
+
+TEST(DTypeView, ConfigNamesTheServedDTypeInEveryConfigThatHasOne) {
+  auto text = ConfigForDType(R"({"model_type": "llava", "torch_dtype": "float32",
+                                 "text_config": {"torch_dtype": "float32", "hidden_size": 8},
+                                 "vision_config": {"hidden_size": 4}})",
+                             DType::kBF16);
+  ASSERT_TRUE(text.ok());
+  auto j = nlohmann::json::parse(*text);
+  EXPECT_EQ(j["dtype"], "bfloat16");
+  EXPECT_EQ(j["torch_dtype"], "bfloat16");
+  EXPECT_EQ(j["text_config"]["torch_dtype"], "bfloat16");
+  EXPECT_FALSE(j["vision_config"].contains("torch_dtype"));  // none to rename
+  EXPECT_FALSE(ConfigForDType("[1, 2]", DType::kF16).ok());
+}
+
+TEST(DTypeView, CastsFloatsNotKeptNotAlreadyInTheDType) {
+  Checkpoint ck;
+  ck.tensors = {Whole("a.weight", DType::kF32, {2}), Whole("b.router.bias", DType::kF32, {2}),
+                Whole("c.ids", DType::kI64, {2}), Whole("d.weight", DType::kBF16, {2}),
+                Whole("e.packed", DType::kF4, {2})};
+  auto slices = ModelWeights(ck, {});
+  ASSERT_TRUE(slices.ok());
+  ASSERT_TRUE(CastSlices(*slices, {DType::kBF16, "router", ""}).ok());
+  std::map<std::string, bool> cast;
+  for (const TensorSlice& sl : *slices) cast[sl.entry_name()] = sl.cast.has_value();
+  EXPECT_EQ(cast, (std::map<std::string, bool>{
+                      {"a.weight", true}, {"b.router.bias", false}, {"c.ids", false}, {"d.weight", false},
+                      {"e.packed", false}}));
+  EXPECT_EQ(CastSlices(*slices, {DType::kBF16, "(", ""}).code(), Status::Code::kInvalidArgument);
 }
 
 }  // namespace

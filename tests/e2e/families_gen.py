@@ -35,7 +35,30 @@ FAMILIES = {
                 dict(_ATTN, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel",
              dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=64)),
+    # MLA (q_lora_rank, kv_lora_rank), one dense layer then MoE with a shared
+    # expert, group-limited routing. 2 * moe_intermediate_size != hidden_size,
+    # so a fused experts tensor cut on the wrong dim cannot load.
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(_ATTN, num_key_value_heads=4, intermediate_size=48, moe_intermediate_size=8,
+                         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1,
+                         first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=12, qk_rope_head_dim=4,
+                         qk_nope_head_dim=8, v_head_dim=6)),
+    # Fused experts [E, H, 2I] / [E, I, H]; layer 0 dense, layer 1 MoE and
+    # without rope (temperature tuning), as Llama-4 interleaves them.
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(_ATTN, head_dim=8, intermediate_size=24, intermediate_size_mlp=40, num_local_experts=4,
+                    num_experts_per_tok=1, interleave_moe_layer_step=2, no_rope_layer_interval=2)),
 }
+
+
+def _randomise(model) -> None:
+    """Norm weights start at 1 (Gemma's at 0), biases and routing biases at
+    0: randomise them so a rank that got the wrong slice, or none, cannot
+    pass by accident."""
+    with torch.no_grad():
+        for n, p in model.state_dict().items():
+            if p.is_floating_point() and ("norm" in n or "ln_" in n or n.endswith("bias")):
+                p.add_(torch.randn_like(p) * 0.1)
 
 
 def build(name: str):
@@ -45,12 +68,7 @@ def build(name: str):
     config._attn_implementation = "eager"
     torch.manual_seed(1234)
     model = getattr(transformers, model_cls)(config).eval()
-    # Norm weights start at 1 (Gemma's at 0): randomise them so a rank that
-    # got the wrong slice, or none, cannot pass by accident.
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if "norm" in n or "ln_" in n:
-                p.add_(torch.randn_like(p) * 0.1)
+    _randomise(model)
     return config, model
 
 
@@ -89,16 +107,42 @@ def save_sharded(sd: dict, out_dir: str, num_files: int = 3) -> None:
 def write_family(name: str, out_dir: str, *, layout: str = "fused") -> dict:
     config, model = build(name)
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    if name == "gemma":
-        sd.pop("lm_head.weight", None)  # tied: saved once, as embed_tokens
+    if name in ("gemma", "gpt2"):
+        sd.pop("lm_head.weight", None)  # tied: saved once, as embed_tokens / wte
     if layout == "per_expert":
         sd = per_expert(sd)
     os.makedirs(out_dir, exist_ok=True)
     save_sharded(sd, out_dir)
-    config.save_pretrained(out_dir)
+    if layout != "names_only":
+        config.save_pretrained(out_dir)
     ids = torch.tensor(INPUT_IDS)
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float()
+    return {"config": config.to_dict(), "state_dict": sd, "input_ids": ids, "logits": logits}
+
+
+# A vision tower whose 3 heads tp2 cannot hold whole, next to the llama4
+# text model.
+LLAMA4_VISION = dict(hidden_size=24, num_hidden_layers=1, num_attention_heads=3, intermediate_size=32, image_size=28,
+                     patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=32,
+                     pixel_shuffle_ratio=0.5)
+
+
+def write_llama4_multimodal(out_dir: str) -> dict:
+    """Llama4ForConditionalGeneration saved by its own save_pretrained (the
+    names Meta's checkpoints use: language_model.model.*, vision_model.*,
+    multi_modal_projector.*) in several files; its language model's logits."""
+    import transformers
+    config = transformers.Llama4Config(text_config=FAMILIES["llama4"][2], vision_config=LLAMA4_VISION)
+    config._attn_implementation = "eager"
+    torch.manual_seed(1234)
+    model = transformers.Llama4ForConditionalGeneration(config).eval()
+    _randomise(model)
+    model.save_pretrained(out_dir, max_shard_size="40KB")
+    ids = torch.tensor(INPUT_IDS)
+    with torch.no_grad():  # its language model: without images the full forward has nothing else to do
+        logits = model.language_model(input_ids=ids).logits.float()
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return {"config": config.to_dict(), "state_dict": sd, "input_ids": ids, "logits": logits}
 
 

@@ -26,6 +26,8 @@ def test_demo_trains_saves_and_evaluates_every_step_through_the_live_mount(tmp_p
     assert p.returncode == 0 and "Demo passed." in p.stdout, out[-4000:]
     evals = re.findall(r"eval: step_(\d+)/consolidated/ .*logits equal the trained model's: (\w+)", p.stdout)
     assert evals == [("3", "True"), ("6", "True")], out[-4000:]
+    evals = re.findall(r"eval: step_(\d+)/consolidated.bf16/ .*bf16 logits: (\w+)", p.stdout)
+    assert evals == [("3", "True"), ("6", "True")], out[-4000:]
     # The steps were saved by ckptfs's writer: each has its commit record,
     # and verify checked checksums (a scanned step has none to check).
     for n in (3, 6):

@@ -39,7 +39,7 @@ EXIT_NO_SOURCE = 3  # tools/ckptfs.cc
 
 CKPTS = {"llama": ("llama", "fused"), "qwen2": ("qwen2", "fused"), "phi3": ("phi3", "fused"),
          "gemma": ("gemma", "fused"), "mixtral": ("mixtral", "fused"),
-         "mixtral_per_expert": ("mixtral", "per_expert"), "gpt2": ("gpt2", "fused")}
+         "mixtral_per_expert": ("mixtral", "per_expert")}
 
 
 @pytest.fixture(scope="module")
@@ -301,15 +301,17 @@ def test_layouts_the_frameworks_refuse_are_enoent_with_the_reason(ckpt, spec, re
     assert r.returncode == EXIT_NO_SOURCE and reason in r.stderr, harness.describe(r)
 
 
-def test_gpt2_split_nothing_is_said_in_layout_and_log(models, mount):
-    sd = models["gpt2"]["state_dict"]
+def test_a_family_no_preset_knows_split_nothing_is_said_in_layout_and_log(extras, mount):
+    """The sentence-transformer's BERT: no preset, every rank holds whole copies."""
+    with open(mount.p("st", "consolidated", "model.safetensors"), "rb") as f:
+        whole = st_load(f.read())
     for r in range(2):
-        t, layout = read_rank(mount, "gpt2", "tp2", r)
+        t, layout = read_rank(mount, "st", "tp2", r)
         assert layout["rules"] == "generic"
         assert len(layout["notes"]) == 1 and "tp2 split nothing" in layout["notes"][0], layout["notes"]
-        assert "gpt2" in layout["notes"][0] and "c_attn" in layout["notes"][0]
-        assert all(torch.equal(t[k], sd[k]) for k in t)
-    assert any("gpt2/mesh/tp2:" in l and "split nothing" in l for l in mount.log().splitlines()), mount.log()
+        assert "model_type 'bert'" in layout["notes"][0]
+        assert t.keys() == whole.keys() and all(torch.equal(t[k], whole[k]) for k in t)
+    assert any("st/mesh/tp2:" in l and "split nothing" in l for l in mount.log().splitlines()), mount.log()
 
 
 # ---------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import json
 import os
 import pickle
 import shutil
+import time
 import zipfile
 
 import numpy as np
@@ -189,29 +190,50 @@ def test_verify_rereads_every_chunk_against_its_crc32c(saved, tmp_path):
         md = pickle.load(f)
     # torch's own metadata: one storage item per saved tensor chunk
     items = [i for i in md.storage_data if isinstance(md.state_dict_metadata[i.fqn], TensorStorageMetadata)]
-    nbytes = sum(int(np.prod(c["sizes"])) * torch.empty((), dtype=saved["oracle"][t["fqn"]].dtype).element_size()
-                 for t in saved["rows"]["tensors"] for c in t["chunks"])
+    # Every byte the writer wrote into its rank files: tensor data by its
+    # chunks' checksums, the rest (zip framing, non-tensor items) by each
+    # file's own.
+    distcp = [os.path.join(saved["dir"], f) for f in os.listdir(saved["dir"]) if f.endswith(".distcp")]
+    nbytes = sum(os.path.getsize(f) for f in distcp)
     p = run_ckptfs("verify", saved["dir"], "--json", index_dir=str(tmp_path / "idx"), text_stdout=True)
     assert p.returncode == 0, p.stdout + p.stderr
     report = json.loads(p.stdout)
     assert report["problems"] == []
     assert report["checksummed_chunks"] == len(items), (report, len(items))
     assert report["checksummed_bytes"] == nbytes
+    assert report["checksummed_files"] == len(distcp)
 
 
-def test_verify_says_when_a_writers_checksums_are_not_used(saved, tmp_path):
-    """A copy of the step has new file identities, so the store refuses
-    its commit record and scans the files: verify must say it checked no
-    writer checksum, not pass in silence."""
+def test_a_copy_that_keeps_mtimes_keeps_its_checksums(saved, tmp_path):
+    """cp -a / rsync -a keep mtimes, so the commit record stays current and
+    the copy is verified against the writer's checksums."""
     from harness import run_ckptfs
     copy = tmp_path / "root" / "step_3"
-    shutil.copytree(saved["dir"], copy)
+    shutil.copytree(saved["dir"], copy)  # copy2: mtimes kept
+    p = run_ckptfs("verify", str(copy), "--json", index_dir=str(tmp_path / "idx"), text_stdout=True)
+    report = json.loads(p.stdout)
+    assert p.returncode == 0 and report["problems"] == [] and report["warnings"] == [], report
+    assert report["checksummed_chunks"] == sum(len(t["chunks"]) for t in saved["rows"]["tensors"]), report
+
+
+def test_verify_says_when_a_writers_checksums_do_not_apply(saved, tmp_path):
+    """A record older than the step's .metadata describes another save (here:
+    a copy that did not keep mtimes, the record copied first): verify must
+    say it checked no writer checksum, not pass in silence."""
+    from harness import run_ckptfs
+    copy = tmp_path / "root" / "step_3"
+    os.makedirs(copy / ".ckptfs")
+    shutil.copyfile(os.path.join(saved["dir"], ".ckptfs", "commit.sst"), copy / ".ckptfs" / "commit.sst")
+    time.sleep(0.05)
+    for f in os.listdir(saved["dir"]):
+        if os.path.isfile(os.path.join(saved["dir"], f)):
+            shutil.copyfile(os.path.join(saved["dir"], f), copy / f)  # new mtimes, after the record's
     p = run_ckptfs("verify", str(copy), "--json", index_dir=str(tmp_path / "idx"), text_stdout=True)
     assert p.returncode == 0, p.stdout + p.stderr
     report = json.loads(p.stdout)
     assert report["problems"] == [] and report["checksummed_chunks"] == 0, report
-    assert len(report["warnings"]) == 1 and "without the writer's checksums" in report["warnings"][0], report
-    assert "without the writer's checksums" in p.stderr, p.stderr
+    assert len(report["warnings"]) == 1 and "older than the save" in report["warnings"][0], report
+    assert "none checked" in p.stderr, p.stderr
     p = run_ckptfs("verify", saved["dir"], "--json", index_dir=str(tmp_path / "idx2"), text_stdout=True)
     assert json.loads(p.stdout)["warnings"] == [], p.stdout
 

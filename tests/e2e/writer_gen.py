@@ -22,6 +22,13 @@ Jobs (``spawn_ranks(__file__, world, job)``; ``job["kind"]``):
   tensor a DTensor on the other dim than it was saved on (Shard(1) for
   Shard(0) and the reverse, Shard(0) for 1-d), non-tensors as placeholders;
   rank 0 writes the full values to ``job["out"]``.
+- ``stock``: like ``save``, but with torch's own ``FileSystemWriter``
+  (``dcp.save(sd, checkpoint_id=dir)``): the same state, as a stock save
+  writes it (one ``__<rank>_0.distcp`` per rank).
+- ``flat``: loads the plain state dict ``job["state"]`` (torch.save) and
+  saves it into ``job["dir"]`` with ckptfs's StorageWriter
+  (``job["writer"] == "ckptfs"``, ``job["layout"]`` "dcp" or "hf") or
+  torch's own FileSystemWriter (``"stock"``).
 - ``refused``: ``save``'s state plus a complex32 tensor, which the writer
   refuses: every rank raises and exits 1 through the interpreter.
 - ``steps``: saves ``job["steps"]`` one after another into
@@ -143,6 +150,22 @@ def _job_save(job: dict, mesh) -> None:
     _save(sd, job, job["dir"])
 
 
+def _job_stock(job: dict, mesh) -> None:
+    sd = state(job["seed"], mesh)
+    oracle = flat_full(sd)
+    if dist.get_rank() == 0:
+        torch.save(oracle, job["oracle"])
+    dcp.save(sd, checkpoint_id=job["dir"])
+
+
+def _job_flat(job: dict, mesh) -> None:
+    sd = torch.load(job["state"], weights_only=True)
+    if job["writer"] == "stock":
+        dcp.save(sd, checkpoint_id=job["dir"])
+    else:
+        _save(sd, job, job["dir"])
+
+
 def _job_load(job: dict, mesh) -> None:
     oracle = torch.load(job["oracle"], weights_only=False)
     target = {}
@@ -203,7 +226,9 @@ def _worker(rank: int, world: int, init_file: str, job: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        {"save": _job_save, "load": _job_load, "steps": _job_steps, "refused": _job_refused}[job["kind"]](job, mesh)
+        jobs = {"save": _job_save, "stock": _job_stock, "flat": _job_flat, "load": _job_load, "steps": _job_steps,
+                "refused": _job_refused}
+        jobs[job["kind"]](job, mesh)
         # No rank tears gloo down while a peer may still be in a collective
         # with it (torch's teardown has aborted a rank that did).
         dist.barrier()

@@ -1,0 +1,82 @@
+// The compute stage of the read path (see ../shared/DESIGN.md, read path
+// step 3b): tensors whose bytes are computed from source tensors rather than
+// copied (dtype casts; LoRA merges).
+//
+// A Computation describes one output tensor region. Its output is cut into
+// blocks of whole rows (dim 0 of the output) of about kComputeBlockBytes, each
+// computed on its own from the regions of source tensors it needs
+// (InputsOf): a reader of a few pages pays for one block, never for a whole
+// embedding matrix, and a block is the unit fs/ caches (fs/compute_cache.h)
+// so readers faulting pages in any order compute it once. Planning stays
+// pure: the planner emits ComputeOps (core/planner.h) naming the block
+// ranges; the executor reads the inputs through the ordinary planner and
+// calls Compute().
+//
+// Computations are immutable and shared between threads. Each has an id
+// unique for the life of the process: cache entries are keyed by it, so a
+// rebuilt layout (a re-saved checkpoint) never meets the blocks of the one
+// it replaced.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/box.h"
+#include "core/dtype.h"
+#include "core/meta.h"
+#include "core/status.h"
+
+namespace ckptfs {
+
+// 4 MiB of output per block: 32 FUSE reads of 128 KiB served by one
+// computation, and small enough that 16 threads computing at once hold
+// ~100 MiB of inputs and outputs (fp32 inputs are at most 2x an fp16 block).
+inline constexpr uint64_t kComputeBlockBytes = 4ull << 20;
+
+// A region of a source tensor a block needs, read row-major.
+struct ComputeInput {
+  std::shared_ptr<const TensorMeta> tensor;
+  Box box;
+};
+
+class Computation {
+ public:
+  Computation();
+  virtual ~Computation() = default;
+  Computation(const Computation&) = delete;
+  Computation& operator=(const Computation&) = delete;
+
+  uint64_t id() const { return id_; }
+  virtual DType dtype() const = 0;
+  virtual const Shape& shape() const = 0;
+  // What the log and errors call it ("cast of 'w' to BF16").
+  virtual std::string what() const = 0;
+
+  uint64_t nbytes() const;
+  // Rows of dim 0 per block (every row for a 0-d or 1-row tensor).
+  uint64_t block_rows() const;
+  uint64_t block_count() const;
+  // Output bytes [begin, end) of block `b`.
+  uint64_t block_begin(uint64_t b) const;
+  uint64_t block_end(uint64_t b) const;
+
+  // The source regions block `b` needs, in the order Compute() takes them.
+  virtual std::vector<ComputeInput> InputsOf(uint64_t b) const = 0;
+  // Block `b`'s output bytes from its inputs' row-major bytes.
+  virtual Result<std::string> Compute(uint64_t b, const std::vector<std::string>& inputs) const = 0;
+
+ protected:
+  // Rows [first, first + count) of block `b` (dim 0 of the output).
+  void BlockRows(uint64_t b, uint64_t* first, uint64_t* count) const;
+
+ private:
+  uint64_t id_;
+};
+
+// `box` of `tensor`, each element cast to `to` (core/cast.h). REQUIRES:
+// IsCastable(tensor->dtype) and tensor->dtype != to.
+std::shared_ptr<const Computation> MakeCast(std::shared_ptr<const TensorMeta> tensor, const Box& box, DType to);
+
+}  // namespace ckptfs

@@ -1,0 +1,126 @@
+#include "fs/compute_cache.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/layout.h"
+
+namespace ckptfs {
+
+Status ComputeCache::Fill(const std::vector<ComputeOp>& ops, char* dst, SourceReader& reader, int owner) {
+  for (const ComputeOp& op : ops) {
+    const Computation& c = *op.computed;
+    // Blocks are whole rows, so the first block is found by division.
+    uint64_t b = 0;
+    if (c.block_end(0) > 0) b = op.offset / c.block_end(0);
+    for (uint64_t done = 0; done < op.length; ++b) {
+      const uint64_t at = op.offset + done;
+      const uint64_t begin = c.block_begin(b), end = c.block_end(b);
+      if (at < begin || at >= end)
+        return Status::Corruption(c.what() + ": byte " + std::to_string(at) + " is in no block");
+      ASSIGN_OR_RETURN(Block block, Get(c, b, reader, owner));
+      const uint64_t n = std::min(end - at, op.length - done);
+      std::memcpy(dst + op.dst_offset + done, block.bytes->data() + (at - begin), n);
+      done += n;
+    }
+  }
+  return Status::OK();
+}
+
+Result<ComputeCache::Block> ComputeCache::Get(const Computation& c, uint64_t b, SourceReader& reader, int owner) {
+  const Key key{c.id(), b};
+  std::promise<Result<Block>> promise;
+  std::shared_future<Result<Block>> ready;
+  bool mine = false;
+  uint64_t serial = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = slots_.find(key);
+    if (it != slots_.end()) {
+      ++hits_;
+      if (it->second.kept) lru_.splice(lru_.begin(), lru_, it->second.lru);
+      ready = it->second.ready;
+    } else {
+      ready = promise.get_future().share();
+      serial = ++serial_;
+      slots_.emplace(key, Slot{ready, owner, serial, 0, false, {}});
+      mine = true;
+    }
+  }
+  if (!mine) {
+    Result<Block> block = ready.get();
+    if (!block.ok()) return block.status();
+    RETURN_IF_ERROR(reader.CheckSources(block->files));
+    return block;
+  }
+  Result<Block> block = ComputeBlock(c, b, reader);
+  promise.set_value(block);
+  std::lock_guard<std::mutex> lock(mu_);
+  ++computed_;
+  auto it = slots_.find(key);
+  if (it == slots_.end() || it->second.serial != serial) return block;  // dropped meanwhile
+  if (!block.ok()) {
+    EraseLocked(it);  // the next read tries again
+    return block;
+  }
+  KeepLocked(key, block->bytes->size());
+  return block;
+}
+
+Result<ComputeCache::Block> ComputeCache::ComputeBlock(const Computation& c, uint64_t b, SourceReader& reader) {
+  Block block;
+  std::vector<std::string> inputs;
+  for (const ComputeInput& in : c.InputsOf(b)) {
+    Layout layout;
+    RETURN_IF_ERROR(layout.AddTensor(in.tensor, in.box));
+    ASSIGN_OR_RETURN(ReadPlan plan, Plan(layout, 0, layout.size()));
+    std::string bytes(layout.size(), '\0');
+    Status st = reader.Execute(plan, bytes.data());
+    if (!st.ok()) return st.WithContext(c.what());
+    for (const CopyOp& op : plan.copies) block.files.push_back(op.file);
+    inputs.push_back(std::move(bytes));
+  }
+  std::sort(block.files.begin(), block.files.end());
+  block.files.erase(std::unique(block.files.begin(), block.files.end()), block.files.end());
+  ASSIGN_OR_RETURN(std::string out, c.Compute(b, inputs));
+  block.bytes = std::make_shared<const std::string>(std::move(out));
+  return block;
+}
+
+void ComputeCache::KeepLocked(const Key& key, uint64_t size) {
+  auto it = slots_.find(key);
+  if (size > budget_) {
+    EraseLocked(it);
+    return;
+  }
+  while (kept_bytes_ + size > budget_ && !lru_.empty()) EraseLocked(slots_.find(lru_.back()));
+  lru_.push_front(key);
+  it->second.kept = true;
+  it->second.size = size;
+  it->second.lru = lru_.begin();
+  kept_bytes_ += size;
+}
+
+void ComputeCache::EraseLocked(std::map<Key, Slot>::iterator it) {
+  if (it->second.kept) {
+    kept_bytes_ -= it->second.size;
+    lru_.erase(it->second.lru);
+  }
+  slots_.erase(it);
+}
+
+void ComputeCache::Drop(int owner) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = slots_.begin(); it != slots_.end();) {
+    auto next = std::next(it);
+    if (it->second.owner == owner) EraseLocked(it);
+    it = next;
+  }
+}
+
+ComputeCache::Stats ComputeCache::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {computed_, hits_, kept_bytes_};
+}
+
+}  // namespace ckptfs

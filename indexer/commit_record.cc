@@ -1,0 +1,107 @@
+#include "indexer/commit_record.h"
+
+#include <climits>
+#include <cstdlib>
+#include <map>
+#include <tuple>
+#include <unistd.h>
+
+#include "indexer/index_store.h"
+#include "indexer/scan.h"
+
+namespace ckptfs {
+namespace {
+
+// A file's path inside its checkpoint directory.
+std::string InDir(const Checkpoint& ckpt, FileId id) {
+  const std::string& p = ckpt.files.at(id).path;
+  return ckpt.dir.empty() ? p : p.substr(ckpt.dir.size() + 1);
+}
+
+// Where a chunk's bytes are and what they hold, comparable across two file tables.
+using ChunkKey = std::tuple<std::string, uint64_t, uint64_t, std::vector<uint64_t>, std::vector<uint64_t>, DType>;
+
+ChunkKey KeyOf(const Checkpoint& ckpt, const Chunk& c) {
+  Box box = c.box();
+  return {InDir(ckpt, c.file()), c.offset(), c.length(), box.offsets, box.lengths, c.dtype()};
+}
+
+std::string Describe(const ChunkKey& k) {
+  return std::get<0>(k) + " bytes [" + std::to_string(std::get<1>(k)) + ", " +
+         std::to_string(std::get<1>(k) + std::get<2>(k)) + ") as " + std::string(DTypeName(std::get<5>(k)));
+}
+
+// The recorded checksum of each of `t`'s chunks, in order, or why the record's `r` disagrees with it.
+Result<std::vector<uint32_t>> MatchChunks(const Checkpoint& record, const TensorMeta& r, const Checkpoint& scanned,
+                                          const TensorMeta& t) {
+  if (r.dtype != t.dtype || r.shape != t.shape)
+    return Status::InvalidArgument("tensor '" + t.fqn + "': the record says " + std::string(DTypeName(r.dtype)) +
+                                   ShapeToString(r.shape) + ", the files " + std::string(DTypeName(t.dtype)) +
+                                   ShapeToString(t.shape));
+  if (r.chunks.size() != t.chunks.size())
+    return Status::InvalidArgument("tensor '" + t.fqn + "': the record has " + std::to_string(r.chunks.size()) +
+                                   " chunk(s), the files " + std::to_string(t.chunks.size()));
+  std::map<ChunkKey, const Chunk*> recorded;
+  for (const Chunk& c : r.chunks) recorded[KeyOf(record, c)] = &c;
+  std::vector<uint32_t> crcs;
+  for (const Chunk& c : t.chunks) {
+    ChunkKey key = KeyOf(scanned, c);
+    auto it = recorded.find(key);
+    if (it == recorded.end() || !it->second->has_crc32c() || !c.strides().empty())
+      return Status::InvalidArgument("tensor '" + t.fqn + "': the record has no checksummed chunk at " +
+                                     Describe(key) + " where the files have one");
+    crcs.push_back(it->second->crc32c());
+  }
+  return crcs;
+}
+
+}  // namespace
+
+Status ApplyCommitRecord(const Checkpoint& record, Checkpoint& scanned) {
+  std::map<std::string, const TensorMeta*> by_fqn;
+  for (const auto& t : record.tensors) by_fqn[t->fqn] = t.get();
+  if (by_fqn.size() != scanned.tensors.size()) {
+    for (const auto& t : scanned.tensors)
+      if (!by_fqn.count(t->fqn)) return Status::InvalidArgument("tensor '" + t->fqn + "' is in the files, not in the record");
+    return Status::InvalidArgument("the record has " + std::to_string(by_fqn.size()) + " tensors, the files " +
+                                   std::to_string(scanned.tensors.size()));
+  }
+  std::vector<std::vector<uint32_t>> crcs;
+  for (const auto& t : scanned.tensors) {
+    auto it = by_fqn.find(t->fqn);
+    if (it == by_fqn.end()) return Status::InvalidArgument("tensor '" + t->fqn + "' is in the files, not in the record");
+    ASSIGN_OR_RETURN(auto c, MatchChunks(record, *it->second, scanned, *t));
+    crcs.push_back(std::move(c));
+  }
+  std::map<std::string, const SourceFile*> files;
+  for (FileId id = 0; id < record.files.size(); ++id) files[InDir(record, id)] = &record.files[id];
+  // Everything agrees: only now is `scanned` changed.
+  for (size_t i = 0; i < scanned.tensors.size(); ++i) {
+    auto t = std::make_shared<TensorMeta>(*scanned.tensors[i]);
+    for (size_t c = 0; c < t->chunks.size(); ++c) t->chunks[c].set_crc32c(crcs[i][c]);
+    scanned.tensors[i] = std::move(t);
+  }
+  for (FileId id = 0; id < scanned.files.size(); ++id) {
+    auto it = files.find(InDir(scanned, id));
+    if (it == files.end() || !it->second->has_rest_crc32c || scanned.files[id].derived()) continue;
+    scanned.files[id].rest_crc32c = it->second->rest_crc32c;
+    scanned.files[id].has_rest_crc32c = true;
+  }
+  return Status::OK();
+}
+
+Status UseCommitRecord(const std::string& root, Checkpoint& ckpt) {
+  const std::string sst = CommitRecordPath(root, ckpt.dir);
+  if (::access(sst.c_str(), F_OK) != 0) return Status::NotFound(sst + ": no commit record");
+  // Only a record that really lies in this checkpoint (no symlink out of it).
+  char real[PATH_MAX];
+  if (!::realpath(sst.c_str(), real) || sst != real)
+    return Status::InvalidArgument(sst + " is reached through a symlink");
+  if (!CommitRecordIsCurrent(root, ckpt.dir))
+    return Status::Stale(sst + " is older than the save the directory holds (another writer saved into it since)");
+  ASSIGN_OR_RETURN(Checkpoint record, ReadCommitRecord(sst));
+  Status applied = ApplyCommitRecord(record, ckpt);
+  return applied.ok() ? applied : applied.WithContext(sst + " disagrees with the files");
+}
+
+}  // namespace ckptfs

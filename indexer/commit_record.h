@@ -1,0 +1,38 @@
+// A writer's commit record, checked against the files before it is used.
+//
+// A scan reads what a checkpoint's files say (DCP's .metadata items,
+// safetensors headers). ckptfs's writer also leaves a commit record
+// (.ckptfs/commit.sst, docs/WRITER.md) with what only the writer knows: the
+// CRC32C of every chunk it wrote and of each file's other bytes. The record
+// never replaces the scan: a checkpoint is always served as its files say,
+// with its folder's sidecars (config.json, tokenizer files) as the folder
+// holds them now, so a step shows the same views however it was indexed.
+// The record adds its checksums, and only when it agrees with the files on
+// every tensor (dtype, shape) and every chunk (box, file, offset, length,
+// dtype). A record that disagrees anywhere (altered, damaged, or written
+// for other files) is refused whole: no checksum of it is used.
+#pragma once
+
+#include <string>
+
+#include "core/meta.h"
+#include "core/status.h"
+
+namespace ckptfs {
+
+// Copies `record`'s checksums onto `scanned` when the two describe the same
+// tensors stored in the same bytes; else InvalidArgument naming the first
+// disagreement, `scanned` unchanged. Paths are compared relative to each
+// one's checkpoint directory (a record may have been written under another
+// root).
+Status ApplyCommitRecord(const Checkpoint& record, Checkpoint& scanned);
+
+// The commit record of `ckpt` (whose directory is relative to the absolute,
+// resolved `root`), read and applied. OK once applied; NotFound when the
+// directory has none; Stale when it is not current (CommitRecordIsCurrent:
+// another save replaced the one it describes); any other error when it
+// cannot be read or disagrees with the files, saying why. `ckpt` changes
+// only when OK.
+Status UseCommitRecord(const std::string& root, Checkpoint& ckpt);
+
+}  // namespace ckptfs
