@@ -111,7 +111,7 @@ void OpInit(void*, struct fuse_conn_info* conn) {
 
 void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   Guard(req, "lookup", [&] {
-    auto a = Fs(req)->Lookup(parent, name);
+    auto a = Fs(req)->Lookup(parent, name, /*for_kernel=*/true);
     if (!a.ok()) return ReplyError(req, a.status());
     fuse_entry_param e;
     std::memset(&e, 0, sizeof e);
@@ -120,6 +120,26 @@ void OpLookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
     e.attr_timeout = e.entry_timeout = Timeout(*a);
     fuse_reply_entry(req, &e);
   });
+}
+
+// The kernel's lookup counts: nodes of a removed checkpoint are freed once
+// it holds none. No reply carries an error (libfuse: forget has none).
+void OpForget(fuse_req_t req, fuse_ino_t ino, uint64_t nlookup) {
+  try {
+    Fs(req)->Forget(ino, nlookup);
+  } catch (...) {
+    LogLine("forget: exception ignored");
+  }
+  fuse_reply_none(req);
+}
+
+void OpForgetMulti(fuse_req_t req, size_t count, struct fuse_forget_data* forgets) {
+  try {
+    for (size_t i = 0; i < count; ++i) Fs(req)->Forget(forgets[i].ino, forgets[i].nlookup);
+  } catch (...) {
+    LogLine("forget: exception ignored");
+  }
+  fuse_reply_none(req);
 }
 
 void OpGetattr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info*) {
@@ -294,6 +314,8 @@ fuse_lowlevel_ops MakeOps() {
   std::memset(&ops, 0, sizeof ops);
   ops.init = OpInit;
   ops.lookup = OpLookup;
+  ops.forget = OpForget;
+  ops.forget_multi = OpForgetMulti;
   ops.getattr = OpGetattr;
   ops.opendir = OpOpendir;
   ops.readdir = OpReaddir;

@@ -49,6 +49,11 @@ struct VirtualFs::Node {
   int ckpt = -1;                                // virtual kinds: the checkpoint they show;
                                                 // a source dir: whose views `children` holds
   bool is_mesh = false;                         // a mesh/ dir: specs are made on lookup
+  bool is_spec = false;                         // a mesh/<spec>/ dir
+  bool is_dtype_view = false;                   // a consolidated.<dtype>/ dir
+  bool built = false;                           // either: its files have layouts (again after an unload)
+  bool detached = false;                        // its checkpoint was replaced or removed
+  std::atomic<uint64_t> nlookup{0};             // references the kernel holds (lookups - forgets)
   bool is_npy = false;                          // tensors/: its files are made on first use
   int npy = -1;                                 // a tensors/ file: its tensor's index in the
                                                 // checkpoint; its layout is made on open
@@ -58,7 +63,7 @@ struct VirtualFs::Node {
 };
 
 struct VirtualFs::Handle {
-  const Node* node;
+  std::shared_ptr<const Node> node;
   int fd = -1;               // source files
   Served* served = nullptr;  // virtual files: holds it loaded (Served::handles)
   mutable ReadStream stream;  // virtual files: follows the reader for read-ahead
@@ -80,15 +85,16 @@ VirtualFs::VirtualFs(FsOptions options, SourceTree tree, CheckpointLoader loader
     : options_(std::move(options)),
       tree_(std::move(tree)),
       loader_(std::move(loader)),
+      limiter_([this](const std::string& line) { Log(line); }),
       compute_(std::make_unique<ComputeCache>(options_.compute_cache_bytes)) {
   mounted_at_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
                        std::chrono::system_clock::now().time_since_epoch())
                        .count();
-  auto root = std::make_unique<Node>();
+  auto root = std::make_shared<Node>();
   root->kind = Node::Kind::kSourceDir;
   root->ino = kRootIno;
   root->parent = kRootIno;
-  nodes_.push_back(std::move(root));
+  nodes_[kRootIno] = std::move(root);
   source_inos_[""] = kRootIno;
 }
 
@@ -126,6 +132,10 @@ void VirtualFs::Log(const std::string& line) const {
   if (options_.log) options_.log(line);
 }
 
+void VirtualFs::LogServed(int ckpt, const FsError& e, const std::string& line) {
+  limiter_.Log(ServedAt(ckpt)->dir + '\0' + std::to_string(e.err()) + '\0' + CauseKey(e.message()), line);
+}
+
 void VirtualFs::Info(const std::string& line) const {
   if (options_.info) options_.info(line);
 }
@@ -146,12 +156,14 @@ void VirtualFs::AddCheckpoint(const std::string& dir, std::optional<Checkpoint> 
   s->staged = std::move(rows);
   const bool eager = s->staged.has_value();
   Detached old;
-  int i;
+  int i, prev;
   {
     std::unique_lock lock(mu_);
+    prev = HostedBy(dir);
     i = HostLocked(std::move(s), &old);
   }
   DropKernelEntries(old);
+  if (prev >= 0) Unload(prev, /*wait=*/true);  // no file of it open: its rows go now
   // Rows handed over (a live checkpoint) are loaded now, so the watcher
   // checks their sources from the start.
   if (eager) (void)EnsureLoaded(i);
@@ -162,18 +174,45 @@ void VirtualFs::AddCheckpoint(const std::string& dir, std::optional<Checkpoint> 
 // REQUIRES: mu_ held exclusively.
 int VirtualFs::HostLocked(std::unique_ptr<Served> s, Detached* old) {
   const std::string dir = s->dir;
-  if (int prev = HostedBy(dir); prev >= 0) served_[prev]->removed = true;
+  const int prev = HostedBy(dir);
+  if (prev >= 0) served_[prev]->removed = true;
   const int i = int(served_.size());
+  s->index = i;
   hosted_[dir] = i;
   served_.push_back(std::move(s));
   if (auto it = source_inos_.find(dir); it != source_inos_.end()) {
-    Node* n = nodes_[it->second - 1].get();
+    Node* n = NodeLocked(it->second);
     for (const auto& [name, ino] : n->children) old->names.push_back(name);
     n->children.clear();
     n->ckpt = -1;
     old->dir_ino = n->ino;
   }
+  if (prev >= 0) DetachLocked(prev);
   return i;
+}
+
+// Its directories are emptied, so nothing reaches its nodes but the inode
+// numbers the kernel holds (a lookup in one of them is ENOENT).
+void VirtualFs::DetachLocked(int i) {
+  for (auto it = nodes_.begin(); it != nodes_.end();) {
+    Node& n = *it->second;
+    if (n.is_source() || n.ckpt != i) {
+      ++it;
+      continue;
+    }
+    n.detached = true;
+    n.children.clear();
+    it = n.nlookup == 0 ? nodes_.erase(it) : std::next(it);
+  }
+}
+
+void VirtualFs::Forget(uint64_t ino, uint64_t nlookup) {
+  std::unique_lock lock(mu_);
+  auto it = nodes_.find(ino);
+  if (it == nodes_.end()) return;
+  Node& n = *it->second;
+  n.nlookup -= std::min<uint64_t>(nlookup, n.nlookup);
+  if (n.nlookup == 0 && n.detached) nodes_.erase(it);
 }
 
 void VirtualFs::DropKernelEntries(const Detached& old) const {
@@ -183,24 +222,25 @@ void VirtualFs::DropKernelEntries(const Detached& old) const {
 
 void VirtualFs::RemoveCheckpoint(const std::string& dir) {
   Detached old;
-  int removed = -1;
+  int i;
   {
     std::unique_lock lock(mu_);
-    int i = HostedBy(dir);
+    i = HostedBy(dir);
     if (i < 0) return;
     served_[i]->removed = true;
-    removed = i;
     hosted_.erase(dir);
     if (auto it = source_inos_.find(dir); it != source_inos_.end()) {
-      Node* n = nodes_[it->second - 1].get();
+      Node* n = NodeLocked(it->second);
       for (const auto& [name, ino] : n->children) old.names.push_back(name);
       n->children.clear();
       n->ckpt = -1;
       old.dir_ino = n->ino;
     }
+    DetachLocked(i);
   }
-  if (removed >= 0) compute_->Drop(removed);  // nothing new can look them up
+  compute_->Drop(i);  // nothing new can look them up
   DropKernelEntries(old);
+  Unload(i, /*wait=*/true);
 }
 
 std::vector<std::string> VirtualFs::CheckpointDirs(bool stale_only) const {
@@ -217,25 +257,53 @@ Status VirtualFs::EnsureLoaded(int i) {
   if (!s->resident) EvictBeyondLimit(i);  // room first: at most max_loaded at any time
   {
     std::lock_guard<std::mutex> load(s->load_mu);
-    if (s->loaded) return s->load_error.empty() ? Status::OK() : Status::IOError(s->load_error);
-    s->loaded = true;
-    auto ckpt = s->staged ? Result<Checkpoint>(std::move(*s->staged)) : loader_(s->dir);
-    s->staged.reset();
-    if (!ckpt.ok()) {
-      s->load_error = Join(s->dir, "") + ": cannot load the checkpoint: " + ckpt.status().message();
-      Log(s->load_error);
-      return Status::IOError(s->load_error);
-    }
-    s->ckpt = std::move(*ckpt);
-    s->reader = std::make_unique<SourceReader>(tree_.root(), &s->ckpt.files, GroupPolicy{}, 1ull << 30, options_.read);
-    if (options_.verify_checksums) UseChecksums(*s);
-    s->access = AccessOf(tree_, s->ckpt);
-    RETURN_IF_ERROR(BuildViews(i, SourceNode(s->dir, Node::Kind::kSourceDir)));
-    s->resident = true;
-    ReturnFreedMemory();
-    Info(Join(s->dir, "") + ": loaded (" + std::to_string(s->ckpt.tensors.size()) + " tensors)");
+    if (!s->resident) RETURN_IF_ERROR(LoadLocked(i, s));
   }
   Touch(i);
+  return Status::OK();
+}
+
+namespace {
+
+// A store being rebuilt or a shard being restored takes seconds; a store
+// that stays broken is asked at most every 16 s.
+std::chrono::seconds LoadBackoff(int failures) { return std::chrono::seconds(1 << std::min(failures - 1, 4)); }
+
+}  // namespace
+
+// REQUIRES: s->load_mu held.
+Status VirtualFs::LoadLocked(int i, Served* s) {
+  if (s->removed) return Status::NotFound(Join(s->dir, "") + ": replaced or removed since it was looked up");
+  const auto now = std::chrono::steady_clock::now();
+  if (s->failures > 0 && now < s->retry_at) return Status::IOError(s->load_error);
+  auto ckpt = s->staged ? Result<Checkpoint>(std::move(*s->staged)) : loader_(s->dir);
+  s->staged.reset();
+  if (!ckpt.ok()) {
+    ++s->failures;
+    const auto wait = LoadBackoff(s->failures);
+    s->retry_at = now + wait;
+    s->load_error = Join(s->dir, "") + ": cannot load the checkpoint (attempt " + std::to_string(s->failures) +
+                    ", next in " + std::to_string(wait.count()) + " s on use; its views answer EIO meanwhile): " +
+                    ckpt.status().message();
+    Log(s->load_error);
+    return Status::IOError(s->load_error);
+  }
+  s->ckpt = std::move(*ckpt);
+  s->reader = std::make_unique<SourceReader>(tree_.root(), &s->ckpt.files, GroupPolicy{}, 1ull << 30, options_.read);
+  if (options_.verify_checksums) UseChecksums(*s);
+  if (!s->has_access) s->access = AccessOf(tree_, s->ckpt);
+  s->has_access = true;
+  RETURN_IF_ERROR(BuildViews(i, SourceNode(s->dir, Node::Kind::kSourceDir)));
+  {
+    std::unique_lock lock(mu_);  // Acquire() reads it under mu_
+    s->resident = true;
+  }
+  ++resident_count_;
+  if (s->failures > 0) Info(Join(s->dir, "") + ": loaded after " + std::to_string(s->failures) + " failed attempts");
+  s->failures = 0;
+  s->load_error.clear();
+  ReturnFreedMemory();
+  Info(Join(s->dir, "") + ": loaded (" + std::to_string(s->ckpt.tensors.size()) + " tensors)");
   return Status::OK();
 }
 
@@ -261,39 +329,70 @@ void VirtualFs::EvictBeyondLimit(int keep) {
     for (const auto& [dir, i] : hosted_)
       if (i != keep && served_[i]->resident) loaded.push_back({served_[i]->last_used.load(), i});
   }
-  if (loaded.size() + 1 <= options_.max_loaded) return;
+  const size_t wanted = loaded.size() + (keep >= 0 ? 1 : 0);
+  if (wanted <= options_.max_loaded) return;
   std::sort(loaded.begin(), loaded.end());
-  size_t excess = loaded.size() + 1 - options_.max_loaded;
+  size_t excess = wanted - options_.max_loaded;
   for (const auto& [used, i] : loaded) {
     if (excess == 0) break;
-    if (Evict(i)) --excess;
+    if (!Unload(i, /*wait=*/false)) continue;
+    --excess;
+    Info(Join(ServedAt(i)->dir, "") + ": unloaded (least recently used beyond --max-loaded); loaded again on next use");
   }
 }
 
-bool VirtualFs::Evict(int i) {
-  Served* victim;
-  Detached old;
-  std::vector<std::shared_ptr<const Layout>> layouts;  // freed outside the lock
+// The nodes stay, with their sizes and inode numbers: the kernel may hold
+// them for an hour, and opening one loads the checkpoint again.
+bool VirtualFs::Unload(int i, bool wait) {
+  Served* s = ServedAt(i);
+  std::unique_lock<std::mutex> load(s->load_mu, std::defer_lock);
+  if (wait) load.lock();
+  else if (!load.try_lock()) return false;  // being loaded, or a view of it built: in use
+  std::vector<std::shared_ptr<const Layout>> layouts;  // freed outside mu_
   {
     std::unique_lock lock(mu_);
-    victim = served_[i].get();
-    if (victim->removed || !victim->resident || victim->handles > 0) return false;
-    victim->evicted = true;
-    auto fresh = std::make_unique<Served>();
-    fresh->dir = victim->dir;
-    HostLocked(std::move(fresh), &old);
-    for (const auto& n : nodes_)
-      if (n->ckpt == i && n->layout) layouts.push_back(std::move(n->layout));
+    if (!s->resident || s->handles > 0) return false;
+    s->resident = false;
+    --resident_count_;
+    for (const auto& [ino, n] : nodes_) {
+      if (n->ckpt != i) continue;
+      if (n->layout) layouts.push_back(std::move(n->layout));
+      n->built = false;
+    }
   }
-  DropKernelEntries(old);
   layouts.clear();
-  std::lock_guard<std::mutex> load(victim->load_mu);
   compute_->Drop(i);
-  victim->reader.reset();
-  victim->ckpt = Checkpoint();
+  s->reader.reset();
+  s->ckpt = Checkpoint();
   ReturnFreedMemory();
-  Info(Join(victim->dir, "") + ": unloaded (least recently used beyond --max-loaded); loaded again on next use");
   return true;
+}
+
+FsError VirtualFs::LoadFailure(const Status& st) {
+  if (st.code() == Status::Code::kNotFound) return FsError(ESTALE, st.message() + "; look it up again");
+  return FsError(EIO, st.message());
+}
+
+FsResult<VirtualFs::Served*> VirtualFs::Acquire(int i) {
+  Served* s;
+  {
+    std::shared_lock lock(mu_);  // Unload() checks handles under it exclusively
+    s = served_[i].get();
+    ++s->handles;
+  }
+  if (Status st = EnsureLoaded(i); !st.ok()) {
+    Unpin(s);
+    return LoadFailure(st);
+  }
+  return s;
+}
+
+// Checkpoints pinned while another loaded may leave more than max_loaded
+// loaded; the last unpin brings the count back down.
+void VirtualFs::Unpin(Served* s) {
+  if (--s->handles > 0) return;
+  if (s->removed) Unload(s->index, /*wait=*/true);
+  if (options_.max_loaded > 0 && resident_count_.load() > options_.max_loaded) EvictBeyondLimit(-1);
 }
 
 std::vector<LoadedCheckpoint> VirtualFs::LoadAll() {
@@ -347,10 +446,12 @@ Status VirtualFs::BuildViews(int i, Node* dir) {
   std::unique_lock lock(mu_);
   if (served_[i]->removed) return Status::OK();  // replaced while loading: attach nothing
   dir->ckpt = i;
+  // Loaded again after an unload, the views' nodes are still there and get
+  // their layouts back; tensors/ keeps its files (each layout is made on open).
   for (PendingDir& p : pending) {
     Node* view = AddVirtual(dir, p.name, /*is_dir=*/true, i);
-    view->is_mesh = p.is_mesh;
-    view->is_npy = p.is_npy;
+    if (view->is_mesh != p.is_mesh) view->is_mesh = p.is_mesh;
+    if (const bool fill = p.is_npy && view->children.empty(); view->is_npy != fill) view->is_npy = fill;
     for (ViewFile& f : p.files) AddViewFile(view, std::move(f), i);
   }
   return Status::OK();
@@ -395,8 +496,15 @@ FsResult<uint64_t> VirtualFs::OpenDTypeView(Node* dir, const std::string& name) 
   }
   if (i < 0) return FsError(ENOENT, Join(dir->rel, name) + ": no checkpoint here now");
   Served* served = ServedAt(i);
-  std::lock_guard<std::mutex> load(served->load_mu);  // its rows stay while in use
-  if (served->evicted) return FsError(ESTALE, served->dir + ": unloaded; look it up again");
+  if (Status st = EnsureLoaded(i); !st.ok()) return LoadFailure(st);  // the caller holds a pin
+  if (served->removed) return FsError(ESTALE, Join(served->dir, "") + ": replaced or removed; look it up again");
+  std::lock_guard<std::mutex> load(served->load_mu);  // one build at a time
+  {
+    std::shared_lock lock(mu_);
+    if (auto it = dir->children.find(name); it != dir->children.end() && NodeLocked(it->second) &&
+                                            NodeLocked(it->second)->built)
+      return it->second;  // built by another thread meanwhile
+  }
   const Checkpoint& ckpt = served->ckpt;
   const std::string where = Join(ckpt.dir, name);
   auto fail = [&](const std::string& why) {
@@ -408,9 +516,10 @@ FsResult<uint64_t> VirtualFs::OpenDTypeView(Node* dir, const std::string& name) 
   auto files = ConsolidatedView(ckpt, ckpt.files, options_.consolidated, &*view);
   if (!files.ok()) return fail("not created: " + files.status().message());
   std::unique_lock lock(mu_);
-  if (auto it = dir->children.find(name); it != dir->children.end()) return it->second;
-  if (dir->ckpt != i) return FsError(ESTALE, served->dir + ": replaced or unloaded; look it up again");
-  Node* view_dir = AddVirtual(dir, name, /*is_dir=*/true, i);
+  if (dir->ckpt != i) return FsError(ESTALE, served->dir + ": replaced or removed; look it up again");
+  Node* view_dir = AddVirtual(dir, name, /*is_dir=*/true, i);  // or the one built before an unload
+  view_dir->is_dtype_view = true;
+  view_dir->built = true;
   for (ViewFile& f : *files) AddViewFile(view_dir, std::move(f), i);
   return view_dir->ino;
 }
@@ -431,10 +540,18 @@ Result<ShardingRules> VirtualFs::RulesFor(const Checkpoint& ckpt) const {
 
 // Builds mesh/<spec>/rank-NNNNN/ on first lookup. ENOENT, with a log line
 // saying why, for a spec that is malformed or impossible for the checkpoint.
+// REQUIRES: its checkpoint pinned.
 FsResult<uint64_t> VirtualFs::OpenMesh(Node* mesh_dir, const std::string& name) {
   Served* served = ServedAt(mesh_dir->ckpt);
-  std::lock_guard<std::mutex> load(served->load_mu);  // its rows stay while in use
-  if (served->evicted) return FsError(ESTALE, served->dir + ": unloaded; look it up again");
+  if (Status st = EnsureLoaded(mesh_dir->ckpt); !st.ok()) return LoadFailure(st);
+  if (served->removed) return FsError(ESTALE, Join(served->dir, "") + ": replaced or removed; look it up again");
+  std::lock_guard<std::mutex> load(served->load_mu);  // one build at a time
+  {
+    std::shared_lock lock(mu_);
+    if (auto it = mesh_dir->children.find(name); it != mesh_dir->children.end() && NodeLocked(it->second) &&
+                                                 NodeLocked(it->second)->built)
+      return it->second;  // built by another thread meanwhile
+  }
   const Checkpoint& ckpt = served->ckpt;
   const std::string where = Join(ckpt.dir, "mesh/" + name);
   auto fail = [&](const std::string& why) {
@@ -460,8 +577,9 @@ FsResult<uint64_t> VirtualFs::OpenMesh(Node* mesh_dir, const std::string& name) 
   for (const std::string& note : mesh->notes) Log(where + ": " + note);
   std::vector<std::vector<ViewFile>>& ranks = mesh->ranks;
   std::unique_lock lock(mu_);
-  if (auto it = mesh_dir->children.find(name); it != mesh_dir->children.end()) return it->second;
-  Node* dir = AddVirtual(mesh_dir, name, /*is_dir=*/true, mesh_dir->ckpt);
+  Node* dir = AddVirtual(mesh_dir, name, /*is_dir=*/true, mesh_dir->ckpt);  // or the one built before an unload
+  dir->is_spec = true;
+  dir->built = true;
   for (uint64_t r = 0; r < ranks.size(); ++r) {
     char rank_name[32];
     std::snprintf(rank_name, sizeof rank_name, "rank-%05llu", static_cast<unsigned long long>(r));
@@ -473,16 +591,18 @@ FsResult<uint64_t> VirtualFs::OpenMesh(Node* mesh_dir, const std::string& name) 
 
 // Makes the files of tensors/ (`npy_dir`) on its first lookup or listing:
 // names and sizes only, each file's layout being made again when it is
-// opened (EnsureNpyLayout). A tensor that cannot be presented leaves the
+// opened (EnsureLayout). A tensor that cannot be presented leaves the
 // folder empty, with a log line.
+// REQUIRES: its checkpoint pinned.
 FsError VirtualFs::FillNpy(Node* npy_dir) {
   Served* served = ServedAt(npy_dir->ckpt);
-  std::lock_guard<std::mutex> load(served->load_mu);  // its rows stay while in use
+  if (Status st = EnsureLoaded(npy_dir->ckpt); !st.ok()) return LoadFailure(st);
+  if (served->removed) return FsError(ESTALE, Join(served->dir, "") + ": replaced or removed; look it up again");
+  std::lock_guard<std::mutex> load(served->load_mu);  // one fill at a time
   {
     std::shared_lock lock(mu_);
     if (!npy_dir->is_npy) return FsError();  // filled by another thread meanwhile
   }
-  if (served->evicted) return FsError(ESTALE, served->dir + ": unloaded; look it up again");
   // Sizes first, nodes after: layouts made and freed between the nodes would
   // leave the heap fragmented (pages that neither hold much nor go back).
   const auto& tensors = served->ckpt.tensors;
@@ -498,7 +618,6 @@ FsError VirtualFs::FillNpy(Node* npy_dir) {
     sizes.push_back(f->layout->size());
   }
   std::unique_lock lock(mu_);
-  if (served->evicted) return FsError(ESTALE, served->dir + ": unloaded; look it up again");
   npy_dir->is_npy = false;
   for (size_t i = 0; i < sizes.size(); ++i) {
     Node* n = AddVirtual(npy_dir, EscapeFileName(tensors[i]->fqn) + ".npy", /*is_dir=*/false, npy_dir->ckpt);
@@ -508,18 +627,39 @@ FsError VirtualFs::FillNpy(Node* npy_dir) {
   return FsError();
 }
 
-// A tensors/ file's layout, made on its first open and kept while its
-// checkpoint stays loaded. REQUIRES: a handle of the checkpoint held.
-FsError VirtualFs::EnsureNpyLayout(Node* n, const Served& served) {
+// A tensors/ file's layout is made on its first open and kept while its
+// checkpoint stays loaded; a mesh file's is made with its spec, which is
+// built again when its checkpoint was unloaded since.
+// REQUIRES: a handle of the checkpoint held.
+FsError VirtualFs::EnsureLayout(Node* n, const Served& served) {
+  Node* spec = nullptr;
   {
     std::shared_lock lock(mu_);
     if (n->layout) return FsError();
+    for (Node* up = n; !spec;) {
+      Node* parent = NodeLocked(up->parent);
+      if (!parent || parent->kind != Node::Kind::kVirtualDir) break;
+      if (parent->is_spec || parent->is_dtype_view) spec = parent;
+      up = parent;
+    }
   }
-  auto f = NpyFile(served.ckpt.tensors.at(n->npy));
-  if (!f.ok()) return FsError::From(f.status());
-  std::unique_lock lock(mu_);
-  if (!n->layout) n->layout = std::move(f->layout);
-  return FsError();
+  if (n->npy >= 0) {
+    auto f = NpyFile(served.ckpt.tensors.at(n->npy));
+    if (!f.ok()) return FsError::From(f.status());
+    std::unique_lock lock(mu_);
+    if (!n->layout) n->layout = std::move(f->layout);
+    return FsError();
+  }
+  if (spec) {
+    std::shared_ptr<Node> up = Find(spec->parent);
+    if (!up) return FsError(ESTALE, PathOf(*n) + ": its checkpoint was replaced or removed");
+    auto built = spec->is_spec ? OpenMesh(up.get(), spec->name) : OpenDTypeView(up.get(), spec->name);
+    if (!built.ok()) return built.status();
+  }
+  std::shared_lock lock(mu_);
+  if (n->layout) return FsError();
+  return FsError(EIO, PathOf(*n) + ": its view was not made again when " + Join(served.dir, "") +
+                          " was loaded again (see the log)");
 }
 
 // glibc keeps freed memory (a checkpoint's rows, the temporaries of building
@@ -534,32 +674,40 @@ void VirtualFs::AddViewFile(Node* view, ViewFile f, int ckpt) {
   for (size_t at = 0, slash; (slash = f.name.find('/', at)) != std::string::npos; at = slash + 1) {
     const std::string part = f.name.substr(at, slash - at);
     auto it = dir->children.find(part);
-    dir = it != dir->children.end() ? nodes_[it->second - 1].get() : AddVirtual(dir, part, /*is_dir=*/true, ckpt);
+    dir = it != dir->children.end() ? NodeLocked(it->second) : AddVirtual(dir, part, /*is_dir=*/true, ckpt);
   }
   Node* n = AddVirtual(dir, f.name.substr(f.name.rfind('/') + 1), /*is_dir=*/false, ckpt);
-  n->size = f.layout->size();
+  // A node filled again after an unload is read meanwhile without the lock
+  // (AttrOf, Open): what a reload leaves as it was is not written.
+  if (const uint64_t size = f.layout->size(); n->size != size) n->size = size;
+  if (n->problem != f.problem) n->problem = std::move(f.problem);
   n->layout = std::move(f.layout);
-  n->problem = std::move(f.problem);
 }
 
 // REQUIRES: construction time, or mu_ held exclusively.
+// An existing child of that name and kind is reused: a checkpoint loaded
+// again keeps its inode numbers.
 VirtualFs::Node* VirtualFs::AddVirtual(Node* parent, const std::string& name, bool is_dir, int ckpt) {
-  auto n = std::make_unique<Node>();
+  if (auto it = parent->children.find(name); it != parent->children.end()) {
+    Node* old = NodeLocked(it->second);
+    if (old && old->ckpt == ckpt && old->is_dir() == is_dir) return old;
+  }
+  auto n = std::make_shared<Node>();
   n->ckpt = ckpt;
   n->kind = is_dir ? Node::Kind::kVirtualDir : Node::Kind::kVirtualFile;
-  n->ino = nodes_.size() + 1;
+  n->ino = next_ino_++;
   n->parent = parent->ino;
   n->name = name;
   parent->children[name] = n->ino;
-  nodes_.push_back(std::move(n));
-  return nodes_.back().get();
+  nodes_[n->ino] = n;
+  return n.get();
 }
 
 // Returns the node for source path `rel`, creating it (and its parents).
 VirtualFs::Node* VirtualFs::SourceNode(const std::string& rel, NodeKind kind) {
   {
     std::shared_lock lock(mu_);
-    if (auto it = source_inos_.find(rel); it != source_inos_.end()) return nodes_[it->second - 1].get();
+    if (auto it = source_inos_.find(rel); it != source_inos_.end()) return NodeLocked(it->second);
   }
   uint64_t parent = kRootIno;
   if (auto slash = rel.rfind('/'); slash != std::string::npos)
@@ -567,29 +715,44 @@ VirtualFs::Node* VirtualFs::SourceNode(const std::string& rel, NodeKind kind) {
   std::unique_lock lock(mu_);
   if (auto it = source_inos_.find(rel); it != source_inos_.end()) {
     // The same path may have become another kind (a file replaced by a link).
-    nodes_[it->second - 1]->kind = kind;
-    return nodes_[it->second - 1].get();
+    NodeLocked(it->second)->kind = kind;
+    return NodeLocked(it->second);
   }
-  auto n = std::make_unique<Node>();
+  auto n = std::make_shared<Node>();
   n->kind = kind;
-  n->ino = nodes_.size() + 1;
+  n->ino = next_ino_++;
   n->parent = parent;
   n->rel = rel;
   n->name = rel.substr(rel.rfind('/') == std::string::npos ? 0 : rel.rfind('/') + 1);
   source_inos_[rel] = n->ino;
-  nodes_.push_back(std::move(n));
-  return nodes_.back().get();
+  nodes_[n->ino] = n;
+  return n.get();
 }
 
-VirtualFs::Node* VirtualFs::Find(uint64_t ino) const {
+size_t VirtualFs::NodeCount() const {
   std::shared_lock lock(mu_);
-  if (ino == 0 || ino > nodes_.size()) return nullptr;
-  return nodes_[ino - 1].get();
+  return nodes_.size();
+}
+
+size_t VirtualFs::ServedCount() const {
+  std::shared_lock lock(mu_);
+  return served_.size();
+}
+
+std::shared_ptr<VirtualFs::Node> VirtualFs::Find(uint64_t ino) const {
+  std::shared_lock lock(mu_);
+  auto it = nodes_.find(ino);
+  return it == nodes_.end() ? nullptr : it->second;
+}
+
+VirtualFs::Node* VirtualFs::NodeLocked(uint64_t ino) const {
+  auto it = nodes_.find(ino);
+  return it == nodes_.end() ? nullptr : it->second.get();
 }
 
 std::string VirtualFs::PathOf(const Node& n) const {
   if (n.is_source()) return n.rel;
-  const Node* p = Find(n.parent);
+  std::shared_ptr<const Node> p = Find(n.parent);
   return p ? Join(PathOf(*p), n.name) : n.name;
 }
 
@@ -623,8 +786,17 @@ FsResult<Attr> VirtualFs::AttrOf(const Node& n) const {
   return a;
 }
 
-FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name) {
-  Node* p = Find(parent);
+namespace {
+
+bool IsViewName(const std::string& name) {
+  return name == "consolidated" || name == "tensors" || name == "mesh" || name == "bytes" ||
+         name.rfind("consolidated.", 0) == 0;
+}
+
+}  // namespace
+
+FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name, bool for_kernel) {
+  std::shared_ptr<Node> p = Find(parent);
   if (!p) return FsError(ENOENT, "unknown inode " + std::to_string(parent));
   if (!p->is_dir()) return FsError(ENOTDIR, PathOf(*p) + " is not a directory");
   if (name == "." ) return AttrOf(*p);
@@ -637,23 +809,37 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name) {
       if (S_ISLNK(st->st_mode)) return AttrOf(*SourceNode(rel, Node::Kind::kSourceLink));
     }
   }
-  Pin pin = EnsureViewsOf(*p);
+  Status load_error;
+  Pin pin = EnsureViewsOf(*p, &load_error);
   Touch(p->ckpt);
-  if (FsError e = NeedsNpy(*p) ? FillNpy(p) : FsError(); !e.ok()) return e;
+  if (FsError e = NeedsNpy(*p) ? FillNpy(p.get()) : FsError(); !e.ok()) return e;
   uint64_t child = 0;
+  bool built = true;
   {
     std::shared_lock lock(mu_);
     auto it = p->children.find(name);
     if (it != p->children.end()) child = it->second;
+    if (const Node* c = child ? NodeLocked(child) : nullptr; c && (c->is_spec || c->is_dtype_view)) built = c->built;
   }
-  if (!child && p->is_mesh) {
-    ASSIGN_OR_RETURN(child, OpenMesh(p, name));
+  if ((!child || !built) && p->is_mesh) {
+    ASSIGN_OR_RETURN(child, OpenMesh(p.get(), name));
   }
-  if (!child && p->kind == Node::Kind::kSourceDir && name.rfind("consolidated.", 0) == 0 && ViewsAttached(*p)) {
-    ASSIGN_OR_RETURN(child, OpenDTypeView(p, name));
+  if ((!child || !built) && p->kind == Node::Kind::kSourceDir && name.rfind("consolidated.", 0) == 0 &&
+      ViewsAttached(*p)) {
+    ASSIGN_OR_RETURN(child, OpenDTypeView(p.get(), name));
   }
+  // A view of a checkpoint that cannot be loaded exists; it cannot be served.
+  if (!child && !load_error.ok() && IsViewName(name)) return FsError(EIO, load_error.message());
   if (!child) return FsError(ENOENT, Join(PathOf(*p), name) + ": no such file or directory");
-  return AttrOf(*Find(child));
+  std::shared_ptr<Node> c = Find(child);
+  if (!c) return FsError(ESTALE, Join(PathOf(*p), name) + ": its checkpoint was replaced or removed");
+  ASSIGN_OR_RETURN(Attr a, AttrOf(*c));
+  if (for_kernel) {
+    std::shared_lock lock(mu_);  // Forget() erases under it exclusively
+    if (!NodeLocked(child)) return FsError(ESTALE, Join(PathOf(*p), name) + ": its checkpoint was removed");
+    ++c->nlookup;
+  }
+  return a;
 }
 
 bool VirtualFs::ViewsAttached(const Node& dir) const {
@@ -667,39 +853,43 @@ bool VirtualFs::NeedsNpy(const Node& n) const {
 }
 
 VirtualFs::Pin::~Pin() {
-  if (served_) --served_->handles;
+  if (served_) fs_->Unpin(served_);
 }
 
 // Pinned (Served::handles), the checkpoint cannot be unloaded by another
-// thread between being loaded here and the caller reading its views.
-VirtualFs::Pin VirtualFs::EnsureViewsOf(const Node& dir) {
-  if (dir.kind != Node::Kind::kSourceDir) return Pin(nullptr);
+// thread between being loaded here and the caller reading its views. A
+// virtual directory's checkpoint is pinned, not loaded: its entries are
+// kept across unloads, and what needs rows (FillNpy, OpenMesh) loads it.
+VirtualFs::Pin VirtualFs::EnsureViewsOf(const Node& dir, Status* error) {
   int i;
   Served* s;
   bool attached;
   {
     std::shared_lock lock(mu_);
-    i = HostedBy(dir.rel);
-    if (i < 0) return Pin(nullptr);
+    i = dir.kind == Node::Kind::kSourceDir ? HostedBy(dir.rel) : dir.ckpt;
+    if (i < 0) return Pin(this, nullptr);
     s = served_[i].get();
     ++s->handles;
-    attached = dir.ckpt == i;
+    attached = dir.kind != Node::Kind::kSourceDir || dir.ckpt == i;
   }
-  Pin pin(s);
-  // A checkpoint that cannot be loaded shows no views (logged once); its
-  // source files stay readable.
-  if (!attached) (void)EnsureLoaded(i);
+  Pin pin(this, s);
+  // A checkpoint that cannot be loaded shows no views (the load logs why,
+  // and is tried again later); its source files stay readable.
+  if (!attached) {
+    Status st = EnsureLoaded(i);
+    if (error) *error = st;
+  }
   return pin;
 }
 
 FsResult<Attr> VirtualFs::GetAttr(uint64_t ino) {
-  Node* n = Find(ino);
+  std::shared_ptr<Node> n = Find(ino);
   if (!n) return FsError(ENOENT, "unknown inode " + std::to_string(ino));
   return AttrOf(*n);
 }
 
 FsResult<std::vector<DirEntry>> VirtualFs::ReadDir(uint64_t ino) {
-  Node* p = Find(ino);
+  std::shared_ptr<Node> p = Find(ino);
   if (!p) return FsError(ENOENT, "unknown inode " + std::to_string(ino));
   if (!p->is_dir()) return FsError(ENOTDIR, PathOf(*p) + " is not a directory");
   std::vector<DirEntry> out;
@@ -711,7 +901,7 @@ FsResult<std::vector<DirEntry>> VirtualFs::ReadDir(uint64_t ino) {
     }
   }
   Pin pin = EnsureViewsOf(*p);
-  if (FsError e = NeedsNpy(*p) ? FillNpy(p) : FsError(); !e.ok()) return e;
+  if (FsError e = NeedsNpy(*p) ? FillNpy(p.get()) : FsError(); !e.ok()) return e;
   // Inodes only (a virtual dir may hold 100k files): a node and its name
   // live as long as the VirtualFs.
   std::vector<uint64_t> children;
@@ -724,17 +914,17 @@ FsResult<std::vector<DirEntry>> VirtualFs::ReadDir(uint64_t ino) {
   for (const DirEntry& e : out) real.insert(e.name);
   out.reserve(out.size() + children.size());
   for (uint64_t child : children) {
-    const Node& c = *Find(child);
-    if (real.count(c.name)) continue;
-    auto a = AttrOf(c);
-    if (a.ok()) out.push_back({c.name, *a});
+    std::shared_ptr<const Node> c = Find(child);
+    if (!c || real.count(c->name)) continue;  // gone: its checkpoint was removed meanwhile
+    auto a = AttrOf(*c);
+    if (a.ok()) out.push_back({c->name, *a});
   }
   std::sort(out.begin(), out.end(), [](const DirEntry& a, const DirEntry& b) { return a.name < b.name; });
   return out;
 }
 
 FsResult<uint64_t> VirtualFs::Open(uint64_t ino, int flags) {
-  Node* n = Find(ino);
+  std::shared_ptr<Node> n = Find(ino);
   if (!n) return FsError(ENOENT, "unknown inode " + std::to_string(ino));
   if ((flags & O_ACCMODE) != O_RDONLY || (flags & (O_TRUNC | O_CREAT | O_APPEND)))
     return FsError(EROFS, PathOf(*n) + ": read-only file system");
@@ -742,8 +932,9 @@ FsResult<uint64_t> VirtualFs::Open(uint64_t ino, int flags) {
   // Refused here rather than at read: a mapped file whose pages fail to read
   // kills its reader with SIGBUS, a failed open is an exception it can catch.
   if (!n->problem.empty()) {
-    Log(PathOf(*n) + ": open failed (" + std::strerror(EIO) + "): " + n->problem);
-    return FsError(EIO, PathOf(*n) + ": " + n->problem);
+    FsError e(EIO, PathOf(*n) + ": " + n->problem);
+    LogServed(n->ckpt, e, PathOf(*n) + ": open failed (" + std::strerror(EIO) + "): " + n->problem);
+    return e;
   }
   auto h = std::make_unique<Handle>();
   h->node = n;
@@ -752,15 +943,17 @@ FsResult<uint64_t> VirtualFs::Open(uint64_t ino, int flags) {
     ASSIGN_OR_RETURN(h->fd, tree_.OpenFile(n->rel, O_RDONLY));
   }
   if (n->kind == Node::Kind::kVirtualFile) {
-    std::shared_lock lock(mu_);  // Evict() checks handles under it exclusively
-    Served* s = served_[n->ckpt].get();
-    if (s->evicted) return FsError(ESTALE, PathOf(*n) + ": its checkpoint was unloaded; look it up again");
-    ++s->handles;
-    h->served = s;
-  }
-  if (n->npy >= 0) {
-    if (FsError e = EnsureNpyLayout(n, *h->served); !e.ok()) {
-      --h->served->handles;
+    // Loads its checkpoint again if it was unloaded since the kernel looked
+    // the file up: the inode is still this file's.
+    auto s = Acquire(n->ckpt);
+    if (!s.ok()) {
+      LogServed(n->ckpt, s.status(), PathOf(*n) + ": open failed (" + std::strerror(s.status().err()) +
+                                         "): " + s.status().message());
+      return s.status();
+    }
+    h->served = *s;
+    if (FsError e = EnsureLayout(n.get(), **s); !e.ok()) {
+      Unpin(*s);
       return e;
     }
   }
@@ -783,7 +976,7 @@ FsResult<size_t> VirtualFs::Read(uint64_t handle, char* buf, size_t size, uint64
     return done;
   }
   auto fail = [&](const FsError& e) {
-    Log(PathOf(n) + ": read of " + std::to_string(size) + " bytes at " + std::to_string(offset) +
+    LogServed(n.ckpt, e, PathOf(n) + ": read of " + std::to_string(size) + " bytes at " + std::to_string(offset) +
         " failed (" + std::strerror(e.err()) + "): " + e.message());
     return e;
   };
@@ -807,7 +1000,7 @@ FsResult<size_t> VirtualFs::Read(uint64_t handle, char* buf, size_t size, uint64
 }
 
 FsResult<std::string> VirtualFs::ReadLink(uint64_t ino) {
-  Node* n = Find(ino);
+  std::shared_ptr<Node> n = Find(ino);
   if (!n) return FsError(ENOENT, "unknown inode " + std::to_string(ino));
   if (n->kind != Node::Kind::kSourceLink) return FsError(EINVAL, PathOf(*n) + " is not a symlink");
   return tree_.ReadLink(n->rel);
@@ -822,8 +1015,8 @@ void VirtualFs::InvalidateCheckpoint(size_t i) {
   std::vector<uint64_t> inos;
   {
     std::shared_lock lock(mu_);
-    for (const auto& n : nodes_)
-      if (n->kind == Node::Kind::kVirtualFile && n->ckpt == int(i)) inos.push_back(n->ino);
+    for (const auto& [ino, n] : nodes_)
+      if (n->kind == Node::Kind::kVirtualFile && n->ckpt == int(i)) inos.push_back(ino);
   }
   for (uint64_t ino : inos) options_.invalidate(ino);
 }
@@ -851,6 +1044,7 @@ std::vector<std::string> VirtualFs::SourceDirs() const {
 }
 
 size_t VirtualFs::RecheckSources() {
+  limiter_.Flush();  // the counts of a fault that stopped
   std::vector<int> live;
   {
     std::shared_lock lock(mu_);
@@ -877,7 +1071,7 @@ size_t VirtualFs::RecheckSources() {
 void VirtualFs::Release(uint64_t handle) {
   std::unique_ptr<Handle> h(reinterpret_cast<Handle*>(handle));
   if (h->fd >= 0) ::close(h->fd);
-  if (h->served) --h->served->handles;
+  if (h->served) Unpin(h->served);
 }
 
 FsResult<Attr> VirtualFs::Resolve(const std::string& path) {

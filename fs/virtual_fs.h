@@ -11,16 +11,27 @@
 // the store, or a catalog in memory) and its views built, in time linear in
 // its tensors. With FsOptions::max_loaded, the least recently used loaded
 // checkpoint with no open file is unloaded (its rows and plans freed, the
-// kernel's entries of its views dropped) and loaded again on next use.
+// nodes of its views kept, without their layouts) and loaded again on next
+// use: its inode numbers stay valid across the unload, so a file the kernel
+// still knows opens (reloading its checkpoint) instead of failing ESTALE,
+// and a reload adds no nodes. A load that fails is retried on later use,
+// at most once per backoff (1 s doubling to 16 s); meanwhile its views
+// answer EIO.
 // `mesh/<spec>/` directories are made on first lookup of a valid spec, the
 // files of `tensors/` on its first lookup or listing (most mounts never list
 // it; for 100k tensors its nodes alone take ~40 MB), and a `tensors/` file's
 // layout on its first open. Live: checkpoints can be added and removed while
 // mounted.
 //
-// Inode numbers are allocated on first lookup and kept for the life of the
-// mount (kernel FORGETs are ignored: the table grows with distinct paths
-// looked up, which for checkpoint trees is small).
+// Inode numbers are allocated on first lookup and never reused (so the
+// FUSE generation is always 0). The table grows with distinct paths looked
+// up, not with unloads: a reload fills the nodes it had. The nodes of a
+// replaced or removed checkpoint leave the tree at once and the table once
+// the kernel forgets them (its rows are freed once no file of it is open).
+// Source nodes stay for the life of the mount.
+//
+// Errors served on reads and opens are logged through a LogLimiter (a few
+// lines per checkpoint and cause every 10 s, then a count).
 //
 // Thread-safe: the FUSE loop calls it from many threads. Lock order: mu_
 // (the node table) is never held while calling into SourceReader or doing
@@ -30,11 +41,13 @@
 #include <sys/types.h>
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <optional>
 #include <memory>
+#include <mutex>
 #include <shared_mutex>
 #include <string>
 #include <unordered_map>
@@ -46,6 +59,7 @@
 #include "core/views.h"
 #include "fs/compute_cache.h"
 #include "fs/fs_error.h"
+#include "fs/log_limiter.h"
 #include "fs/source_tree.h"
 #include "source/source_reader.h"
 
@@ -124,7 +138,9 @@ class VirtualFs {
   static Result<std::unique_ptr<VirtualFs>> Create(Catalog catalog, FsOptions options);
   ~VirtualFs();
 
-  FsResult<Attr> Lookup(uint64_t parent, const std::string& name);
+  // `for_kernel`: the answer goes to the kernel, which holds the inode until
+  // it forgets it (Forget).
+  FsResult<Attr> Lookup(uint64_t parent, const std::string& name, bool for_kernel = false);
   FsResult<Attr> GetAttr(uint64_t ino);
   // Entries other than "." and "..", sorted by name.
   FsResult<std::vector<DirEntry>> ReadDir(uint64_t ino);
@@ -135,6 +151,12 @@ class VirtualFs {
   void Release(uint64_t handle);
   // The target of a symlink in the source tree (never followed by us).
   FsResult<std::string> ReadLink(uint64_t ino);
+  // The kernel dropped `nlookup` of its references to `ino` (FUSE forget).
+  // A node of a replaced or removed checkpoint is freed once it holds none.
+  void Forget(uint64_t ino, uint64_t nlookup);
+  // Nodes in the table and checkpoint entries held (for tests and logs).
+  size_t NodeCount() const;
+  size_t ServedCount() const;
 
   // Re-checks the sources of every checkpoint; a checkpoint with a source
   // changed since indexing reads as EIO from now on and its virtual files
@@ -181,34 +203,38 @@ class VirtualFs {
   struct Node;
   struct Handle;
   // One checkpoint as served: its rows, reader and views, loaded on first use.
-  // Never destroyed while the VirtualFs lives (open handles point into it).
+  // Never destroyed while the VirtualFs lives (open handles and the nodes of
+  // its views point into it); unloading frees its rows, not the entry.
   struct Served {
     std::string dir;
-    std::mutex load_mu;              // serializes Load(); never held with mu_
-    bool loaded = false;             // guarded by load_mu
-    std::string load_error;          // guarded by load_mu
+    int index = -1;                  // in served_
+    std::mutex load_mu;              // serializes loading and unloading; never taken with mu_ held
+    std::string load_error;          // the last load's failure; guarded by load_mu
+    int failures = 0;                // consecutive failed loads; guarded by load_mu
+    std::chrono::steady_clock::time_point retry_at;  // no load tried before; guarded by load_mu
     std::optional<Checkpoint> staged;  // rows handed over by AddCheckpoint; guarded by load_mu
-    Checkpoint ckpt;                 // immutable once loaded
+    Checkpoint ckpt;                 // its rows while resident
     std::unique_ptr<SourceReader> reader;
-    ViewAccess access;
+    ViewAccess access;               // set by the first load, kept: its nodes' attributes
+    bool has_access = false;         // guarded by load_mu
     std::atomic<bool> stale{false};    // invalidated once, when first seen
-    std::atomic<bool> removed{false};  // replaced or deleted: no new lookups
-    std::atomic<bool> resident{false}; // loaded with its views attached
-    std::atomic<bool> evicted{false};  // unloaded: rows freed (set under mu_)
+    std::atomic<bool> removed{false};  // replaced or deleted: no new lookups, no reload
+    std::atomic<bool> resident{false}; // rows loaded, views filled (set under load_mu and mu_)
     std::atomic<int> handles{0};       // open virtual files and pins; raised under mu_ (shared)
     std::atomic<uint64_t> last_used{0};
   };
   // Keeps a checkpoint from being unloaded while a lookup uses its views.
   class Pin {
    public:
-    explicit Pin(Served* s) : served_(s) {}
-    Pin(Pin&& o) noexcept : served_(std::exchange(o.served_, nullptr)) {}
+    Pin(VirtualFs* fs, Served* s) : fs_(fs), served_(s) {}
+    Pin(Pin&& o) noexcept : fs_(o.fs_), served_(std::exchange(o.served_, nullptr)) {}
     Pin(const Pin&) = delete;
     Pin& operator=(const Pin&) = delete;
     Pin& operator=(Pin&&) = delete;
     ~Pin();
 
    private:
+    VirtualFs* fs_;
     Served* served_;
   };
   VirtualFs(FsOptions options, SourceTree tree, CheckpointLoader loader);
@@ -220,21 +246,37 @@ class VirtualFs {
   };
   int HostLocked(std::unique_ptr<Served> s, Detached* old);
   void DropKernelEntries(const Detached& old) const;
-  // Loads checkpoint `i` and attaches its views to its directory, once.
+  // Loads checkpoint `i` (rows, reader) and attaches or refills its views,
+  // unless it is loaded. A failed load is tried again on a later call once
+  // its backoff is over; until then the failure is returned at once.
+  // NotFound for a replaced or removed checkpoint that is not loaded.
   Status EnsureLoaded(int i);
+  Status LoadLocked(int i, Served* s);
   Status BuildViews(int i, Node* dir);
   // For a source directory hosting a checkpoint: its views, loaded now if
-  // not yet, and kept loaded while the returned pin lives.
-  Pin EnsureViewsOf(const Node& dir);
+  // never attached, and kept loaded while the returned pin lives. `error`
+  // gets the load's failure.
+  Pin EnsureViewsOf(const Node& dir, Status* error = nullptr);
+  // Pins checkpoint `i` and loads it if it is not: the caller's handle.
+  // ESTALE for one replaced or removed meanwhile, EIO when it cannot load.
+  FsResult<Served*> Acquire(int i);
+  void Unpin(Served* s);
   // Gives a loaded checkpoint's reader its ChecksumGate (--verify-checksums).
   void UseChecksums(Served& s);
   void Touch(int i) const;
   // Unloads least recently used checkpoints (never `keep`, never one with an
-  // open file) until at most max_loaded are loaded.
+  // open file) until at most max_loaded are loaded, counting `keep` (>= 0)
+  // as about to be.
   void EvictBeyondLimit(int keep);
-  // Replaces hosted checkpoint `i` by an unloaded entry and frees its rows,
-  // or does nothing when a file of it is open. False when nothing was done.
-  bool Evict(int i);
+  // Frees the rows and layouts of checkpoint `i`, keeping its nodes, or does
+  // nothing when a file of it is open or it is in use. False when nothing
+  // was done.
+  // `wait`: for a replaced or removed one, whose rows nothing else frees;
+  // else a checkpoint being loaded or built is left alone.
+  bool Unload(int i, bool wait);
+  // NotFound (replaced or removed: the kernel looks the path up again) is
+  // ESTALE; anything else EIO.
+  static FsError LoadFailure(const Status& st);
   Served* ServedAt(int i) const;
   // The index of the live checkpoint in `rel`, or -1. REQUIRES: mu_ held.
   int HostedBy(const std::string& rel) const;
@@ -249,16 +291,27 @@ class VirtualFs {
   bool NeedsNpy(const Node& dir) const;
   bool ViewsAttached(const Node& dir) const;
   FsError FillNpy(Node* npy_dir);
-  FsError EnsureNpyLayout(Node* npy_file, const Served& served);
+  // The layout of a virtual file whose checkpoint is pinned and loaded: a
+  // tensors/ file's and a mesh file's are made again after an unload.
+  FsError EnsureLayout(Node* file, const Served& served);
   static void ReturnFreedMemory();
   Result<ShardingRules> RulesFor(const Checkpoint& ckpt) const;
-  Node* Find(uint64_t ino) const;
+  // Shared: a node of a removed checkpoint may leave the table meanwhile.
+  std::shared_ptr<Node> Find(uint64_t ino) const;
+  // nullptr when `ino` left the table. REQUIRES: mu_ held.
+  Node* NodeLocked(uint64_t ino) const;
+  // Takes the nodes of replaced or removed checkpoint `i` out of the tree;
+  // those the kernel does not hold leave the table. REQUIRES: mu_ held
+  // exclusively.
+  void DetachLocked(int i);
   Node* SourceNode(const std::string& rel, NodeKind kind);
   Node* AddVirtual(Node* parent, const std::string& name, bool is_dir, int ckpt);
   void AddViewFile(Node* view, ViewFile f, int ckpt);
   FsResult<Attr> AttrOf(const Node& n) const;
   std::string PathOf(const Node& n) const;
   void Log(const std::string& line) const;
+  // Through limiter_, keyed by the checkpoint and the cause.
+  void LogServed(int ckpt, const FsError& e, const std::string& line);
   void Info(const std::string& line) const;
 
   FsOptions options_;
@@ -266,11 +319,14 @@ class VirtualFs {
   CheckpointLoader loader_;
   int64_t mounted_at_ns_ = 0;  // mtime of virtual entries
   std::function<void(uint64_t, const std::string&)> invalidate_entry_;
+  LogLimiter limiter_;
   // Lock order: a Served's load_mu, then mu_. mu_ is never held during I/O.
   mutable std::shared_mutex mu_;  // guards nodes_, source_inos_, served_, hosted_
   mutable std::atomic<uint64_t> use_clock_{0};
+  std::atomic<size_t> resident_count_{0};  // checkpoints loaded (resident)
   std::unique_ptr<ComputeCache> compute_;  // blocks of computed tensors, tagged by checkpoint
-  std::vector<std::unique_ptr<Node>> nodes_;         // ino - 1 -> node
+  std::unordered_map<uint64_t, std::shared_ptr<Node>> nodes_;  // ino -> node
+  uint64_t next_ino_ = kRootIno + 1;                 // never reused
   std::unordered_map<std::string, uint64_t> source_inos_;
   std::vector<std::unique_ptr<Served>> served_;      // append-only
   std::unordered_map<std::string, int> hosted_;      // dir -> live entry of served_

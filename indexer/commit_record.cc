@@ -122,13 +122,13 @@ Status UseCommitRecord(const Source& source, Checkpoint& ckpt) {
   if (dynamic_cast<const PosixSource*>(&source)) {
     char real[PATH_MAX];
     if (!::realpath(sst.c_str(), real) || sst != real)
-      return Status::InvalidArgument(sst + " is reached through a symlink");
+      return Status::InvalidArgument("it is reached through a symlink");
   }
   if (!CommitRecordIsCurrent(source, ckpt.dir))
-    return Status::Stale(sst + " is older than the save the directory holds (another writer saved into it since)");
+    return Status::Stale("it is older than the save the directory holds (another writer saved into it since)");
   ASSIGN_OR_RETURN(Checkpoint record, ReadRecordOf(source, rel, sst));
   Status applied = ApplyCommitRecord(record, ckpt);
-  return applied.ok() ? applied : applied.WithContext(sst + " disagrees with the files");
+  return applied.ok() ? applied : applied.WithContext("it disagrees with the files");
 }
 
 }  // namespace ckptfs

@@ -32,8 +32,8 @@ Status ApplyCommitRecord(const Checkpoint& record, Checkpoint& scanned);
 // root), read through `source` and applied. OK once applied; NotFound when the
 // directory has none; Stale when it is not current (CommitRecordIsCurrent:
 // another save replaced the one it describes); any other error when it
-// cannot be read or disagrees with the files, saying why. `ckpt` changes
-// only when OK.
+// cannot be read or disagrees with the files, saying why ("it is older
+// than…", "it disagrees with the files: …"). `ckpt` changes only when OK.
 Status UseCommitRecord(const Source& source, Checkpoint& ckpt);
 
 }  // namespace ckptfs

@@ -305,6 +305,25 @@ Status Store::Rebuild(const std::string& why) {
   return CheckSchema();
 }
 
+Status Store::VerifyChecksums() {
+  if (access_ == Access::kReadWrite) RETURN_IF_ERROR(Flush());
+  std::shared_lock lock(mu_);
+  rocksdb::ReadOptions read;
+  read.fill_cache = false;  // each block is read once: it would only evict others
+  return FromRocks(db_->VerifyChecksum(read), "verify index " + path_);
+}
+
+Result<bool> Store::RebuildIfDamaged() {
+  if (access_ != Access::kReadWrite) return Status::InvalidArgument("index " + path_ + " is open read-only");
+  Status s = VerifyChecksums();
+  if (s.ok()) return false;
+  if (s.code() != Status::Code::kCorruption) return s;
+  // Open refused every directory without our marker: this one is ours.
+  std::unique_lock lock(mu_);
+  RETURN_IF_ERROR(Rebuild("its database is damaged (" + s.message() + ")"));
+  return true;
+}
+
 Status Store::OpenReadOnly() {
   rocksdb::Status s;
   rocksdb::DB* raw = nullptr;

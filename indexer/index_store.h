@@ -94,6 +94,17 @@ class Store {
   // kReadOnly: see the commits made since Open (or the last CatchUp).
   Status CatchUp();
 
+  // Reads every block of every table file and checks its checksum: a full
+  // scan of the store, what Open cannot afford (it reads only the tables'
+  // footers and indexes). kReadWrite flushes the memtable first, so the
+  // rows committed so far are checked too. Corruption names the damage.
+  Status VerifyChecksums();
+  // kReadWrite: VerifyChecksums, and a store found damaged is removed and
+  // recreated empty, as Open does with one that cannot be opened (the store
+  // is derived data: the caller commits every checkpoint again). Returns
+  // true when it rebuilt the store; notices() says why.
+  Result<bool> RebuildIfDamaged();
+
   // Every row as one JSON object per line ({"key", "value"}, values decoded).
   Status Dump(std::ostream& out) const;
   // The raw rows of `dir`: its commit record then its data rows.

@@ -60,7 +60,8 @@ Result<std::optional<Checkpoint>> ReadCheckpoint(const Source& source, const Dir
     if (!options.file_index_mapping.empty()) RETURN_IF_ERROR(LoadFileIndexMapping(options.file_index_mapping, ckpt));
     Status record = UseCommitRecord(source, ckpt);
     if (!record.ok() && record.code() != Status::Code::kNotFound && options.warn)
-      options.warn(record.message() + "; indexed from the files alone, without the writer's checksums");
+      options.warn(CommitRecordPath(source.root(), ckpt.dir) + " not used (" + record.message() +
+                   "); indexed from the files alone, without the writer's checksums");
     return std::optional<Checkpoint>(std::move(ckpt));
   }
   return std::optional<Checkpoint>();

@@ -153,6 +153,25 @@ static std::unique_ptr<Store> OpenStore(const Common& c, Store::Access access, i
   return std::move(*store);
 }
 
+// Every block of the store checked before `index` writes into it: a damaged
+// block (a flipped bit in an SST) is found by no open and by no commit, only
+// by the reads that hit it. A damaged store is rebuilt empty, and the caller
+// commits every checkpoint again. True when it was rebuilt.
+static Result<bool> RepairStore(Store& store) {
+  ASSIGN_OR_RETURN(bool rebuilt, store.RebuildIfDamaged());
+  if (rebuilt) std::fprintf(stderr, "ckptfs: %s; indexing every checkpoint again\n", store.notices().back().c_str());
+  return rebuilt;
+}
+
+// A rebuilt store is read back in full before it is trusted: damage that a
+// rebuild does not cure is the disk's, not the store's.
+static Status VerifyRebuilt(Store& store) {
+  Status s = store.VerifyChecksums();
+  if (s.ok()) return s;
+  return Status::Corruption(s.message() + "; the index was rebuilt just now and reads back damaged: check the disk "
+                            "under " + store.path() + " (or give --index a directory on another disk)");
+}
+
 // Commits every checkpoint of the scan, each in its own batch, and removes
 // the checkpoints the scan no longer found.
 static Status StoreCatalog(Store& store, const Catalog& catalog) {
@@ -197,6 +216,11 @@ int BuildIndex(const Common& c, bool quiet) {
   if (!CheckRootIsDir(c, &rc)) return rc;
   auto store = OpenStore(c, Store::Access::kReadWrite, &rc);
   if (!store) return rc;
+  auto rebuilt = RepairStore(*store);
+  if (!rebuilt.ok()) {
+    Error(rebuilt.status().message());
+    return ExitCodeFor(rebuilt.status());
+  }
   ScanOptions so;
   so.file_index_mapping = c.mapping;
   so.warn = [](const std::string& line) { std::fprintf(stderr, "ckptfs: warning: %s\n", line.c_str()); };
@@ -208,6 +232,7 @@ int BuildIndex(const Common& c, bool quiet) {
     return kExitNoSource;
   }
   Status st = StoreCatalog(*store, *catalog);
+  if (st.ok() && *rebuilt) st = VerifyRebuilt(*store);
   if (!st.ok()) {
     Error(st.message());
     return ExitCodeFor(st);

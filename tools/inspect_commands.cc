@@ -439,10 +439,10 @@ std::optional<Checkpoint> WithWriterChecksums(const std::string& root, const Loa
   const std::string dir = ck.dir.empty() ? std::string(".") : ck.dir;
   if (record.ok() || record.code() == Status::Code::kNotFound) return ck;
   if (record.code() == Status::Code::kStale) {
-    warnings->push_back(dir + ": " + record.message() + "; its checksums do not apply, none checked");
+    warnings->push_back(dir + ": its commit record is not used: " + record.message() + "; none of its checksums checked");
     return std::nullopt;
   }
-  problems->push_back(dir + ": saved by ckptfs's writer, but " + record.message() +
+  problems->push_back(dir + ": saved by ckptfs's writer, but its commit record is not used: " + record.message() +
                       " (the files or the record changed since the save); no checksum checked. Re-save the step");
   return std::nullopt;
 }

@@ -4,7 +4,9 @@
 // The store is opened on first use, read-only, so that a mount opens it in
 // the daemon after fork (RocksDB's threads do not survive fork) and holds no
 // lock: `ckptfs index` and other mounts keep working beside it. A checkpoint
-// it does not list yet (committed since) is found after catching up.
+// it does not list yet (committed since) is found after catching up; after
+// a load that fails otherwise (a damaged or rebuilt store) it is opened
+// again for the next.
 // Commit/Remove open the store for writing just for that write and close it
 // (flushed), so a mount never keeps it locked; when another process holds
 // it, the write is skipped with Busy and the next `ckptfs index` or mount
@@ -35,11 +37,12 @@ class StoreLoader {
   Status Remove(const std::string& dir);
 
  private:
-  Result<Store*> Reader();
+  Result<std::shared_ptr<Store>> Reader();
+  void Drop(const std::shared_ptr<Store>& failed);
 
   const std::string index_path_, root_;
-  std::mutex mu_;  // guards reader_'s creation
-  std::unique_ptr<Store> reader_;
+  std::mutex mu_;  // guards reader_
+  std::shared_ptr<Store> reader_;  // shared: a load in flight keeps the one it uses
 };
 
 }  // namespace ckptfs

@@ -2,6 +2,7 @@
 #include "writer/stager.h"
 
 #include <fcntl.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,6 +10,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <system_error>
 
 #include "core/crc32c.h"
 #include "core/zip_crc32.h"
@@ -64,18 +66,36 @@ Status Stager::Start() {
     ring_.push_back(static_cast<uint8_t*>(p));
     free_.push_back(i);
   }
-  for (int i = 0; i < options_.io_threads; ++i) threads_.emplace_back([this] { IoLoop(); });
+  // A thread that cannot be started is a Status, not an exception out of
+  // Create; the threads started so far are joined by the destructor.
+  try {
+    for (int i = 0; i < options_.io_threads; ++i) {
+      threads_.emplace_back([this] { IoLoop(); });
+      // "ckptfs-io" in top -H, gdb and /proc/PID/task/*/comm.
+      ::pthread_setname_np(threads_.back().native_handle(), "ckptfs-io");
+    }
+  } catch (const std::system_error& e) {
+    return Status::IOError(std::string("stager: cannot start an I/O thread: ") + e.what());
+  }
   return Status::OK();
 }
 
-Stager::~Stager() {
-  (void)Drain();
+Status Stager::Close() {
+  if (joined_) return FirstError();
+  Status drained = Drain();
   {
     std::lock_guard<std::mutex> lock(mu_);
     stop_ = true;
   }
   cv_.notify_all();
-  for (auto& t : threads_) t.join();
+  for (auto& t : threads_) t.join();  // IoLoop returns once stop_ is set and the queue is empty
+  threads_.clear();
+  joined_ = true;
+  return drained;
+}
+
+Stager::~Stager() {
+  (void)Close();
   for (uint8_t* p : ring_) engine_->FreeBuffer(p, options_.buffer_bytes);
   for (auto& f : files_)
     if (f.fd >= 0) ::close(f.fd);
@@ -101,6 +121,7 @@ Status Stager::CloseFile(int file) {
 }
 
 Status Stager::Write(int file, uint64_t offset, const Slice& src, uint64_t tag, uint64_t tag_offset, bool copy_host) {
+  if (joined_) return Status::InvalidArgument("stager: closed; no more writes");
   if (file < 0 || file >= int(files_.size()) || files_[file].fd < 0)
     return Status::InvalidArgument("stager: file id " + std::to_string(file) + " is not open");
   RETURN_IF_ERROR(FirstError());

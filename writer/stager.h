@@ -70,7 +70,7 @@ class Stager {
   // `engine` null: MakeDefaultCopyEngine.
   static Result<std::unique_ptr<Stager>> Create(const StagerOptions& options,
                                                 std::unique_ptr<CopyEngine> engine = nullptr);
-  ~Stager();  // drains, then frees the ring; files are closed
+  ~Stager();  // Close(), then frees the ring; files are closed
   Stager(const Stager&) = delete;
   Stager& operator=(const Stager&) = delete;
 
@@ -96,6 +96,13 @@ class Stager {
 
   // The combined checksums of `tag` (after Drain), removed from the stager.
   Result<Checksums> TakeChecksums(uint64_t tag);
+
+  // Drains, then stops and joins the I/O threads; later writes fail. Safe
+  // to call again. Callers that may end their process soon after a failure
+  // (a Python interpreter exiting through an exception) call it rather than
+  // leave the threads to whatever order teardown destroys things in.
+  // Returns Drain's error, if any.
+  Status Close();
 
   // fsync(file). The caller fsyncs the directory (SyncDir) once per save.
   Status SyncFile(int file);
@@ -152,7 +159,8 @@ class Stager {
   std::vector<int> free_;       // GUARDED_BY(mu_)
   std::deque<Job> queue_;       // GUARDED_BY(mu_); at most buffers + io_threads jobs
   int in_flight_ = 0;           // GUARDED_BY(mu_): jobs taken by I/O threads
-  bool stop_ = false;           // GUARDED_BY(mu_)
+  bool stop_ = false;           // GUARDED_BY(mu_); set by Close: no more writes
+  bool joined_ = false;         // producer-only: Close joined threads_
   Status error_;                // GUARDED_BY(mu_): the first failure
   std::map<uint64_t, std::vector<PieceSum>> sums_;  // GUARDED_BY(mu_)
   StagerStats stats_;           // GUARDED_BY(mu_)

@@ -55,6 +55,7 @@ the commit record happen in the background save. Host memory is the ring, never 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import io
 import json
@@ -62,6 +63,7 @@ import os
 import pickle
 import threading
 import uuid
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,6 +109,7 @@ class CkptfsWriteResult(WriteResult):
 
 
 _FREE_STAGERS: dict[tuple, list] = {}
+_ALL_STAGERS: weakref.WeakSet = weakref.WeakSet()  # pooled or in use, for _close_stagers
 _STAGERS_LOCK = threading.Lock()
 
 
@@ -120,8 +123,10 @@ def _acquire_stager(buffer_bytes: int, buffers: int, io_threads: int, zip_crc32:
         free = _FREE_STAGERS.setdefault(key, [])
         if free:
             return key, free.pop()
-    return key, _writer.Stager(buffer_bytes=buffer_bytes, buffers=buffers, io_threads=io_threads,
-                               zip_crc32=zip_crc32)
+    stager = _writer.Stager(buffer_bytes=buffer_bytes, buffers=buffers, io_threads=io_threads, zip_crc32=zip_crc32)
+    with _STAGERS_LOCK:
+        _ALL_STAGERS.add(stager)
+    return key, stager
 
 
 def _release_stager(key: tuple, stager) -> None:
@@ -131,10 +136,17 @@ def _release_stager(key: tuple, stager) -> None:
 
 @atexit.register
 def _close_stagers() -> None:
-    """Joins the pooled stagers' I/O threads while the interpreter is whole,
+    """Joins every stager's I/O threads while the interpreter is whole, the
+    pooled ones and those a failed save left referenced from its traceback,
     rather than leaving them to whatever order finalization picks."""
     with _STAGERS_LOCK:
+        stagers = list(_ALL_STAGERS)
         _FREE_STAGERS.clear()
+    for stager in stagers:
+        try:
+            stager.close()
+        except Exception:  # a write error it kept: the save that met it has raised it already
+            pass
 
 
 def _fsync_write(path: Path, data: bytes) -> None:
@@ -193,15 +205,29 @@ class _StagedFile:
             else:
                 self.file.write(item, data.data_ptr(), nbytes, -1, 0, copy_host)
 
+    def abandon(self) -> None:
+        """After a failure: the file dropped and the stager's I/O threads
+        joined now (it may hold the error, so it is not pooled again), not
+        whenever the traceback that references this file is freed."""
+        self.file = None
+        self.items.clear()
+        stager, self.stager = self.stager, None
+        if stager is not None:
+            try:
+                stager.close()
+            except Exception:  # its write error: the failure being raised already covers it
+                pass
+
     def cuda_devices(self) -> set[int]:
         return {d.device.index for _, _, d in self.items if isinstance(d, torch.Tensor) and d.is_cuda}
 
     def finish(self) -> list[CkptfsWriteResult]:
         written = self.file.finish()
         # Back to the pool only after a clean finish: a stager that met an
-        # error keeps it and is dropped with this file.
+        # error keeps it and is closed by abandon().
         self.file = None
         _release_stager(self.stager_key, self.stager)
+        self.stager = None
         out = [self._result(wi, w) for (wi, _, _), w in zip(self.items, written)]
         self.items.clear()  # release the tensors
         return out
@@ -231,6 +257,19 @@ def _on_each(files: list, fn) -> list:
     with ThreadPoolExecutor(max_workers=len(files), thread_name_prefix="ckptfs-save") as pool:
         futures = [pool.submit(fn, f) for f in files]
         return [fu.result() for fu in futures]
+
+
+@contextlib.contextmanager
+def _abandon_on_error(files: list):
+    """On any exception in the body (KeyboardInterrupt included), abandons
+    every file ``files`` holds by then before the exception goes on: their
+    stagers' threads are joined at once, on every path out of a save."""
+    try:
+        yield
+    except BaseException:
+        for f in files:
+            f.abandon()
+        raise
 
 
 def _write_files(files: list, copy_host: bool) -> None:
@@ -383,9 +422,11 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         if self._staged is not None:
             results = self._take_staged(plan)
         else:
-            files = self._plan_files(plan, planner)
-            _write_files(files, copy_host=False)
-            results = _finish_files(files)
+            files: list[_StagedFile] = []
+            with _abandon_on_error(files):
+                self._plan_files(plan, planner, files)
+                _write_files(files, copy_host=False)
+                results = _finish_files(files)
         fut: Future[list[WriteResult]] = Future()
         fut.set_result(results)
         return fut
@@ -430,11 +471,13 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         if dist.is_initialized():
             dist.barrier()  # nobody writes before the coordinator uncommitted
         final = planner.finish_plan(global_plans[rank])
-        files = self._plan_files(final, planner)
-        _write_files(files, copy_host=True)
-        for f in files:
-            for device, stream in f.devices:
-                f.stager.fence_producer(device, stream)
+        files: list[_StagedFile] = []
+        with _abandon_on_error(files):
+            self._plan_files(final, planner, files)
+            _write_files(files, copy_host=True)
+            for f in files:
+                for device, stream in f.devices:
+                    f.stager.fence_producer(device, stream)
         self._staged_files = files
         self._staged = {}
         return state_dict
@@ -454,8 +497,9 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
             return [dataclasses.replace(p, storage_data={"shard_index": i}) for i, p in enumerate(plans, start=1)]
         return [dataclasses.replace(p, storage_data=_StoragePrefix(f"__{i}_")) for i, p in enumerate(plans)]
 
-    def _plan_files(self, plan: SavePlan, planner: SavePlanner) -> list[_StagedFile]:
-        """This rank's files with their items planned. DCP: up to
+    def _plan_files(self, plan: SavePlan, planner: SavePlanner, files: list[_StagedFile]) -> None:
+        """This rank's files with their items planned, appended to ``files``
+        as each is made (so a failure can abandon those made). DCP: up to
         ``io_threads`` files ``__R_0.distcp``, ``__R_1.distcp``, ... (as
         torch's FileSystemWriter with thread_count), each with its own
         stager and I/O thread, so no two threads write into one file. HF:
@@ -463,26 +507,27 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         writer writes no file then)."""
         if self.layout == "hf":
             if not plan.items:
-                return []
+                return
             shard = plan.storage_data.get("shard_index", self.rank + 1)
             key = (self.buffer_bytes, self.buffers, self.io_threads, self.zip_crc32)
-            files: list[_StagedFile] = [_HfRankFile(key, self.path, _gen_file_name(1, 1, shard))]
+            files.append(_HfRankFile(key, self.path, _gen_file_name(1, 1, shard)))
             buckets = [plan.items]
         else:
             prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{self.rank}_"
             buckets = _split_items(plan.items, self.io_threads)
             n = len(buckets)  # the ring and the I/O threads are shared out, not multiplied
             key = (max(1, self.buffer_bytes // n), self.buffers, max(1, self.io_threads // n), self.zip_crc32)
-            files = [_RankFile(key, self.path, f"{prefix}{i}.distcp") for i in range(n)]
+            for i in range(n):
+                files.append(_RankFile(key, self.path, f"{prefix}{i}.distcp"))
         for f, bucket in zip(files, buckets):
             for wi in bucket:
                 f.add(wi, planner.resolve_data(wi))
             f.seal()
-        return files
 
     def _take_staged(self, plan: SavePlan) -> list[WriteResult]:
         files, self._staged_files, self._staged = self._staged_files, [], None
-        results = {r.index: r for r in _finish_files(files)}
+        with _abandon_on_error(files):
+            results = {r.index: r for r in _finish_files(files)}
         missing = [wi.index for wi in plan.items if wi.index not in results]
         if missing:
             raise RuntimeError(f"ckptfs StorageWriter: the save's plan has {len(missing)} item(s) that stage() "

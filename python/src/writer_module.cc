@@ -139,6 +139,16 @@ void BindStager(py::module_& m) {
            py::arg("buffer_bytes") = 256ull << 20, py::arg("buffers") = 2, py::arg("io_threads") = 2,
            py::arg("zip_crc32") = true, py::arg("use_cuda") = true)
       .def_property_readonly("engine", [](const PyStager& s) { return std::string(s.stager->engine_name()); })
+      .def("close", [](PyStager& s) {
+             Status st;
+             {
+               py::gil_scoped_release nogil;
+               st = s.stager->Close();
+             }
+             Check(st);
+           },
+           "Drain, then stop and join the I/O threads (later writes fail). Safe to call again; raises the "
+           "first write error, if any.")
       .def("fence_producer", [](PyStager& s, int device, uint64_t stream) { Check(s.stager->FenceProducer(device, stream)); },
            py::arg("device"), py::arg("stream"),
            "Make later work on a producer stream wait for the copies issued so far (non-blocking).")

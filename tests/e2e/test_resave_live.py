@@ -16,6 +16,7 @@ Expected values are the state dicts torch saved (writer_gen's oracles).
 from __future__ import annotations
 
 import errno
+import io
 import os
 import threading
 import time
@@ -44,9 +45,12 @@ def _save(kind: str, world: int, seed: int, directory: str, oracle: str) -> dict
 def _read(path: str):
     """The array at `path`, or the reason it could not be read."""
     try:
-        return np.load(path)
+        with open(path, "rb") as f:
+            data = f.read()  # I/O errors here, parse errors below
     except OSError as e:
         return "eio" if e.errno == errno.EIO else f"errno {e.errno}"
+    try:
+        return np.load(io.BytesIO(data))
     except ValueError as e:  # a file that is no .npy at all
         return f"not npy ({e})"
 

@@ -29,6 +29,8 @@ Jobs (``spawn_ranks(__file__, world, job)``; ``job["kind"]``):
   saves it into ``job["dir"]`` with ckptfs's StorageWriter
   (``job["writer"] == "ckptfs"``, ``job["layout"]`` "dcp" or "hf") or
   torch's own FileSystemWriter (``"stock"``).
+- ``refused``: ``save``'s state plus a complex32 tensor, which the writer
+  refuses: every rank raises and exits 1 through the interpreter.
 - ``steps``: saves ``job["steps"]`` one after another into
   ``job["root"]/step_<n>`` (for the crash tests: the parent SIGKILLs a rank
   at a random moment; rank 0 appends ``ready N`` before and ``done N``
@@ -210,12 +212,23 @@ def _job_steps(job: dict, mesh) -> None:
         _mark(job, f"done {n}")
 
 
+def _job_refused(job: dict, mesh) -> None:
+    """The state of ``save`` plus a complex32 tensor, which the writer
+    refuses (torch.save framing has no storage for it): the save raises on
+    every rank and the rank exits through the interpreter."""
+    sd = state(job["seed"], mesh)
+    sd["refused"] = torch.zeros(8, dtype=torch.complex32)
+    _save(sd, job, job["dir"])
+
+
 def _worker(rank: int, world: int, init_file: str, job: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world,))
-        {"save": _job_save, "stock": _job_stock, "flat": _job_flat, "load": _job_load, "steps": _job_steps}[job["kind"]](job, mesh)
+        jobs = {"save": _job_save, "stock": _job_stock, "flat": _job_flat, "load": _job_load, "steps": _job_steps,
+                "refused": _job_refused}
+        jobs[job["kind"]](job, mesh)
         # No rank tears gloo down while a peer may still be in a collective
         # with it (torch's teardown has aborted a rank that did).
         dist.barrier()

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <mutex>
 #include <thread>
 
 #include "core/safetensors.h"
@@ -201,10 +202,9 @@ TEST_F(VirtualFsTest, RegressionUntouchedFileOfAChangedCheckpointReadsAsEIO) {
 }
 
 // --max-loaded under concurrency: four checkpoints, one kept loaded, eight
-// threads reading all of them. Every read must return that checkpoint's
-// bytes (step s holds 10 * s + 0..7); an open may meet an unloaded
-// generation (ESTALE, which the kernel retries with a fresh lookup), a read
-// of an open file never fails.
+// threads reading all of them. Every open and read must succeed and return
+// that checkpoint's bytes (step s holds 10 * s + 0..7): a file looked up
+// before its checkpoint was unloaded opens after it.
 class EvictionTest : public ::testing::Test {
  protected:
   static constexpr int kSteps = 4;
@@ -228,10 +228,16 @@ class EvictionTest : public ::testing::Test {
     FsOptions o;
     o.max_loaded = 1;
     o.info = [this](const std::string& line) {
-      if (line.find(": loaded") != std::string::npos) ++loads_;
+      if (line.find(": loaded (") != std::string::npos) ++loads_;
+    };
+    o.log = [this](const std::string& line) {
+      std::lock_guard<std::mutex> lock(log_mu_);
+      log_.push_back(line);
     };
     const std::string root = dir_.string();
-    auto v = VirtualFs::Open(root, dirs, [root](const std::string& rel) -> Result<Checkpoint> {
+    auto v = VirtualFs::Open(root, dirs, [this, root](const std::string& rel) -> Result<Checkpoint> {
+      ++loader_calls_;
+      if (broken_.load()) return Status::Corruption("block checksum mismatch in 000012.sst (test)");
       ASSIGN_OR_RETURN(auto ck, ScanCheckpointDir(*PosixSourceAt(root), rel));
       if (!ck) return Status::NotFound(rel);
       return std::move(*ck);
@@ -241,38 +247,49 @@ class EvictionTest : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(dir_); }
 
-  // The tensor bytes of step `s`'s consolidated file, retrying an open that
-  // met an unloaded generation; "" and a failure when anything else fails.
-  std::string TensorBytes(int s) {
-    const std::string path = "step_" + std::to_string(s) + "/consolidated/model.safetensors";
-    for (int attempt = 0; attempt < 100; ++attempt) {
-      auto a = vfs_->Resolve(path);
-      if (!a.ok()) {
-        ADD_FAILURE() << path << ": " << a.status().message();
-        return "";
-      }
-      auto h = vfs_->Open(a->ino, O_RDONLY);
-      if (!h.ok() && h.status().err() == ESTALE) continue;
-      if (!h.ok()) {
-        ADD_FAILURE() << path << ": " << h.status().message();
-        return "";
-      }
-      std::string out(a->size, '\0');
-      auto n = vfs_->Read(*h, out.data(), out.size(), 0);
-      vfs_->Release(*h);
-      if (!n.ok() || *n != out.size()) {
-        ADD_FAILURE() << path << ": read failed";
-        return "";
-      }
-      return out.substr(out.size() - 8);
+  // The whole of inode `ino`; "" and a failure when the open or read fails.
+  std::string ReadIno(uint64_t ino, const std::string& what) {
+    auto a = vfs_->GetAttr(ino);
+    auto h = vfs_->Open(ino, O_RDONLY);
+    if (!a.ok() || !h.ok()) {
+      ADD_FAILURE() << what << ": " << (h.ok() ? a.status().message() : h.status().message());
+      return "";
     }
-    ADD_FAILURE() << path << ": ESTALE 100 times in a row";
-    return "";
+    std::string out(a->size, '\0');
+    auto n = vfs_->Read(*h, out.data(), out.size(), 0);
+    vfs_->Release(*h);
+    if (!n.ok() || *n != out.size()) {
+      ADD_FAILURE() << what << ": read failed";
+      return "";
+    }
+    return out;
+  }
+  std::string ReadPath(const std::string& path) {
+    auto a = vfs_->Resolve(path);
+    if (!a.ok()) {
+      ADD_FAILURE() << path << ": " << a.status().message();
+      return "";
+    }
+    return ReadIno(a->ino, path);
+  }
+  // The tensor bytes of step `s`'s consolidated file.
+  std::string TensorBytes(int s) {
+    std::string out = ReadPath("step_" + std::to_string(s) + "/consolidated/model.safetensors");
+    return out.size() < 8 ? "" : out.substr(out.size() - 8);
+  }
+  static std::string Want(int s) {
+    std::string want;
+    for (int i = 0; i < 8; ++i) want.push_back(char(10 * s + i));
+    return want;
   }
 
   fs::path dir_;
   std::unique_ptr<VirtualFs> vfs_;
   std::atomic<int> loads_{0};
+  std::atomic<int> loader_calls_{0};
+  std::atomic<bool> broken_{false};
+  std::mutex log_mu_;
+  std::vector<std::string> log_;
 };
 
 TEST_F(EvictionTest, ConcurrentReadersAlwaysGetTheirCheckpointsBytes) {
@@ -282,9 +299,7 @@ TEST_F(EvictionTest, ConcurrentReadersAlwaysGetTheirCheckpointsBytes) {
     threads.emplace_back([&, t] {
       for (int k = 0; k < 300; ++k) {
         const int s = (t + k) % kSteps;
-        std::string want;
-        for (int i = 0; i < 8; ++i) want.push_back(char(10 * s + i));
-        if (TensorBytes(s) != want) ++wrong;
+        if (TensorBytes(s) != Want(s)) ++wrong;
       }
     });
   for (auto& th : threads) th.join();
@@ -306,6 +321,149 @@ TEST_F(EvictionTest, AnOpenFileKeepsItsCheckpointLoaded) {
   const int before = loads_.load();
   EXPECT_EQ(TensorBytes(0), std::string("\0\1\2\3\4\5\6\7", 8));
   EXPECT_EQ(loads_.load(), before) << "step_0 was unloaded while its file was open";
+}
+
+// The kernel keeps the inodes it looked up (for an hour here) and opens them
+// without a new lookup: an unload in between must not make them ESTALE.
+// Each kind of view file: consolidated/, tensors/ (layout made on open),
+// mesh/ (made on lookup of its spec) and consolidated.<dtype>/ (likewise).
+TEST_F(EvictionTest, FilesLookedUpBeforeAnUnloadOpenAfterIt) {
+  const std::vector<std::string> files = {"step_0/consolidated/model.safetensors", "step_0/tensors/w.npy",
+                                          "step_0/mesh/tp2/rank-00001/model.safetensors",
+                                          "step_0/consolidated.bf16/model.safetensors"};
+  std::vector<uint64_t> inos;
+  std::vector<std::string> before;
+  for (const std::string& f : files) {
+    auto a = vfs_->Resolve(f);
+    ASSERT_TRUE(a.ok()) << f << ": " << a.status().message();
+    inos.push_back(a->ino);
+    before.push_back(ReadIno(a->ino, f));
+  }
+  // The tensor w = rows 0..3 of [0..7] as [4, 2] U8; tp2 rank 1 holds some of it.
+  EXPECT_EQ(before[0].substr(before[0].size() - 8), Want(0));
+  EXPECT_EQ(before[1].substr(before[1].size() - 8), Want(0));
+  for (int round = 0; round < 3; ++round) {
+    ASSERT_EQ(TensorBytes(1 + round % 3), Want(1 + round % 3));  // step_0 unloaded
+    for (size_t k = 0; k < files.size(); ++k) EXPECT_EQ(ReadIno(inos[k], files[k]), before[k]) << files[k];
+  }
+  EXPECT_GE(loads_.load(), 3 + 4);
+}
+
+// Every unload and reload must give back what it took: after a warm-up that
+// made every view (tensors/ listed, a mesh spec built), churning the four
+// checkpoints through one slot adds no nodes and no checkpoint entries.
+TEST_F(EvictionTest, ChurnKeepsTheNodeTableBounded) {
+  auto touch_all = [&](int s) {
+    const std::string step = "step_" + std::to_string(s);
+    ASSERT_TRUE(vfs_->ReadDir(vfs_->Resolve(step + "/tensors")->ino).ok());
+    EXPECT_EQ(TensorBytes(s), Want(s));
+    const std::string npy = ReadPath(step + "/tensors/w.npy");
+    EXPECT_EQ(npy.substr(npy.size() - 8), Want(s));
+    EXPECT_FALSE(ReadPath(step + "/mesh/tp2/rank-00000/model.safetensors").empty());
+    EXPECT_NE(ReadPath(step + "/mesh/README").find("rank"), std::string::npos);
+  };
+  for (int s = 0; s < kSteps; ++s) touch_all(s);
+  const size_t nodes = vfs_->NodeCount(), served = vfs_->ServedCount();
+  const int loads = loads_.load();
+  for (int k = 0; k < 200; ++k) touch_all(k % kSteps);
+  EXPECT_GE(loads_.load() - loads, 200) << "the churn did not unload and reload";
+  EXPECT_EQ(vfs_->NodeCount(), nodes) << "reloads added nodes";
+  EXPECT_EQ(vfs_->ServedCount(), served);
+}
+
+// A checkpoint saved again into its directory (live mounts) replaces the
+// one served: the old one's nodes leave the tree at once and the table once
+// the kernel forgets the inodes it looked up, so a mount whose steps come
+// and go for days does not grow. The kernel's old inodes answer ESTALE (it
+// looks the path up again), never the old or the new bytes.
+TEST_F(EvictionTest, NodesOfAReplacedCheckpointLeaveOnceTheKernelForgetsThem) {
+  struct Held {
+    uint64_t view, file;
+  };
+  auto kernel_lookups = [&]() -> Held {
+    auto step = vfs_->Lookup(VirtualFs::kRootIno, "step_1", /*for_kernel=*/true);
+    auto view = vfs_->Lookup(step->ino, "consolidated", true);
+    auto file = vfs_->Lookup(view->ino, "model.safetensors", true);
+    auto npy = vfs_->ReadDir(vfs_->Resolve("step_1/tensors")->ino);  // nodes no lookup holds
+    EXPECT_TRUE(file.ok() && npy.ok() && npy->size() == 1u);
+    return {view->ino, file->ino};
+  };
+  auto replace_and_forget = [&](const Held& held) {
+    vfs_->AddCheckpoint("step_1");
+    auto h = vfs_->Open(held.file, O_RDONLY);
+    EXPECT_FALSE(h.ok());
+    EXPECT_EQ(h.status().err(), ESTALE) << h.status().message();
+    vfs_->Forget(held.file, 1);
+    vfs_->Forget(held.view, 1);
+  };
+  replace_and_forget(kernel_lookups());
+  EXPECT_EQ(TensorBytes(1), Want(1));
+  const size_t nodes = vfs_->NodeCount();
+  for (int round = 0; round < 50; ++round) {
+    replace_and_forget(kernel_lookups());
+    EXPECT_EQ(TensorBytes(1), Want(1));
+  }
+  EXPECT_EQ(vfs_->NodeCount(), nodes) << "replaced checkpoints' nodes stayed";
+}
+
+// A checkpoint whose load fails (a damaged store) answers EIO for its views,
+// not ENOENT, and is loaded once the store is repaired, without a remount.
+// Within the backoff the loader is not asked again.
+TEST_F(EvictionTest, AFailedLoadAnswersEIOAndIsRetriedAfterARepair) {
+  broken_ = true;
+  auto a = vfs_->Resolve("step_2/consolidated");
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().err(), EIO) << a.status().message();
+  EXPECT_NE(a.status().message().find("block checksum mismatch"), std::string::npos) << a.status().message();
+  EXPECT_EQ(vfs_->Resolve("step_2/tensors/w.npy").status().err(), EIO);
+  EXPECT_EQ(vfs_->Resolve("step_2/nope").status().err(), ENOENT);
+  const int calls = loader_calls_.load();
+  EXPECT_EQ(vfs_->Resolve("step_2/mesh").status().err(), EIO);
+  EXPECT_EQ(loader_calls_.load(), calls) << "retried within the backoff";
+  broken_ = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  FsResult<Attr> now = FsError(EIO, "");
+  while (std::chrono::steady_clock::now() < deadline && !(now = vfs_->Resolve("step_2/consolidated")).ok())
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  ASSERT_TRUE(now.ok()) << "never loaded after the repair: " << now.status().message();
+  EXPECT_EQ(TensorBytes(2), Want(2));
+  std::lock_guard<std::mutex> lock(log_mu_);
+  ASSERT_FALSE(log_.empty());
+  EXPECT_NE(log_.front().find("step_2/: cannot load the checkpoint"), std::string::npos) << log_.front();
+}
+
+// A fault that fails every read: the log keeps a few lines per checkpoint
+// and cause, and says how many it left out.
+TEST_F(VirtualFsTest, EveryReadFailingLogsAFewLinesAndACount) {
+  auto a = vfs_->Resolve("model/consolidated/model.safetensors");
+  auto h = vfs_->Open(a->ino, O_RDONLY);
+  ASSERT_TRUE(h.ok());
+  {
+    std::fstream f(dir_ / "step" / "model" / "shard-00002-model-00001-of-00001.safetensors",
+                   std::ios::binary | std::ios::in | std::ios::out | std::ios::ate);
+    f << "tail";
+  }
+  const size_t before = log_.size();
+  constexpr int kReads = 10000;
+  std::string buf(8, '\0');
+  for (int k = 0; k < kReads; ++k) {
+    auto n = vfs_->Read(*h, buf.data(), buf.size(), a->size - 8 - (k % 4));
+    ASSERT_FALSE(n.ok());
+    ASSERT_EQ(n.status().err(), EIO);
+  }
+  vfs_->Release(*h);
+  EXPECT_LE(log_.size() - before, 10u) << "one line per failed read";
+  vfs_.reset();  // reports what it still counts
+  ASSERT_FALSE(log_.empty());
+  const std::string& last = log_.back();
+  EXPECT_NE(last.find("more like this in the last 10 s"), std::string::npos) << last;
+  EXPECT_NE(last.find("model/consolidated/model.safetensors"), std::string::npos) << last;
+  // Every failed read is accounted for: the lines written plus the count.
+  size_t written = 0;
+  for (size_t k = before; k + 1 < log_.size(); ++k)
+    written += log_[k].find("model/consolidated/model.safetensors: read of") != std::string::npos;
+  const size_t at = last.find("(and ") + 5;
+  EXPECT_EQ(written + 1 + std::stoul(last.substr(at)), size_t(kReads)) << last;
 }
 
 }  // namespace

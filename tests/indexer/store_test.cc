@@ -388,6 +388,53 @@ TEST_F(StoreTest, DamagedDatabaseInsideAMarkedStoreIsRebuilt) {
   EXPECT_TRUE(store->Load("a").ok());
 }
 
+// Damage inside a data block: Open reads only the tables' footers and
+// indexes, so only a full checksum scan finds it.
+TEST_F(StoreTest, DamagedBlockIsFoundByVerifyAndTheStoreRebuiltEmpty) {
+  {
+    auto store = OpenOk(Access::kReadWrite);
+    for (int i = 0; i < 200; ++i) ASSERT_TRUE(store->Commit(FullCheckpoint("s" + std::to_string(i))).ok());
+    EXPECT_TRUE(store->VerifyChecksums().ok());
+    auto rebuilt = store->RebuildIfDamaged();
+    ASSERT_TRUE(rebuilt.ok());
+    EXPECT_FALSE(*rebuilt);  // a sound store is left alone
+  }
+  fs::path sst;
+  for (const auto& e : fs::directory_iterator(index_))
+    if (e.path().extension() == ".sst" && (sst.empty() || fs::file_size(e) > fs::file_size(sst))) sst = e.path();
+  ASSERT_FALSE(sst.empty());
+  const uint64_t size = fs::file_size(sst);
+  ASSERT_GT(size, 16u * 1024);  // several data blocks before the index block
+  {
+    std::fstream f(sst, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(size / 4);
+    f.write(std::string(64, '\xa5').data(), 64);
+  }
+  auto store = OpenOk(Access::kReadWrite);
+  ASSERT_TRUE(store);
+  EXPECT_TRUE(store->notices().empty());  // the open saw nothing
+  EXPECT_EQ(store->VerifyChecksums().code(), Status::Code::kCorruption);
+  auto rebuilt = store->RebuildIfDamaged();
+  ASSERT_TRUE(rebuilt.ok()) << rebuilt.status().ToString();
+  EXPECT_TRUE(*rebuilt);
+  ASSERT_EQ(store->notices().size(), 1u);
+  EXPECT_NE(store->notices()[0].find("damaged"), std::string::npos) << store->notices()[0];
+  EXPECT_TRUE(store->List().empty());
+  EXPECT_TRUE(fs::exists(fs::path(index_) / kStoreMarker));
+  ASSERT_TRUE(store->Commit(FullCheckpoint("s7")).ok());
+  EXPECT_TRUE(store->VerifyChecksums().ok());
+  auto loaded = store->Load("s7");
+  ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
+  ExpectSameCheckpoint(FullCheckpoint("s7"), *loaded);
+}
+
+TEST_F(StoreTest, ReadOnlyStoreIsNeverRebuilt) {
+  ASSERT_TRUE(OpenOk(Access::kReadWrite)->Commit(FullCheckpoint("a")).ok());
+  auto store = OpenOk(Access::kReadOnly);
+  EXPECT_EQ(store->RebuildIfDamaged().status().code(), Status::Code::kInvalidArgument);
+  EXPECT_TRUE(store->VerifyChecksums().ok());
+}
+
 // --- Schema 1 ---
 
 // tests/indexer/testdata/v1_index: an index written by ckptfs at 9d655c2

@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -183,6 +184,61 @@ TEST(Stager, WriteErrorsSurfaceAtDrainAndStopLaterWrites) {
   EXPECT_EQ(drained.code(), Status::Code::kIOError);
   EXPECT_NE(drained.message().find("/dev/full"), std::string::npos) << drained.message();
   EXPECT_FALSE((*st)->Write(*f, 0, Host(data, 0, 10), 0, 0, true).ok());
+}
+
+// The threads this process runs named `name` (/proc/self/task/*/comm).
+int ThreadsNamed(const std::string& name) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/self/task")) {
+    std::ifstream comm(e.path() / "comm");
+    std::string line;
+    if (std::getline(comm, line) && line == name) ++n;
+  }
+  return n;
+}
+
+// A std::thread destroyed while joinable calls std::terminate: the stager
+// must join its I/O threads whatever state a failure left it in, here with
+// the ring full of jobs that fail, a partly filled buffer, and no Drain.
+TEST(Stager, DestroyedMidFailureJoinsItsThreads) {
+  const int before = ThreadsNamed("ckptfs-io");
+  for (int round = 0; round < 20; ++round) {
+    StagerOptions o;
+    o.buffer_bytes = 512;
+    o.io_threads = 3;
+    auto st = Stager::Create(o, MakeHostCopyEngine());
+    ASSERT_TRUE(st.ok());
+    EXPECT_EQ(ThreadsNamed("ckptfs-io"), before + 3);
+    auto full = (*st)->OpenFile("/dev/full");  // every write fails with ENOSPC
+    ASSERT_TRUE(full.ok()) << full.status().ToString();
+    const std::string data = Random(64 * 1024 + 100, round);
+    // Staged and direct writes racing the first failure; their results are
+    // whatever the race gives: the point is what destruction does next.
+    (void)(*st)->Write(*full, 0, Host(data, 0, data.size()), 0, 0, true);
+    (void)(*st)->Write(*full, 0, Host(data, 0, data.size()), 1, 0, false);
+    (void)(*st)->Write(*full, 0, Host(data, 0, 100), 2, 0, true);
+    st->reset();  // must return, threads joined
+    EXPECT_EQ(ThreadsNamed("ckptfs-io"), before);
+  }
+}
+
+TEST(Stager, CloseJoinsOnceAndRefusesLaterWrites) {
+  auto st = Stager::Create(StagerOptions{.buffer_bytes = 4096, .io_threads = 2}, MakeHostCopyEngine());
+  ASSERT_TRUE(st.ok());
+  const std::string path = TempPath("closed.bin");
+  auto f = (*st)->OpenFile(path);
+  ASSERT_TRUE(f.ok());
+  const std::string data = Random(10000, 7);
+  ASSERT_TRUE((*st)->Write(*f, 0, Host(data, 0, data.size()), 0, 0, true).ok());
+  const int running = ThreadsNamed("ckptfs-io");
+  EXPECT_TRUE((*st)->Close().ok());  // drains first: the bytes are written
+  EXPECT_EQ(ThreadsNamed("ckptfs-io"), running - 2);
+  EXPECT_TRUE((*st)->Close().ok());
+  Status late = (*st)->Write(*f, 0, Host(data, 0, 10), 1, 0, true);
+  EXPECT_EQ(late.code(), Status::Code::kInvalidArgument);
+  EXPECT_NE(late.message().find("closed"), std::string::npos) << late.message();
+  std::ifstream in(path, std::ios::binary);
+  EXPECT_EQ(std::string(std::istreambuf_iterator<char>(in), {}), data);
 }
 
 TEST(Stager, DeviceSlicesNeedTheCudaEngine) {

@@ -1,0 +1,136 @@
+"""A damaged store is rebuilt by `ckptfs index` (and `mount --reindex`),
+and then serves the right bytes; a directory without ckptfs's marker is
+never rebuilt, nor anything in it deleted.
+
+Damage is 64 bytes flipped in the middle of the store's largest SST file
+(in its data blocks: the index and footer are at its end), which no open
+notices and only the reads that hit it do. Expected tensors are computed
+here (test_store.full_tensor), never read back through ckptfs."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from harness import Mounted, describe, require_bin
+from test_store import EXIT_INDEX_ERROR, ckptfs, full_tensor, make_checkpoint, npy, tree_hash
+
+STEPS, TENSORS = 3, 20_000  # 60,000 tensor rows
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    require_bin()
+    root = tmp_path_factory.mktemp("repair") / "root"
+    for s in range(STEPS):
+        make_checkpoint(root / f"step_{s:03d}", s, TENSORS)
+    return root
+
+
+def build(root: Path, index: Path) -> None:
+    p = ckptfs("index", root, "--index", index)
+    assert p.returncode == 0, describe(p)
+
+
+def damage(index: Path, where: str) -> bytes:
+    """Flips 64 bytes of the store's largest SST and returns them as they
+    now are. ``where``: "files", at the first rows of step_001 (its source
+    file rows, which every command reads first and which `index` seeks to
+    before replacing the checkpoint's rows); "middle", in the middle of the
+    file (tensor rows)."""
+    sst = max(index.glob("*.sst"), key=lambda p: p.stat().st_size)
+    data = sst.read_bytes()
+    assert len(data) > 64 * 1024, "the store should span many data blocks"
+    if where == "files":
+        # Each checkpoint's first key starts a block's run of keys, written
+        # out in full: found as is despite the block compression.
+        starts = [i for i in range(len(data)) if data.startswith(b"\x00fshard-00001-model", i)]
+        assert len(starts) == STEPS, starts
+        at = starts[1]
+    else:
+        at = len(data) // 2
+    flipped = bytes(b ^ 0xFF for b in data[at:at + 64])
+    with open(sst, "r+b") as f:
+        f.seek(at)
+        f.write(flipped)
+    return flipped
+
+
+def assert_gone(index: Path, flipped: bytes) -> None:
+    """No file of the store holds the damaged bytes any more (a store that
+    merely shadows them still fails the compaction that reads them)."""
+    holding = [p.name for p in index.iterdir() if p.is_file() and flipped in p.read_bytes()]
+    assert holding == [], holding
+
+
+def assert_damaged(root: Path, index: Path) -> None:
+    """The damage is seen: a checkpoint cannot be loaded."""
+    p = ckptfs("ls", root, "--index", index)
+    assert "Corruption" in p.stderr, describe(p)
+
+
+SAMPLES = [(s, k) for s in range(STEPS) for k in (0, 1, TENSORS // 2, TENSORS - 1)]
+
+
+def assert_serves(root: Path, index: Path) -> None:
+    """ls, check and cat work, and the tensors hold what was written."""
+    p = ckptfs("ls", root, "--index", index, "--json")
+    assert p.returncode == 0 and p.stderr == "", describe(p)
+    assert len(json.loads(p.stdout)) == STEPS * TENSORS
+    p = ckptfs("check", root, "--index", index)
+    assert p.returncode == 0, describe(p)
+    for s, k in SAMPLES:
+        got = npy(root, index, f"step_{s:03d}/tensors/layer.{k}.w.npy")
+        assert np.array_equal(got, full_tensor(s, k)), (s, k)
+
+
+@pytest.mark.parametrize("where", ["files", "middle"])
+def test_index_rebuilds_a_damaged_store(root, tmp_path, where):
+    index = tmp_path / "idx"
+    build(root, index)
+    flipped = damage(index, where)
+    assert_damaged(root, index)
+    p = ckptfs("index", root, "--index", index)
+    assert p.returncode == 0, describe(p)
+    assert "damaged" in p.stderr and "rebuilt" in p.stderr, describe(p)
+    assert_gone(index, flipped)
+    assert_serves(root, index)
+    assert (index / "CKPTFS_STORE").is_file()
+    # Repaired for good: the next run finds nothing to rebuild.
+    p = ckptfs("index", root, "--index", index)
+    assert p.returncode == 0 and "rebuilt" not in p.stderr, describe(p)
+
+
+def test_mount_reindex_rebuilds_a_damaged_store_and_serves_it(root, tmp_path):
+    index = tmp_path / "idx"
+    build(root, index)
+    flipped = damage(index, "files")
+    assert_damaged(root, index)
+    with Mounted(root, "--index", str(index), "--reindex", base_dir=str(tmp_path)) as m:
+        for s, k in SAMPLES:
+            got = np.load(m.p(f"step_{s:03d}", "tensors", f"layer.{k}.w.npy"))
+            assert np.array_equal(got, full_tensor(s, k)), (s, k)
+    assert_gone(index, flipped)
+    # The mount left a sound store behind for the commands after it.
+    assert_serves(root, index)
+
+
+def test_a_damaged_store_without_the_marker_is_left_untouched(root, tmp_path):
+    """The same damage in a directory that lost ckptfs's marker: no longer
+    recognisably ckptfs's, so `index` refuses it and deletes nothing."""
+    index = tmp_path / "idx"
+    build(root, index)
+    damage(index, "files")
+    os.unlink(index / "CKPTFS_STORE")
+    (tmp_path / "mnt").mkdir()
+    before = tree_hash(tmp_path)
+    # (-f: a background mount would create its log beside the index)
+    for args in (("index", root), ("mount", root, tmp_path / "mnt", "-f", "--reindex")):
+        p = ckptfs(*args, "--index", index)
+        assert p.returncode == EXIT_INDEX_ERROR, describe(p)
+        assert "not a ckptfs index" in p.stderr, describe(p)
+        assert tree_hash(tmp_path) == before

@@ -1,0 +1,97 @@
+"""A save the writer refuses ends cleanly: the writer's I/O threads are
+joined on the way out (not left to the interpreter's teardown), and rank
+processes that exit through the refusal exit 1, never abort.
+
+Real torch, CPU, gloo; the refused dtype is complex32 (torch.save framing
+has no storage for it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+GEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "writer_gen.py")
+IO_THREAD = "ckptfs-io"  # what the stager names its I/O threads
+
+
+def io_threads() -> int:
+    n = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                n += f.read().strip() == IO_THREAD
+        except OSError:  # a thread that ended meanwhile
+            pass
+    return n
+
+
+def test_a_refused_save_leaves_no_writer_thread_running(tmp_path):
+    from ckptfs.torch import StorageWriter, _close_stagers
+    _close_stagers()  # earlier tests' pooled stagers
+    good = {"w": torch.arange(3000, dtype=torch.float32)}
+    dcp.save(good, storage_writer=StorageWriter(tmp_path / "good", buffer_bytes=4096))
+    assert io_threads() > 0  # the pooled stagers, kept for the next save
+    _close_stagers()
+    assert io_threads() == 0
+    refused = {"w": torch.arange(3000, dtype=torch.float32), "c": torch.zeros(8, dtype=torch.complex32)}
+    with pytest.raises(CheckpointException) as e:
+        dcp.save(refused, storage_writer=StorageWriter(tmp_path / "refused", buffer_bytes=4096))
+    refusal = e.value.failures[0][0]  # (exception, traceback) per rank
+    assert isinstance(refusal, TypeError) and "complex32" in str(refusal)
+    # The traceback still references the failed files: their threads are
+    # joined all the same.
+    assert e.tb is not None
+    assert io_threads() == 0
+
+
+def _run_ranks(job: dict, world: int, tmpd: str, timeout: float = 120) -> list[tuple[int, str]]:
+    """Runs the ranks of writer_gen.py JOB; [(exit status, log)] per rank
+    (a negative status is the signal that ended it)."""
+    job_file = os.path.join(tmpd, "job.json")
+    with open(job_file, "w") as f:
+        json.dump(job, f)
+    init = os.path.join(tmpd, "filestore")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    procs, logs = [], []
+    try:
+        for rank in range(world):
+            log = open(os.path.join(tmpd, f"rank{rank}.log"), "w+b")
+            logs.append(log)
+            procs.append(subprocess.Popen([sys.executable, GEN, "_worker", str(rank), str(world), init, job_file],
+                                          env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
+        out = []
+        for p, log in zip(procs, logs):
+            p.wait(timeout=timeout)
+            log.seek(0)
+            out.append((p.returncode, log.read().decode(errors="replace")))
+        return out
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        for log in logs:
+            log.close()
+
+
+def test_ranks_that_exit_through_a_refused_save_exit_1_every_time(tmp_path):
+    failures = []
+    for trial in range(15):
+        tmpd = tempfile.mkdtemp(prefix=f"refused{trial}-", dir=tmp_path)
+        job = {"kind": "refused", "seed": trial, "dir": os.path.join(tmpd, "ckpt")}
+        for rank, (code, log) in enumerate(_run_ranks(job, 2, tmpd)):
+            if code == -signal.SIGABRT or "terminate called" in log:
+                failures.append(f"trial {trial} rank {rank}: aborted (status {code})\n{log[-3000:]}")
+            elif code != 1 or "complex32" not in log:
+                failures.append(f"trial {trial} rank {rank}: status {code}, not 1 with the refusal\n{log[-3000:]}")
+    assert not failures, "\n".join(failures)
