@@ -40,7 +40,9 @@ if [ -z "${CKPTFS_SKIP_PYTHON:-}" ]; then
       $PY -m pip install -q torch --index-url https://download.pytorch.org/whl/cpu
     fi
   fi
-  if ! $PY -c 'import safetensors, numpy, transformers, pytest, ml_dtypes, zstandard, psutil, sentence_transformers' 2>/dev/null; then
+  # Every package of tools/requirements.txt, and the S3 server's binary.
+  if ! $PY -c 'import safetensors, numpy, transformers, pytest, ml_dtypes, zstandard, psutil, sentence_transformers, boto3, peft' 2>/dev/null \
+     || ! command -v weed >/dev/null; then
     log "installing Python packages from tools/requirements.txt"
     $PY -m pip install -q -r tools/requirements.txt
   fi
