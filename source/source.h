@@ -53,7 +53,8 @@ class SourceObject {
   virtual void WillNeed(uint64_t offset, uint64_t len) const {}
 
   // Brings [offset, offset + len) into the cache that ReadAt reads through
-  // (for POSIX, the page cache), waiting for it, while `go_on()` is true.
+  // (for POSIX, the page cache, waiting for it while `go_on()` is true; for
+  // object storage, fetches queued and not waited for).
   // Read-ahead calls it on an object of its own (Reopen), so the reader's
   // objects keep their own state. Only speed depends on it.
   virtual void Prefetch(uint64_t offset, uint64_t len, const std::function<bool()>& go_on) const {}

@@ -208,3 +208,33 @@ def test_mount_with_a_wrong_secret_fails_at_once_and_names_credentials(s3_env, b
     assert b"credentials" in r.stderr.lower() or b"secret" in r.stderr.lower(), r.stderr.decode()
     assert b"not-the-secret" not in r.stderr
     assert not os.path.ismount(mnt)
+
+
+def test_a_sequential_reader_is_served_from_parts_fetched_ahead(s3_server, s3_env, mount_factory, tmp_path):
+    # One 24 MiB tensor in an HF folder; read front to back through a proxy
+    # that counts ranged GETs. The kernel asks in requests of at most 1 MiB,
+    # so reads without read-ahead would take >= 24 GETs; read ahead in 4 MiB
+    # parts they take about 6.
+    from safetensors.numpy import save_file
+    from s3_fault_proxy import FaultProxy
+
+    rng = np.random.default_rng(5)
+    weight = rng.standard_normal((3 << 20,), dtype=np.float64).astype(np.float64).reshape(3072, 1024)
+    folder = tmp_path / "big"
+    folder.mkdir()
+    save_file({"w": weight}, str(folder / "model.safetensors"))
+    upload_tree(s3_server["client"], str(folder), "seq/big/")
+    proxy = FaultProxy(s3_server["port"], seed=1, p_slowdown=0, p_reset=0, p_truncate=0)
+    try:
+        with mount_factory(f"s3://{BUCKET}/seq", "--endpoint-url", f"http://127.0.0.1:{proxy.port}",
+                           "--part-size", "4MiB") as m:
+            path = m.p("big", "consolidated", "model.safetensors")
+            before = proxy.ranged_gets
+            with open(path, "rb", buffering=0) as f:
+                data = b"".join(iter(lambda: f.read(128 << 10), b""))
+            gets = proxy.ranged_gets - before
+    finally:
+        proxy.close()
+    from safetensors.numpy import load
+    np.testing.assert_array_equal(load(data)["w"], weight)
+    assert gets <= 12, f"{gets} ranged GETs for a 24 MiB sequential read in 4 MiB parts"
