@@ -47,6 +47,7 @@ Examples:
   ckptfs ls     /ckpts/step_100 model/consolidated
   ckptfs cat    /ckpts/step_100 model/consolidated/model.safetensors.index.json
   ckptfs export /ckpts/step_100 model/consolidated /tmp/hf   # materialise a view
+  ckptfs mount  s3://bucket/run1 /mnt/run1      # object storage (AWS_* variables, ~/.aws)
 
 Docs: docs/CLI.md (flags, exit codes), docs/SEMANTICS.md (what the mount serves).
 )";
@@ -137,7 +138,8 @@ void AddIndexAndMount(CLI::App& app, Flags& f, Commands& cmd) {
   m->add_option("--log-level", f.log_level, "error, warn, info (default) or debug")
       ->check(CLI::IsMember({"error", "warn", "info", "debug"}));
   AddCommon(m, f.c, true);
-  m->footer("\nExamples:\n  ckptfs mount /ckpts/step_100 /mnt/s100\n  ckptfs mount -f --max-file-size 2GB /ckpts/step_100 /mnt/s100\n  fusermount3 -u /mnt/s100     # unmount\n\nExit status 7 when the mountpoint is missing, not a directory, not empty or already mounted.\n");
+  m->footer("\nExamples:\n  ckptfs mount /ckpts/step_100 /mnt/s100\n  ckptfs mount -f --max-file-size 2GB /ckpts/step_100 /mnt/s100\n"
+            "  ckptfs mount s3://bucket/run1 /mnt/run1 --endpoint-url http://minio:9000   # new steps by listing every --rescan-ms\n  fusermount3 -u /mnt/s100     # unmount\n\nExit status 7 when the mountpoint is missing, not a directory, not empty or already mounted.\n");
 }
 
 void AddReadCommands(CLI::App& app, Flags& f, Commands& cmd) {
