@@ -15,7 +15,7 @@
    gives the logits transformers gets when it casts the fp32 folder to
    bf16 as it loads it.
 5. The last step in object storage: uploaded with boto3 to a local S3
-   server (SeaweedFS), mounted as s3://demo-bucket/run1, and loaded by
+   server (SeaweedFS), mounted as s3://ckpts/run1, and loaded by
    transformers from its consolidated/ with ranged GETs: the same logits.
 
     python3 tools/demo.py [--workdir DIR] [--steps N] [--save-every K] [--keep-mounted]
