@@ -121,7 +121,7 @@ struct DirectStats {
   std::atomic<uint64_t> direct_reads{0};
   std::atomic<uint64_t> direct_bytes{0};   // read with O_DIRECT
   std::atomic<uint64_t> cached_bytes{0};   // found in the page cache (mincore)
-  std::atomic<uint64_t> buffered_bytes{0};  // not cached, read through the page cache
+  std::atomic<uint64_t> buffered_bytes{0};  // read buffered: no O_DIRECT for the file, or the pool full
   std::atomic<uint64_t> refused_files{0};  // files whose filesystem has no O_DIRECT
   std::atomic<uint64_t> pool_full{0};      // reads that found no room in the pool
 
