@@ -41,14 +41,32 @@ Status ScatterReply::Finish(size_t max_pieces) {
     length_ += p.length;
   }
   pieces_.clear();
-  if (iov_.size() <= max_pieces) return Status::OK();
-  // Too many for one writev: one gathered piece (the copy the scatter list
-  // saves elsewhere).
-  Buffer all = Buffer::Heap(length_);
-  CopyTo(all.data());
-  iov_.assign(1, {all.data(), length_});
-  buffers_.push_back(std::move(all));
+  if (iov_.size() > max_pieces) GatherRun(iov_.size() - std::max<size_t>(max_pieces, 1) + 1);
   return Status::OK();
+}
+
+void ScatterReply::GatherRun(size_t run) {
+  // The window of `run` neighbours with the fewest bytes (a sliding sum).
+  uint64_t sum = 0;
+  for (size_t i = 0; i < run; ++i) sum += iov_[i].iov_len;
+  size_t best = 0;
+  uint64_t best_sum = sum;
+  for (size_t i = run; i < iov_.size(); ++i) {
+    sum += iov_[i].iov_len - iov_[i - run].iov_len;
+    if (sum < best_sum) {
+      best_sum = sum;
+      best = i - run + 1;
+    }
+  }
+  Buffer joined = Buffer::Heap(best_sum);
+  char* at = joined.data();
+  for (size_t i = best; i < best + run; ++i) {
+    std::memcpy(at, iov_[i].iov_base, iov_[i].iov_len);
+    at += iov_[i].iov_len;
+  }
+  iov_[best] = {joined.data(), best_sum};
+  iov_.erase(iov_.begin() + best + 1, iov_.begin() + best + run);
+  buffers_.push_back(std::move(joined));
 }
 
 void ScatterReply::CopyTo(char* dst) const {

@@ -489,8 +489,9 @@ TEST_F(VirtualFsTest, ScatterRepliesEqualCopiedReadsForEveryRange) {
                            "model/consolidated/config.json"}) {
     const std::string whole = ReadAll(path);
     ASSERT_FALSE(whole.empty()) << path;
-    if (std::string(path).find("config") == std::string::npos)
+    if (std::string(path).find("config") == std::string::npos) {
       EXPECT_EQ(whole.substr(whole.size() - 8), std::string("\0\1\2\3\4\5\6\7", 8)) << path;
+    }
     auto a = (*v)->Resolve(path);
     ASSERT_TRUE(a.ok());
     auto h = (*v)->Open(a->ino, O_RDONLY);

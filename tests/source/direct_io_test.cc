@@ -222,16 +222,47 @@ TEST(ScatterReply, PiecesInAnyOrderComeOutInFileOrder) {
   }
 }
 
-TEST(ScatterReply, MoreThanIovMaxPiecesAreGatheredIntoOne) {
+TEST(ScatterReply, MoreThanIovMaxPiecesAreGatheredDownToIt) {
   std::mt19937_64 rng(5);
-  for (size_t count : {ScatterReply::kMaxPieces + 1, size_t(5000)}) {
+  for (size_t count : {ScatterReply::kMaxPieces + 1, size_t(2048), size_t(5000)}) {
     std::vector<Piece> pieces = RandomPieces(count, rng);
     ScatterReply r;
     for (const Piece& p : pieces) r.Add(p.at, p.bytes.data(), p.bytes.size());
     ASSERT_TRUE(r.Finish().ok());
-    ASSERT_EQ(r.iov().size(), 1u);
-    EXPECT_EQ(Sent(r), Expected(pieces));
+    ASSERT_EQ(r.iov().size(), ScatterReply::kMaxPieces) << count;
+    EXPECT_EQ(Sent(r), Expected(pieces)) << count;
   }
+  ScatterReply few;  // a limit of 1: everything in one piece
+  std::vector<Piece> pieces = RandomPieces(10, rng);
+  for (const Piece& p : pieces) few.Add(p.at, p.bytes.data(), p.bytes.size());
+  ASSERT_TRUE(few.Finish(1).ok());
+  ASSERT_EQ(few.iov().size(), 1u);
+  EXPECT_EQ(Sent(few), Expected(pieces));
+}
+
+// 1100 pieces of 1000 bytes but for 78 of one byte in a row: bringing them
+// to 1023 copies exactly those 78 bytes; every other piece is sent from
+// where it was.
+TEST(ScatterReply, GathersTheNeighboursWithTheFewestBytes) {
+  std::vector<std::string> store;
+  std::vector<Piece> pieces;
+  uint64_t at = 0;
+  for (size_t i = 0; i < 1100; ++i) {
+    const size_t n = (i >= 500 && i < 578) ? 1 : 1000;
+    pieces.push_back({at, std::string(n, char('a' + i % 26))});
+    at += n;
+  }
+  ScatterReply r;
+  for (const Piece& p : pieces) r.Add(p.at, p.bytes.data(), p.bytes.size());
+  ASSERT_TRUE(r.Finish().ok());
+  ASSERT_EQ(r.iov().size(), ScatterReply::kMaxPieces);
+  EXPECT_EQ(Sent(r), Expected(pieces));
+  std::set<const void*> originals;
+  for (const Piece& p : pieces) originals.insert(p.bytes.data());
+  uint64_t copied = 0;
+  for (const struct iovec& v : r.iov())
+    if (!originals.count(v.iov_base)) copied += v.iov_len;
+  EXPECT_EQ(copied, 78u);
 }
 
 TEST(ScatterReply, NeighboursInMemoryAreJoinedAndGatherMemoryIsOwned) {
