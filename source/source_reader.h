@@ -12,11 +12,14 @@
 // bytes (a short read is Corruption). Once a file is seen changed, every
 // later read of it fails at once.
 //
-// Speed (docs/BENCHMARKS.md): the reads of one request are hinted to the
-// kernel together before they are read one by one, so their disk I/O
-// overlaps; ReadAhead() brings the sources of what a sequential reader will
-// ask for next into the page cache (source/readahead.h). Neither replaces
-// the checked preads.
+// Speed (docs/BENCHMARKS.md): with ReadOptions::direct, the reads of one
+// request run side by side on an I/O pool and read what is not in the page
+// cache with O_DIRECT into pooled buffers (source/direct_io.h), which
+// ExecuteScatter hands to the reply without copying; without it, they are
+// hinted to the kernel together before they are read one by one, so their
+// disk I/O overlaps. ReadAhead() brings the sources of what a sequential
+// reader will ask for next into the page cache (source/readahead.h). None
+// of this replaces the checked reads.
 #pragma once
 
 #include <atomic>
