@@ -295,3 +295,69 @@ def test_random_range_reads_through_a_faulty_network_are_exact_or_eio(s3_server,
     assert len(eio) <= reads // 100, (len(eio), log[-2000:])
     if eio:
         assert "bytes=" in log or "range" in log, log[-2000:]
+
+
+@pytest.fixture
+def s3fs_mount(s3_server, tmp_path):
+    """The bucket's prefix s3fs/ mounted by s3fs (Debian's), with its stat
+    cache off, so every lookup asks the server and gets a new inode."""
+    import s3_server as s3
+    import shutil
+
+    assert shutil.which("s3fs"), "s3fs not found: apt-get install s3fs (tools/setup.sh)"
+    passwd = tmp_path / "passwd-s3fs"
+    passwd.write_text(f"{s3.ACCESS_KEY}:{s3.SECRET_KEY}\n")
+    passwd.chmod(0o600)
+    mnt = tmp_path / "s3fs"
+    mnt.mkdir()
+    r = subprocess.run(["s3fs", f"{BUCKET}:/s3fs", str(mnt), "-o", f"url={s3_server['endpoint']}",
+                        "-o", "use_path_request_style", "-o", f"passwd_file={passwd}", "-o", "endpoint=us-east-1",
+                        "-o", "max_stat_cache_size=0", "-o", "ro"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 30
+    while not os.path.ismount(mnt) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert os.path.ismount(mnt)
+    yield mnt
+    subprocess.run(["fusermount3", "-u", "-z", str(mnt)], check=False)
+    subprocess.run(["fusermount", "-u", "-z", str(mnt)], check=False, capture_output=True)
+
+
+def _drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")  # pages, dentries and inodes: s3fs numbers the files anew
+
+
+def test_ckptfs_over_s3fs_serves_exact_bytes_after_s3fs_renumbers_then_sees_an_overwrite(
+        s3_server, s3_env, main_ckpt, ckptfs, mount_factory, s3fs_mount):
+    client = s3_server["client"]
+    upload_tree(client, main_ckpt["out_dir"], "s3fs/main/")
+    shard = next(k for k in sorted(os.listdir(main_ckpt["out_dir"])) if k.endswith(".safetensors"))
+    # Indexed while s3fs numbers the files one way, served after the kernel
+    # dropped its inodes and s3fs numbered them anew.
+    inode = os.stat(s3fs_mount / "main" / shard).st_ino
+    r = ckptfs("index", str(s3fs_mount))
+    assert r.returncode == 0, r.stderr.decode()
+    _drop_caches()
+    assert os.stat(s3fs_mount / "main" / shard).st_ino != inode, "s3fs kept its inode numbers"
+    with mount_factory(str(s3fs_mount)) as m:
+        cons = m.p("main", "consolidated")
+        for round_ in range(3):
+            got = _consolidated(cons)
+            for k, want in main_ckpt["expected"].items():
+                assert torch.equal(got[k], want), (round_, k)
+            _drop_caches()
+        assert "changed" not in m.log() and "EIO" not in m.log(), m.log()[-2000:]
+    # An overwrite (same size, a later Last-Modified) is seen as soon as
+    # s3fs shows it: s3fs keeps serving the version a client has open from
+    # its own cache, so it shows it once ckptfs closed its files.
+    time.sleep(1.1)
+    data = bytearray((Path(main_ckpt["out_dir"]) / shard).read_bytes())
+    data[-1] ^= 0xFF
+    client.put_object(Bucket=BUCKET, Key=f"s3fs/main/{shard}", Body=bytes(data))
+    _drop_caches()
+    r = ckptfs("check", str(s3fs_mount))
+    assert r.returncode == 5 and shard.encode() in r.stdout + r.stderr, r.stdout.decode() + r.stderr.decode()
+    r = ckptfs("cat", str(s3fs_mount), "main/consolidated/model.safetensors")
+    assert r.returncode == 4, r.stderr.decode()
