@@ -17,7 +17,7 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load, load_file
 from transformers import AutoModelForCausalLM
 
 import lora_gen
@@ -204,7 +204,6 @@ def test_eight_concurrent_readers_get_exact_bytes(tmp_path, mount_factory):
             t.join()
         assert not errors, errors
         assert all(r == results[0] for r in results)
-        from safetensors.torch import load
         got = load(results[0])
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     import peft
@@ -213,7 +212,10 @@ def test_eight_concurrent_readers_get_exact_bytes(tmp_path, mount_factory):
         assert_close_rel(t, want[name], name)
 
 
-def test_a_changed_base_source_reads_as_eio(tmp_path, mount_factory):
+@pytest.mark.parametrize("changed", ["base/model.safetensors", "adapter/adapter_model.safetensors"])
+def test_a_changed_source_of_either_checkpoint_reads_as_eio(tmp_path, mount_factory, changed):
+    """The pages already served are dropped too: a read after the change is
+    EIO, never the bytes merged from the old sources."""
     root = str(tmp_path)
     base_dir, adapter = os.path.join(root, "base"), os.path.join(root, "adapter")
     lora_gen.llama().save_pretrained(base_dir)
@@ -223,7 +225,7 @@ def test_a_changed_base_source_reads_as_eio(tmp_path, mount_factory):
         path = m.p("adapter", "merged", "model.safetensors")
         before = open(path, "rb").read()  # served once: pages in the kernel's cache
         assert len(before) == os.path.getsize(path)
-        src = os.path.join(base_dir, "model.safetensors")
+        src = os.path.join(root, changed)
         st = os.stat(src)
         os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same bytes, another identity
         deadline = time.monotonic() + 30
@@ -237,3 +239,23 @@ def test_a_changed_base_source_reads_as_eio(tmp_path, mount_factory):
             assert time.monotonic() < deadline, "merged/ still served after its base changed"
             time.sleep(0.5)
         assert "adapter/: merged view: " in m.log(), m.log()
+
+
+def test_merged_is_built_again_after_its_adapter_is_unloaded(lora_root, mount_factory):
+    """With --max-loaded 1, reading other checkpoints unloads the adapter (and
+    its merged view's rows); its merged/ files then open and read the same."""
+    with mount_factory(lora_root, "--max-loaded", "1") as m:
+        path = m.p("llama_plain", "merged", "model.safetensors")
+
+        def read_closed():  # load_file's tensors may keep the file mapped, and so open
+            with open(path, "rb") as f:
+                return load(f.read())
+        first = read_closed()
+        with open(m.p("qwen2_bias", "merged", "model.safetensors"), "rb") as f:
+            f.read()
+        load_folder(m.p("base_gpt2", "consolidated"))
+        assert "llama_plain/: unloaded" in m.log(), m.log()
+        again = read_closed()
+        assert set(again) == set(first)
+        for name in first:
+            assert torch.equal(again[name], first[name]), name
