@@ -1,22 +1,16 @@
 #include "core/lora.h"
 
+#include <algorithm>
 #include <cmath>
-#include <cstring>
-#include <map>
 #include <regex>
-#include <unordered_map>
 
-#include <Eigen/Core>
 #include <nlohmann/json.hpp>
-
-#include "core/cast.h"
-#include "core/convert.h"
 
 namespace ckptfs {
 namespace {
 
+// Ordered: rank_pattern and alpha_pattern are matched in the file's order.
 using Json = nlohmann::ordered_json;
-using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
 // Config fields that make PEFT's merge something other than the formulas
 // of lora.h: set (non-null, non-false, non-empty) means no merge on read.

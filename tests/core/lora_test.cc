@@ -219,6 +219,13 @@ TEST(LoraConfigTest, BaseDirIsRelativeToTheAdapterOrUnderTheRoot) {
   EXPECT_EQ(ResolveBaseDir("/r", "adapter", "").status().code(), Status::Code::kNotFound);
 }
 
+SourceFile File(const std::string& path) {
+  SourceFile f;
+  f.path = path;
+  f.size = 1000;
+  return f;
+}
+
 // A base of two weights and an adapter for one of them, plus a saved lm_head.
 struct Pair {
   Checkpoint base, adapter;
@@ -226,12 +233,12 @@ struct Pair {
 Pair SmallPair() {
   Pair p;
   p.base.dir = "base";
-  p.base.files = {{"base/model.safetensors", 1000}, {"base/config.json", 10}, {"base/tokenizer.json", 10}};
+  p.base.files = {File("base/model.safetensors"), File("base/config.json"), File("base/tokenizer.json")};
   p.base.tensors = {Meta("lm_head.weight", {8, 4}), Meta("q.weight", {6, 4})};
   p.base.sidecars = {{"config.json", 1}, {"tokenizer.json", 2}};
   p.adapter.dir = "adapter";
-  p.adapter.files = {{"adapter/adapter_model.safetensors", 500}, {"adapter/adapter_config.json", 10},
-                     {"adapter/tokenizer.json", 10}};
+  p.adapter.files = {File("adapter/adapter_model.safetensors"), File("adapter/adapter_config.json"),
+                     File("adapter/tokenizer.json")};
   p.adapter.tensors = {Meta("base_model.model.lm_head.weight", {8, 4}),
                        Meta("base_model.model.q.lora_A.weight", {2, 4}), Meta("base_model.model.q.lora_B.weight", {6, 2})};
   p.adapter.sidecars = {{"adapter_config.json", 1}, {"tokenizer.json", 2}};
