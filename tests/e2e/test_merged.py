@@ -175,15 +175,16 @@ def mmap_all(path: str, order: list[int], chunk: int) -> bytes:
 
 
 def test_eight_concurrent_readers_get_exact_bytes(tmp_path, mount_factory):
-    """Tensors of several compute blocks, read by 4 mmap and 4 read() readers at
-    once in random page orders on a fresh mount, equal peft's merge."""
+    """Tensors of several compute blocks, more than the cache keeps, read by 4
+    mmap and 4 read() readers at once in random page orders on a fresh mount,
+    equal peft's merge."""
     root = str(tmp_path)
     base_dir, adapter = os.path.join(root, "base"), os.path.join(root, "adapter")
     lora_gen.llama(hidden=256, intermediate=4608).save_pretrained(base_dir)
     lora_gen.save_adapter(lora_gen.llama(hidden=256, intermediate=4608), adapter,
                           dict(r=8, lora_alpha=16, target_modules=lora_gen.ATTN + lora_gen.MLP))
     lora_gen.point_at_base(adapter, "../base")
-    with mount_factory(root) as m:
+    with mount_factory(root, "--compute-cache-mib", "8") as m:  # fewer than the file's ~12 blocks are kept
         path = m.p("adapter", "merged", "model.safetensors")
         chunk = 4096
         pages = (os.path.getsize(path) + chunk - 1) // chunk
@@ -259,3 +260,13 @@ def test_merged_is_built_again_after_its_adapter_is_unloaded(lora_root, mount_fa
         assert set(again) == set(first)
         for name in first:
             assert torch.equal(again[name], first[name]), name
+
+
+def test_cli_export_writes_the_merged_folder(lora_root, lora_mount, ckptfs, tmp_path):
+    """`ckptfs export` reads merged/ through the same read path, without FUSE."""
+    out = str(tmp_path / "out")
+    r = ckptfs("export", lora_root, "qwen2_bias/merged", out)
+    assert r.returncode == 0, r.stderr.decode()
+    for name in os.listdir(lora_mount.p("qwen2_bias", "merged")):
+        with open(os.path.join(out, name), "rb") as a, open(lora_mount.p("qwen2_bias", "merged", name), "rb") as b:
+            assert a.read() == b.read(), name
