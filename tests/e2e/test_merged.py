@@ -89,9 +89,10 @@ def test_every_tensor_is_pefts_merge(lora_root, lora_mount, adapter, tmp_path):
         torch.testing.assert_close(merged(IDS).logits, ref(IDS).logits, atol=1e-4, rtol=0)
 
 
-def test_bf16_base_is_within_one_ulp_of_peft(lora_root, lora_mount):
+@pytest.mark.parametrize("view", ["merged", "merged.bf16"])
+def test_bf16_base_is_within_one_ulp_of_peft(lora_root, lora_mount, view):
     base_dir = os.path.join(lora_root, "base_llama_bf16")
-    got = load_folder(lora_mount.p("llama_plain_on_bf16", "merged"))
+    got = load_folder(lora_mount.p("llama_plain_on_bf16", view))
     want = lora_gen.peft_merged("llama", base_dir, os.path.join(lora_root, "llama_plain_on_bf16"),
                                 dtype=torch.bfloat16).state_dict()
     assert set(got) == base_names(base_dir)
