@@ -24,6 +24,16 @@ std::string Signature(const SourceTree& tree, const std::string& rel) {
   return sig;
 }
 
+// A checkpoint's directory is gone once it is not a directory or holds
+// nothing: an object store keeps no empty prefix (some servers list one
+// for a while), and an emptied directory holds no checkpoint either.
+bool Exists(const SourceTree& tree, const std::string& dir) {
+  auto st = tree.Lstat(dir);
+  if (!st.ok() || !S_ISDIR(st->st_mode)) return false;
+  auto names = tree.List(dir);
+  return !names.ok() || !names->empty();
+}
+
 }  // namespace
 
 LiveRoot::LiveRoot(VirtualFs* fs, Hooks hooks) : fs_(fs), hooks_(std::move(hooks)) {}
@@ -38,7 +48,7 @@ std::vector<std::string> LiveRoot::Walk(const std::set<std::string>& served) {
   while (!pending.empty()) {
     std::string rel = pending.front();
     pending.pop_front();
-    if (watcher_) (void)watcher_->Watch(rel.empty() ? fs_->root() : fs_->root() + "/" + rel);
+    if (watcher_ && fs_->tree().watchable()) (void)watcher_->Watch(rel.empty() ? fs_->root() : fs_->root() + "/" + rel);
     if (served.count(rel)) continue;  // its files are the reader's business
     out.push_back(rel);
     auto names = fs_->tree().List(rel);
@@ -86,8 +96,7 @@ void LiveRoot::Refresh() {
   std::set<std::string> served(dirs.begin(), dirs.end());
   for (const std::string& rel : Walk(served)) Offer(rel, /*replacing=*/false);
   for (const std::string& dir : dirs) {
-    auto st = fs_->tree().Lstat(dir);
-    if (st.ok() && S_ISDIR(st->st_mode)) continue;
+    if (Exists(fs_->tree(), dir)) continue;
     fs_->RemoveCheckpoint(dir);
     if (hooks_.remove) (void)hooks_.remove(dir);
     Log(Join(dir, "") + ": gone; no longer served");

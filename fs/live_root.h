@@ -6,7 +6,7 @@
 //    exists: DCP's .metadata renamed into place, every rank's shard and the
 //    index of torch's HF writer, ckptfs's writer's commit record; and no
 //    problem found) is served, then committed to the store;
-//  - a served checkpoint whose directory is gone is removed;
+//  - a served checkpoint whose directory is gone (or empty) is removed;
 //  - a served checkpoint with a changed source reads as EIO; it is read
 //    again and replaced only once `resaved` says its commit point is newer
 //    than its data (a complete re-save into the same directory).

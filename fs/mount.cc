@@ -458,7 +458,7 @@ void StartWatcher(VirtualFs* fs, const MountOptions& options, Watching* watching
   log(watching->watcher->Start());
   // The root itself from the start: in an empty training root the first
   // step would otherwise wait for the periodic rescan's walk.
-  if (live) log(watching->watcher->Watch(fs->root()));
+  if (live && fs->tree().watchable()) log(watching->watcher->Watch(fs->root()));
   for (const std::string& dir : fs->SourceDirs()) log(watching->watcher->Watch(dir));
 }
 

@@ -1,52 +1,68 @@
-// SourceTree: the daemon's only way into the source tree it mirrors.
+// SourceTree: the daemon's only way into the source tree it mirrors: the
+// directories and files of the root shown as they are, next to the views.
 //
-// The daemon often runs as root and serves other users (`--allow-other`), so
-// a path it resolves must never leave the root: every operation resolves
-// `rel` beneath a descriptor of the root with openat2(RESOLVE_BENEATH |
-// RESOLVE_NO_SYMLINKS). A symlink is never followed by the daemon: it is
-// shown as a symlink and the kernel follows it for the caller, with the
-// caller's own permissions. A directory swapped for a symlink between a
-// lookup and an open fails (ELOOP/EXDEV) instead of being followed.
+// Two kinds, chosen by the root's Source (source/source.h):
+//  - a POSIX directory. The daemon often runs as root and serves other users
+//    (`--allow-other`), so a path it resolves must never leave the root:
+//    every operation resolves `rel` beneath a descriptor of the root with
+//    openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS). A symlink is never
+//    followed by the daemon: it is shown as a symlink and the kernel follows
+//    it for the caller, with the caller's own permissions. A directory
+//    swapped for a symlink between a lookup and an open fails (ELOOP/EXDEV)
+//    instead of being followed.
+//  - any other Source (object storage): directories are its listings, kept
+//    for a second so that a `ls -l` costs one listing, not a request per
+//    name; files are read through its objects. Entries are owned by the
+//    mounting user, files 0444 and directories 0555 (as mountpoint-s3 shows
+//    a bucket); there are no links.
 #pragma once
 
 #include <sys/stat.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "core/meta.h"
 #include "fs/fs_error.h"
+#include "source/source.h"
 
 namespace ckptfs {
 
+// A source file opened through the tree (shown as it is, not a view).
+class TreeFile {
+ public:
+  virtual ~TreeFile() = default;
+  // Up to `size` bytes at `offset`; fewer only at the end of the file.
+  virtual FsResult<size_t> Read(char* buf, size_t size, uint64_t offset) const = 0;
+};
+
 class SourceTree {
  public:
-  // Opens `root` (an absolute, resolved path). Fails when it is not a directory.
-  static FsResult<SourceTree> Open(const std::string& root);
-  SourceTree(SourceTree&& other) noexcept;
-  SourceTree& operator=(SourceTree&&) = delete;
-  SourceTree(const SourceTree&) = delete;
-  ~SourceTree();
+  // The tree of `source`'s root. Fails when the root is not a directory.
+  static FsResult<std::unique_ptr<SourceTree>> Open(std::shared_ptr<const Source> source);
+  virtual ~SourceTree() = default;
 
-  const std::string& root() const { return root_; }
+  const std::string& root() const { return source_->root(); }
+  // What the read path of the views reads through.
+  const std::shared_ptr<const Source>& source() const { return source_; }
+  // True when root() + "/" + rel names a local directory that inotify can watch.
+  virtual bool watchable() const = 0;
 
-  // open(2) of root/rel ("" = the root) with `flags` (O_CLOEXEC added);
-  // never follows a symlink on the way or at the end.
-  FsResult<int> OpenFile(const std::string& rel, int flags) const;
+  // Opens regular file root/rel for reading; never follows a symlink.
+  virtual FsResult<std::unique_ptr<TreeFile>> OpenFile(const std::string& rel) const = 0;
   // lstat(2) of root/rel: a symlink is reported as one.
-  FsResult<struct stat> Lstat(const std::string& rel) const;
+  virtual FsResult<struct stat> Lstat(const std::string& rel) const = 0;
   // Names in directory root/rel, without "." and "..", unsorted.
-  FsResult<std::vector<std::string>> List(const std::string& rel) const;
+  virtual FsResult<std::vector<std::string>> List(const std::string& rel) const = 0;
   // The target text of symlink root/rel.
-  FsResult<std::string> ReadLink(const std::string& rel) const;
+  virtual FsResult<std::string> ReadLink(const std::string& rel) const = 0;
+
+ protected:
+  explicit SourceTree(std::shared_ptr<const Source> source) : source_(std::move(source)) {}
 
  private:
-  SourceTree(std::string root, int fd) : root_(std::move(root)), fd_(fd) {}
-  // A descriptor of the directory holding rel's last component, and that name.
-  FsResult<int> OpenParent(const std::string& rel, std::string* name) const;
-
-  std::string root_;
-  int fd_ = -1;
+  std::shared_ptr<const Source> source_;
 };
 
 // Who may read a checkpoint's virtual files: at most what every source they

@@ -20,6 +20,7 @@
 #include "core/cast.h"
 #include "core/planner.h"
 #include "source/checksums.h"
+#include "source/posix_source.h"
 
 namespace ckptfs {
 
@@ -65,7 +66,7 @@ struct VirtualFs::Node {
 
 struct VirtualFs::Handle {
   std::shared_ptr<const Node> node;
-  int fd = -1;               // source files
+  std::unique_ptr<TreeFile> file;  // source files
   Served* served = nullptr;  // virtual files: holds it loaded (Served::handles)
   mutable ReadStream stream;  // virtual files: follows the reader for read-ahead
 };
@@ -82,7 +83,7 @@ int64_t MtimeNs(const struct stat& st) {
 
 }  // namespace
 
-VirtualFs::VirtualFs(FsOptions options, SourceTree tree, CheckpointLoader loader)
+VirtualFs::VirtualFs(FsOptions options, std::unique_ptr<SourceTree> tree, CheckpointLoader loader)
     : options_(std::move(options)),
       tree_(std::move(tree)),
       loader_(std::move(loader)),
@@ -103,7 +104,13 @@ VirtualFs::~VirtualFs() = default;
 
 Result<std::unique_ptr<VirtualFs>> VirtualFs::Open(std::string root, const std::vector<std::string>& dirs,
                                                    CheckpointLoader loader, FsOptions options) {
-  auto tree = SourceTree::Open(root);
+  return Open(PosixSourceAt(root), dirs, std::move(loader), std::move(options));
+}
+
+Result<std::unique_ptr<VirtualFs>> VirtualFs::Open(std::shared_ptr<const Source> source,
+                                                   const std::vector<std::string>& dirs, CheckpointLoader loader,
+                                                   FsOptions options) {
+  auto tree = SourceTree::Open(std::move(source));
   if (!tree.ok()) return Status::IOError(tree.status().message());
   std::unique_ptr<VirtualFs> fs(new VirtualFs(std::move(options), std::move(*tree), std::move(loader)));
   for (const std::string& dir : dirs) fs->AddCheckpoint(dir);
@@ -290,9 +297,9 @@ Status VirtualFs::LoadLocked(int i, Served* s) {
     return Status::IOError(s->load_error);
   }
   s->ckpt = std::move(*ckpt);
-  s->reader = std::make_unique<SourceReader>(tree_.root(), &s->ckpt.files, GroupPolicy{}, 1ull << 30, options_.read);
+  s->reader = std::make_unique<SourceReader>(tree_->source(), &s->ckpt.files, GroupPolicy{}, 1ull << 30, options_.read);
   if (options_.verify_checksums) UseChecksums(*s);
-  if (!s->has_access) s->access = AccessOf(tree_, s->ckpt);
+  if (!s->has_access) s->access = AccessOf(*tree_, s->ckpt);
   s->has_access = true;
   RETURN_IF_ERROR(BuildViews(i, SourceNode(s->dir, Node::Kind::kSourceDir)));
   {
@@ -469,13 +476,11 @@ Status VirtualFs::BuildViews(int i, Node* dir) {
 namespace {
 
 // The text of sidecar `name` of `ckpt` ("" when it has none or it cannot be read).
-std::string ReadSidecar(const std::string& root, const Checkpoint& ckpt, const std::string& name) {
+std::string ReadSidecar(const Source& source, const Checkpoint& ckpt, const std::string& name) {
   auto it = ckpt.sidecars.find(name);
   if (it == ckpt.sidecars.end()) return "";
-  std::ifstream f(root + "/" + ckpt.files[it->second].path);
-  std::stringstream text;
-  text << f.rdbuf();
-  return text.str();
+  auto text = source.ReadWhole(ckpt.files[it->second].path);
+  return text.ok() ? *text : "";
 }
 
 // "tp2.bf16" -> {"tp2", "bf16"}; "tp2" -> {"tp2", ""}.
@@ -491,7 +496,7 @@ Result<DTypeView> VirtualFs::DTypeViewFor(const Checkpoint& ckpt, const std::str
   auto to = ParseViewDType(suffix);
   if (!to) return Status::NotFound("unknown dtype '" + suffix + "': the dtype views are .bf16, .fp16 and .fp32");
   DTypeView view{*to, options_.keep_dtype, ""};
-  if (ckpt.sidecars.count("config.json")) view.config_json = ReadSidecar(tree_.root(), ckpt, "config.json");
+  if (ckpt.sidecars.count("config.json")) view.config_json = ReadSidecar(*tree_->source(), ckpt, "config.json");
   return view;
 }
 
@@ -616,7 +621,7 @@ void VirtualFs::MarkMergedStale(const std::shared_ptr<MergedSources>& ms, int ck
 // the --rules file's rules first.
 Result<ShardingRules> VirtualFs::RulesFor(const Checkpoint& ckpt) const {
   ModelFacts facts;
-  if (ckpt.sidecars.count("config.json")) facts = ParseModelFacts(ReadSidecar(tree_.root(), ckpt, "config.json"));
+  if (ckpt.sidecars.count("config.json")) facts = ParseModelFacts(ReadSidecar(*tree_->source(), ckpt, "config.json"));
   std::vector<std::string> names;
   if (auto weights = ModelWeights(ckpt, options_.consolidated); weights.ok())
     for (const auto& w : *weights) names.push_back(w.entry_name());
@@ -852,7 +857,7 @@ FsResult<Attr> VirtualFs::AttrOf(const Node& n) const {
   a.uid = options_.uid;
   a.gid = options_.gid;
   if (n.is_source()) {
-    ASSIGN_OR_RETURN(struct stat st, tree_.Lstat(n.rel));
+    ASSIGN_OR_RETURN(struct stat st, tree_->Lstat(n.rel));
     a.mode = S_ISLNK(st.st_mode) ? (S_IFLNK | 0777) : (st.st_mode & ~0222u);
     a.size = st.st_size;
     a.nlink = S_ISDIR(st.st_mode) ? 2 : 1;
@@ -893,7 +898,7 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name, bool 
   if (name == "..") return GetAttr(p->parent);
   if (p->kind == Node::Kind::kSourceDir) {
     const std::string rel = Join(p->rel, name);
-    if (auto st = tree_.Lstat(rel); st.ok()) {
+    if (auto st = tree_->Lstat(rel); st.ok()) {
       if (S_ISDIR(st->st_mode)) return AttrOf(*SourceNode(rel, Node::Kind::kSourceDir));
       if (S_ISREG(st->st_mode)) return AttrOf(*SourceNode(rel, Node::Kind::kSourceFile));
       if (S_ISLNK(st->st_mode)) return AttrOf(*SourceNode(rel, Node::Kind::kSourceLink));
@@ -987,7 +992,7 @@ FsResult<std::vector<DirEntry>> VirtualFs::ReadDir(uint64_t ino) {
   if (!p->is_dir()) return FsError(ENOTDIR, PathOf(*p) + " is not a directory");
   std::vector<DirEntry> out;
   if (p->kind == Node::Kind::kSourceDir) {
-    ASSIGN_OR_RETURN(std::vector<std::string> names, tree_.List(p->rel));
+    ASSIGN_OR_RETURN(std::vector<std::string> names, tree_->List(p->rel));
     for (const std::string& name : names) {
       auto a = Lookup(ino, name);
       if (a.ok()) out.push_back({name, *a});  // skips sockets, dangling links
@@ -1033,7 +1038,7 @@ FsResult<uint64_t> VirtualFs::Open(uint64_t ino, int flags) {
   h->node = n;
   if (n->kind == Node::Kind::kSourceLink) return FsError(ELOOP, n->rel + ": a symlink (the kernel follows it)");
   if (n->kind == Node::Kind::kSourceFile) {
-    ASSIGN_OR_RETURN(h->fd, tree_.OpenFile(n->rel, O_RDONLY));
+    ASSIGN_OR_RETURN(h->file, tree_->OpenFile(n->rel));
   }
   if (n->kind == Node::Kind::kVirtualFile) {
     // Loads its checkpoint again if it was unloaded since the kernel looked
@@ -1057,17 +1062,7 @@ FsResult<uint64_t> VirtualFs::Open(uint64_t ino, int flags) {
 FsResult<size_t> VirtualFs::Read(uint64_t handle, char* buf, size_t size, uint64_t offset) {
   const Handle* h = reinterpret_cast<const Handle*>(handle);
   const Node& n = *h->node;
-  if (n.kind == Node::Kind::kSourceFile) {
-    size_t done = 0;
-    while (done < size) {
-      ssize_t r = ::pread(h->fd, buf + done, size - done, offset + done);
-      if (r < 0 && errno == EINTR) continue;
-      if (r < 0) return FsError(errno, n.rel + ": " + std::strerror(errno));
-      if (r == 0) break;
-      done += r;
-    }
-    return done;
-  }
+  if (n.kind == Node::Kind::kSourceFile) return h->file->Read(buf, size, offset);
   auto fail = [&](const FsError& e) {
     LogServed(n.ckpt, e, PathOf(n) + ": read of " + std::to_string(size) + " bytes at " + std::to_string(offset) +
         " failed (" + std::strerror(e.err()) + "): " + e.message());
@@ -1101,7 +1096,7 @@ FsResult<std::string> VirtualFs::ReadLink(uint64_t ino) {
   std::shared_ptr<Node> n = Find(ino);
   if (!n) return FsError(ENOENT, "unknown inode " + std::to_string(ino));
   if (n->kind != Node::Kind::kSourceLink) return FsError(EINVAL, PathOf(*n) + " is not a symlink");
-  return tree_.ReadLink(n->rel);
+  return tree_->ReadLink(n->rel);
 }
 
 void VirtualFs::InvalidateCheckpoint(size_t i) {
@@ -1137,7 +1132,8 @@ std::vector<std::string> VirtualFs::SourceDirs() const {
     }
   }
   std::vector<std::string> out;
-  for (const std::string& d : dirs) out.push_back(d.empty() ? tree_.root() : tree_.root() + "/" + d);
+  if (!tree_->watchable()) return out;
+  for (const std::string& d : dirs) out.push_back(d.empty() ? tree_->root() : tree_->root() + "/" + d);
   return out;
 }
 
@@ -1172,7 +1168,6 @@ size_t VirtualFs::RecheckSources() {
 
 void VirtualFs::Release(uint64_t handle) {
   std::unique_ptr<Handle> h(reinterpret_cast<Handle*>(handle));
-  if (h->fd >= 0) ::close(h->fd);
   if (h->served) Unpin(h->served);
 }
 

@@ -133,6 +133,10 @@ class VirtualFs {
   static constexpr uint64_t kRootIno = 1;
 
   // The checkpoints in `dirs` under `root`, loaded by `loader` on first use.
+  static Result<std::unique_ptr<VirtualFs>> Open(std::shared_ptr<const Source> source,
+                                                 const std::vector<std::string>& dirs, CheckpointLoader loader,
+                                                 FsOptions options);
+  // Over the POSIX directory `root` (absolute, resolved).
   static Result<std::unique_ptr<VirtualFs>> Open(std::string root, const std::vector<std::string>& dirs,
                                                  CheckpointLoader loader, FsOptions options);
   // Every checkpoint of `catalog`, already in memory.
@@ -182,8 +186,8 @@ class VirtualFs {
   // "model/consolidated/model.safetensors" -> its attributes ("" is the root).
   FsResult<Attr> Resolve(const std::string& path);
 
-  const std::string& root() const { return tree_.root(); }
-  const SourceTree& tree() const { return tree_; }
+  const std::string& root() const { return tree_->root(); }
+  const SourceTree& tree() const { return *tree_; }
 
   // Live changes. AddCheckpoint registers a committed checkpoint (its views
   // appear on the next lookup; an earlier one in `dir` is replaced and its
@@ -239,7 +243,7 @@ class VirtualFs {
     VirtualFs* fs_;
     Served* served_;
   };
-  VirtualFs(FsOptions options, SourceTree tree, CheckpointLoader loader);
+  VirtualFs(FsOptions options, std::unique_ptr<SourceTree> tree, CheckpointLoader loader);
   // A replaced checkpoint's directory and the names of its views in it,
   // whose kernel entries are dropped once the lock is released.
   struct Detached {
@@ -330,7 +334,7 @@ class VirtualFs {
   void Info(const std::string& line) const;
 
   FsOptions options_;
-  SourceTree tree_;
+  std::unique_ptr<const SourceTree> tree_;
   CheckpointLoader loader_;
   int64_t mounted_at_ns_ = 0;  // mtime of virtual entries
   std::function<void(uint64_t, const std::string&)> invalidate_entry_;

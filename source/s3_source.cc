@@ -86,7 +86,9 @@ Result<SourceListing> S3Source::List(const std::string& rel) const {
   for (const S3ObjectInfo& o : page.objects) {
     std::string name = o.key.substr(prefix.size());
     // "dir/" placeholder objects some tools write are not files.
-    if (!name.empty() && name.find('/') == std::string::npos) l.files.push_back(std::move(name));
+    if (name.empty() || name.find('/') != std::string::npos) continue;
+    l.known[name] = IdentityOf(o);
+    l.files.push_back(std::move(name));
   }
   for (const std::string& p : page.common_prefixes) {
     std::string name = p.substr(prefix.size());

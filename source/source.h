@@ -12,6 +12,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -29,6 +30,9 @@ struct SourceListing {
   // Links to directories (POSIX only): not walked by the scan, but a model
   // folder's sidecars may live there.
   std::vector<std::string> linked_dirs;
+  // The identities of `files` where the listing itself tells them (object
+  // stores: size, ETag, Last-Modified), by name; empty for POSIX.
+  std::map<std::string, SourceFile> known;
 };
 
 // One open source file. ReadAt may be called from several threads at once.

@@ -237,7 +237,7 @@ int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::f
   mo.rescan_ms = f.rescan_ms;
   mo.log = [out](const std::string& line) { out->Write(LogLevel::kWarn, line); };
   mo.live.log = [out](const std::string& line) { out->Write(LogLevel::kInfo, line); };
-  std::shared_ptr<const Source> source = PosixSourceAt(fs->root());
+  std::shared_ptr<const Source> source = fs->tree().source();
   mo.live.scan = [source, out](const std::string& rel) {
     ScanOptions so;
     so.warn = [out](const std::string& line) { out->Write(LogLevel::kWarn, line); };

@@ -199,15 +199,6 @@ static Result<Catalog> ReadCatalog(const Store& store) {
 
 static bool CheckRootIsDir(const Common& c, int* exit_code) { return RootSource(c, exit_code) != nullptr; }
 
-// Commands that read through a mount tree (VirtualFs) serve local roots only.
-static bool RefuseS3(const Common& c, int* exit_code) {
-  if (!IsS3Url(c.root)) return false;
-  Error(c.root + ": s3:// roots can be indexed and checked (`ckptfs index`, `ckptfs check`); mount, ls, cat, "
-        "export, inspect and verify of an s3:// root are not supported yet");
-  *exit_code = kExitUsage;
-  return true;
-}
-
 int BuildIndex(const Common& c, bool quiet) {
   auto t0 = std::chrono::steady_clock::now();
   int rc = kExitOk;
@@ -347,11 +338,12 @@ std::optional<Catalog> LoadCatalog(const Common& c, bool allow_stale, int* exit_
 // The directories of the index's checkpoints, each checked against its
 // sources (their file rows only: no tensor is read). nullopt with
 // *exit_code set when one changed or cannot be read.
-static std::optional<std::vector<std::string>> FreshCheckpoints(const Store& store, int* exit_code) {
+static std::optional<std::vector<std::string>> FreshCheckpoints(const Source& source, const Store& store,
+                                                                int* exit_code) {
   std::vector<std::string> dirs;
   for (const CheckpointEntry& e : store.List()) {
     auto files = store.LoadFiles(e.dir);
-    Status st = files.ok() ? CheckSources(store.root(), *files) : files.status();
+    Status st = files.ok() ? CheckSources(source, *files) : files.status();
     if (!st.ok()) {
       Error(files.ok() ? st.message() : st.message() + "; run `ckptfs index` again");
       *exit_code = files.ok() ? kExitStale : kExitIndexError;
@@ -410,20 +402,21 @@ static std::optional<FsOptions> MakeFsOptions(const Common& c, int* exit_code,
 
 std::unique_ptr<VirtualFs> OpenFs(const Common& c, int* exit_code, std::function<void(const std::string&)> log,
                                   std::shared_ptr<StoreLoader>* loader_out) {
-  if (RefuseS3(c, exit_code) || !CheckRootIsDir(c, exit_code)) return nullptr;
+  std::shared_ptr<const Source> source = RootSource(c, exit_code);
+  if (!source) return nullptr;
   auto fo = MakeFsOptions(c, exit_code, std::move(log));
   if (!fo) return nullptr;
   std::optional<std::vector<std::string>> dirs;
   {
     auto store = OpenOrBuild(c, exit_code);  // closed again before a mount forks
     if (!store) return nullptr;
-    dirs = FreshCheckpoints(*store, exit_code);
+    dirs = FreshCheckpoints(*source, *store, exit_code);
     if (!dirs) return nullptr;
   }
   // Absolute: a background mount opens it after its chdir("/").
   auto loader = std::make_shared<StoreLoader>(std::filesystem::absolute(IndexPath(c)).string(), AbsRoot(c.root));
   if (loader_out) *loader_out = loader;
-  auto fs = VirtualFs::Open(AbsRoot(c.root), *dirs, [loader](const std::string& dir) { return loader->Load(dir); },
+  auto fs = VirtualFs::Open(source, *dirs, [loader](const std::string& dir) { return loader->Load(dir); },
                             std::move(*fo));
   if (!fs.ok()) {
     Error(fs.status().message());

