@@ -1,28 +1,20 @@
 #include "fs/merged_view.h"
 
-#include <fstream>
-#include <sstream>
-
 namespace ckptfs {
 namespace {
 
-Result<std::string> ReadText(const std::string& root, const Checkpoint& ckpt, const std::string& name) {
+Result<std::string> ReadText(const Source& source, const Checkpoint& ckpt, const std::string& name) {
   auto it = ckpt.sidecars.find(name);
   if (it == ckpt.sidecars.end()) return Status::NotFound(name + ": not in the folder");
-  const std::string path = root + "/" + ckpt.files.at(it->second).path;
-  std::ifstream f(path);
-  if (!f) return Status::IOError(path + ": cannot be read");
-  std::stringstream text;
-  text << f.rdbuf();
-  return text.str();
+  return source.ReadWhole(ckpt.files.at(it->second).path);
 }
 
 }  // namespace
 
-Result<std::pair<LoraConfig, std::string>> MergeTarget(const std::string& root, const Checkpoint& adapter) {
-  ASSIGN_OR_RETURN(std::string text, ReadText(root, adapter, kPeftConfigName));
+Result<std::pair<LoraConfig, std::string>> MergeTarget(const Source& source, const Checkpoint& adapter) {
+  ASSIGN_OR_RETURN(std::string text, ReadText(source, adapter, kPeftConfigName));
   ASSIGN_OR_RETURN(LoraConfig config, ParseLoraConfig(text));
-  ASSIGN_OR_RETURN(std::string base, ResolveBaseDir(root, adapter.dir, config.base_model));
+  ASSIGN_OR_RETURN(std::string base, ResolveBaseDir(source.root(), adapter.dir, config.base_model));
   return std::make_pair(std::move(config), std::move(base));
 }
 
@@ -38,7 +30,7 @@ std::optional<std::string> MergedViewSuffix(const std::string& name) {
   return std::nullopt;
 }
 
-Result<MergedBuild> BuildMergedView(const std::string& root, const Checkpoint& adapter, const Checkpoint& base,
+Result<MergedBuild> BuildMergedView(std::shared_ptr<const Source> source, const Checkpoint& adapter, const Checkpoint& base,
                                     LoraConfig config, const ConsolidatedOptions& options, DTypeView* dtype,
                                     ReadOptions read) {
   MergedBuild out;
@@ -46,10 +38,10 @@ Result<MergedBuild> BuildMergedView(const std::string& root, const Checkpoint& a
   out.sources->input = JoinAdapter(adapter, base, std::move(config));
   const Checkpoint& joined = out.sources->input.joined;
   if (dtype && joined.sidecars.count("config.json")) {
-    ASSIGN_OR_RETURN(dtype->config_json, ReadText(root, joined, "config.json"));
+    ASSIGN_OR_RETURN(dtype->config_json, ReadText(*source, joined, "config.json"));
   }
   ASSIGN_OR_RETURN(out.files, MergedView(out.sources->input, options, dtype));
-  out.sources->reader = std::make_unique<SourceReader>(root, &joined.files, GroupPolicy{}, 1ull << 30, read);
+  out.sources->reader = std::make_unique<SourceReader>(std::move(source), &joined.files, GroupPolicy{}, 1ull << 30, read);
   return out;
 }
 

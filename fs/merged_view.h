@@ -21,6 +21,7 @@
 
 #include "core/lora.h"
 #include "core/views.h"
+#include "source/source.h"
 #include "source/source_reader.h"
 
 namespace ckptfs {
@@ -31,11 +32,11 @@ struct MergedSources {
   std::atomic<bool> stale{false};
 };
 
-// The adapter's config and its base's directory (relative to the root
-// `root`, absolute), from adapter_config.json. NotSupported for adapters
+// The adapter's config and its base's directory (relative to the root of
+// `source`), from adapter_config.json read through `source`. NotSupported for adapters
 // that are not merged on read, NotFound for a base outside the root; the
 // message says what to do.
-Result<std::pair<LoraConfig, std::string>> MergeTarget(const std::string& root, const Checkpoint& adapter);
+Result<std::pair<LoraConfig, std::string>> MergeTarget(const Source& source, const Checkpoint& adapter);
 
 // Why there is no merged/ when `base_dir` (MergeTarget's) holds no
 // checkpoint of the mount.
@@ -51,7 +52,7 @@ struct MergedBuild {
 };
 // The view's sources and files. `dtype` names the served dtype (a
 // merged.<dtype>/ view; its config_json is filled here) or is null.
-Result<MergedBuild> BuildMergedView(const std::string& root, const Checkpoint& adapter, const Checkpoint& base,
+Result<MergedBuild> BuildMergedView(std::shared_ptr<const Source> source, const Checkpoint& adapter, const Checkpoint& base,
                                     LoraConfig config, const ConsolidatedOptions& options, DTypeView* dtype,
                                     ReadOptions read);
 

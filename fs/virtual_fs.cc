@@ -539,7 +539,7 @@ FsResult<uint64_t> VirtualFs::OpenDTypeView(Node* dir, const std::string& name) 
 }
 
 std::string VirtualFs::MergedRefusal(const Checkpoint& ckpt) const {
-  auto target = MergeTarget(tree_.root(), ckpt);
+  auto target = MergeTarget(*tree_->source(), ckpt);
   if (!target.ok()) return target.status().message();
   std::shared_lock lock(mu_);
   return HostedBy(target->second) >= 0 ? "" : NoBaseCheckpoint(target->first, target->second);
@@ -577,7 +577,7 @@ FsResult<uint64_t> VirtualFs::OpenMergedView(Node* dir, const std::string& name)
     Log(where + "/: not created: " + why);
     return FsError(ENOENT, where + ": not created: " + why);
   };
-  auto target = MergeTarget(tree_.root(), *adapter);
+  auto target = MergeTarget(*tree_->source(), *adapter);
   if (!target.ok()) return fail(target.status().message());
   auto base = RowsOf(target->second);
   if (!base.ok()) return fail("its base " + Join(target->second, "") + ": " + base.status().message());
@@ -587,7 +587,7 @@ FsResult<uint64_t> VirtualFs::OpenMergedView(Node* dir, const std::string& name)
     if (!to) return fail("unknown dtype '" + suffix + "': the dtype views are .bf16, .fp16 and .fp32");
     dtype = DTypeView{*to, options_.keep_dtype, ""};
   }
-  auto built = BuildMergedView(tree_.root(), *adapter, *base, std::move(target->first), options_.consolidated,
+  auto built = BuildMergedView(tree_->source(), *adapter, *base, std::move(target->first), options_.consolidated,
                                dtype ? &*dtype : nullptr, options_.read);
   if (!built.ok()) return fail(built.status().message());
   std::lock_guard<std::mutex> load(served->load_mu);  // guards served->merged

@@ -303,9 +303,10 @@ void UnreadableChunks(const std::shared_ptr<const Source>& source, const Checkpo
 // merged/ of a LoRA adapter. A view ckptfs does not offer (another adapter
 // kind, a base outside the root) is no fault of the checkpoint: said, not
 // counted. An adapter that does not fit its base is a problem.
-void CheckMerge(const Catalog& catalog, const Checkpoint& ck, std::vector<std::string>* problems) {
+void CheckMerge(const Source& source, const Catalog& catalog, const Checkpoint& ck,
+                std::vector<std::string>* problems) {
   if (!IsPeftAdapter(ck)) return;
-  auto target = MergeTarget(catalog.root, ck);
+  auto target = MergeTarget(source, ck);
   const Checkpoint* base = nullptr;
   if (target.ok())
     for (const Checkpoint& other : catalog.checkpoints)
@@ -336,7 +337,7 @@ int RunCheck(const Common& c) {
   std::vector<std::string> problems = FindInterruptedSaves(*source);
   for (const Checkpoint& ck : catalog->checkpoints) {
     for (const std::string& p : ck.problems) problems.push_back(Where(ck) + ": " + p);
-    CheckMerge(*catalog, ck, &problems);
+    CheckMerge(*source, *catalog, ck, &problems);
     std::vector<bool> changed;
     ChangedSources(*source, ck, &changed, &problems);
     UnreadableChunks(source, ck, changed, &problems);
