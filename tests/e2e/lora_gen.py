@@ -65,6 +65,7 @@ ADAPTERS: dict[str, tuple[str, dict]] = {
     "llama_embed_save": ("llama", dict(r=4, lora_alpha=16, target_modules=["embed_tokens", "q_proj"],
                                        modules_to_save=["lm_head"])),
     "qwen2_bias": ("qwen2", dict(r=4, lora_alpha=8, lora_bias=True, target_modules=["q_proj", "k_proj", "v_proj"])),
+    "qwen2_bias_all": ("qwen2", dict(r=4, lora_alpha=8, bias="all", target_modules=["q_proj", "o_proj"])),
     "gpt2_conv1d": ("gpt2", dict(r=4, lora_alpha=8, fan_in_fan_out=True, lora_bias=True,
                                  target_modules=["c_attn", "c_proj", "c_fc"])),
     "moe_shared": ("moe", dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "gate_proj", "up_proj",
@@ -88,10 +89,12 @@ def save_adapter(model, adapter_dir: str, lora_kwargs: dict, seed: int = 1, conf
     if config_cls is peft.LoraConfig:
         kwargs["init_lora_weights"] = False
     pm = peft.get_peft_model(model, config_cls(**kwargs))
-    with torch.no_grad():  # non-trivial magnitudes for DoRA, far from the base's row norms
+    with torch.no_grad():
         for name, p in pm.named_parameters():
-            if "lora_magnitude_vector" in name:
+            if "lora_magnitude_vector" in name:  # far from the base's row norms
                 p.mul_(torch.rand_like(p) + 0.5)
+            elif p.requires_grad and "lora_" not in name:  # trained copies (modules_to_save, biases): not the base's
+                p.add_(torch.randn_like(p) * 0.1)
     pm.save_pretrained(adapter_dir)
 
 

@@ -271,3 +271,14 @@ def test_cli_export_writes_the_merged_folder(lora_root, lora_mount, ckptfs, tmp_
     for name in os.listdir(lora_mount.p("qwen2_bias", "merged")):
         with open(os.path.join(out, name), "rb") as a, open(lora_mount.p("qwen2_bias", "merged", name), "rb") as b:
             assert a.read() == b.read(), name
+
+
+@pytest.mark.parametrize("adapter,name", [("llama_embed_save", "lm_head.weight"),
+                                          ("qwen2_bias_all", "model.layers.1.self_attn.k_proj.bias")])
+def test_saved_copies_replace_the_bases_tensor(lora_root, lora_mount, adapter, name):
+    """modules_to_save and bias="all" save trained copies: merged/ serves them, not the base's."""
+    family, _ = lora_gen.ADAPTERS[adapter]
+    saved = load_file(os.path.join(lora_root, adapter, "adapter_model.safetensors"))["base_model.model." + name]
+    got = load_folder(lora_mount.p(adapter, "merged"))[name]
+    assert not torch.equal(got, load_folder(os.path.join(lora_root, f"base_{family}"))[name])
+    assert torch.equal(got, saved)
