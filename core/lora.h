@@ -5,7 +5,9 @@
 // (peft/tuners/lora/layer.py, variants.py, dora.py, as of peft 0.21):
 //   W' = W + scaling * B @ A                 Linear
 //   W' = W + scaling * (B @ A)^T             fan_in_fan_out (GPT-2's Conv1D,
-//                                            whose weight is stored [in, out]);
+//                                            whose weight is stored [in, out]:
+//                                            peft decides by the layer's type,
+//                                            seen here in W's shape);
 //                                            Embedding (lora_embedding_A/B)
 //   W' = m / ||W + ΔW||_row * (W + ΔW)       DoRA (m: lora_magnitude_vector;
 //                                            the norm of each output row)

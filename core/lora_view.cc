@@ -104,6 +104,20 @@ LoraMergeInput JoinAdapter(const Checkpoint& adapter, const Checkpoint& base, Lo
 
 namespace {
 
+// Whether ΔW is transposed. peft decides by the layer's type, whatever the
+// config says (it sets fan_in_fan_out to False for a Linear, True for a
+// Conv1D), and the type shows in W's shape unless W is square: Linear W is
+// [out, in] = [B rows, A cols], Conv1D's [in, out]. A square W keeps the
+// config's flag, which peft leaves as its layers' type makes it.
+bool Transposed(const ModuleParts& m, const TensorMeta& w, const LoraConfig& config) {
+  if (m.embedding) return true;
+  const Shape &ws = w.shape, &a = m.a->shape, &b = m.b->shape;
+  if (ws.size() != 2 || a.size() != 2 || b.size() != 2) return config.fan_in_fan_out;
+  const bool plain = ws[0] == b[0] && ws[1] == a[1];
+  const bool transposed = ws[0] == a[1] && ws[1] == b[0];
+  return plain == transposed ? config.fan_in_fan_out : transposed;
+}
+
 // One module's merged weight (and bias) into its slices of `slices`.
 Status MergeModule(const std::string& module, const ModuleParts& m, const LoraConfig& config,
                    const std::unordered_map<std::string, size_t>& index, SliceList& slices) {
@@ -127,7 +141,7 @@ Status MergeModule(const std::string& module, const ModuleParts& m, const LoraCo
                                    " but adapter_config.json gives r = " + std::to_string(r) + " for '" + module + "'");
   const double scaling = LoraScaling(config, module);
   TensorSlice& w = slices[it->second];
-  LoraTerm term{w.tensor, m.a, m.b, m.magnitude, scaling, m.embedding || config.fan_in_fan_out};
+  LoraTerm term{w.tensor, m.a, m.b, m.magnitude, scaling, Transposed(m, *w.tensor, config)};
   ASSIGN_OR_RETURN(w.computed, MakeLoraMerge(std::move(term), w.cast.value_or(w.tensor->dtype)));
   w.cast = w.computed->dtype();
   if (!m.bias) return Status::OK();

@@ -270,6 +270,20 @@ TEST(MergedViewTest, BaseNamesMergedWeightsAndTheAdaptersSidecars) {
   EXPECT_EQ(header.find("base_model"), std::string::npos);
 }
 
+// peft sets fan_in_fan_out per layer by its type (False for a Linear, True
+// for a Conv1D), so a config saying True still merges a Linear plainly.
+TEST(MergedViewTest, FanInFanOutFollowsTheLayersShapeAsPeftsTypeCheckDoes) {
+  Pair p = SmallPair();
+  LoraConfig config;
+  config.r = 2;
+  config.fan_in_fan_out = true;  // q.weight [6, 4] with A [2, 4], B [6, 2] is a Linear's
+  auto files = MergedView(JoinAdapter(p.adapter, p.base, config), {});
+  ASSERT_TRUE(files.ok()) << files.status().ToString();
+  const Computation& merge = *files->at(0).layout->segments()[2].computed;
+  ASSERT_EQ(merge.InputsOf(0).size(), 3u);
+  EXPECT_EQ(merge.InputsOf(0)[1].box, (Box{{0, 0}, {2, 4}}));  // all of A: not transposed
+}
+
 TEST(MergedViewTest, AnAdapterTensorTheBaseLacksIsNamed) {
   Pair p = SmallPair();
   p.adapter.tensors.push_back(Meta("base_model.model.k.lora_A.weight", {2, 4}));
