@@ -564,11 +564,14 @@ Result<Checkpoint> VirtualFs::RowsOf(const std::string& dir) {
 // the base's held.
 FsResult<uint64_t> VirtualFs::OpenMergedView(Node* dir, const std::string& name) {
   int i;
+  bool mergeable;
   {
     std::shared_lock lock(mu_);
     i = dir->ckpt;
+    mergeable = dir->children.count("merged") > 0;  // BuildViews' verdict, logged once there
   }
   if (i < 0) return FsError(ENOENT, Join(dir->rel, name) + ": no checkpoint here now");
+  if (!mergeable) return FsError(ENOENT, Join(dir->rel, name) + ": no merged view here (see the log)");
   Served* served = ServedAt(i);
   auto adapter = RowsOf(served->dir);  // the caller holds a pin: loads, never waits for an unload
   if (!adapter.ok()) return LoadFailure(adapter.status());

@@ -282,3 +282,15 @@ def test_saved_copies_replace_the_bases_tensor(lora_root, lora_mount, adapter, n
     got = load_folder(lora_mount.p(adapter, "merged"))[name]
     assert not torch.equal(got, load_folder(os.path.join(lora_root, f"base_{family}"))[name])
     assert torch.equal(got, saved)
+
+
+def test_merged_is_no_name_elsewhere(lora_root, lora_mount):
+    """Looking merged/ up where there is none (a base, a refused adapter) is
+    ENOENT, logged once per checkpoint load at most, not once per lookup."""
+    for _ in range(3):
+        for where in ("base_llama", "refused_loha"):
+            for name in ("merged", "merged.bf16"):
+                assert not os.path.exists(lora_mount.p(where, name))
+    log = lora_mount.log()
+    assert "base_llama/merged" not in log, log
+    assert log.count("refused_loha/merged/: not created") == 1, log
