@@ -220,14 +220,12 @@ void OpOpen(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
 
 void OpRead(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
   Guard(req, "read", [&] {
-    // One buffer per worker thread, kept (at most max_threads x kMaxIo):
-    // no 1 MiB malloc/free per request, and ~25 % fewer page faults in the
-    // daemon over a cold sequential read (docs/BENCHMARKS.md).
-    thread_local std::vector<char> buf;
-    if (buf.size() < size) buf.resize(size);
-    auto n = Fs(req)->Read(fi->fh, buf.data(), size, off);
-    if (!n.ok()) return ReplyError(req, n.status());
-    fuse_reply_buf(req, buf.data(), *n);
+    // A scatter list over the buffers the source reads filled: one writev,
+    // no copy to put the pieces in place (source/scatter_reply.h). Its
+    // buffers are freed (or go back to their pool) after the reply.
+    auto reply = Fs(req)->ReadScatter(fi->fh, size, off);
+    if (!reply.ok()) return ReplyError(req, reply.status());
+    fuse_reply_iov(req, reply->iov().data(), int(reply->iov().size()));
   });
 }
 

@@ -1066,33 +1066,77 @@ FsResult<size_t> VirtualFs::Read(uint64_t handle, char* buf, size_t size, uint64
   const Handle* h = reinterpret_cast<const Handle*>(handle);
   const Node& n = *h->node;
   if (n.kind == Node::Kind::kSourceFile) return h->file->Read(buf, size, offset);
-  auto fail = [&](const FsError& e) {
-    LogServed(n.ckpt, e, PathOf(n) + ": read of " + std::to_string(size) + " bytes at " + std::to_string(offset) +
-        " failed (" + std::strerror(e.err()) + "): " + e.message());
-    return e;
-  };
-  if (!n.problem.empty()) return fail(FsError(EIO, n.problem));
+  ASSIGN_OR_RETURN(ReadPlan plan, PlanRead(*h, size, offset));
+  SourceReader* reader = ReaderOf(*h);
+  Status st = reader->Execute(plan, buf);
+  if (st.ok() && !plan.computes.empty()) st = compute_->Fill(plan.computes, buf, *reader, n.ckpt);
+  if (!st.ok()) return ReadFailed(n, size, offset, st);
+  reader->ReadAhead(h->stream, n.layout, offset, plan.length);
+  return plan.length;
+}
+
+FsError VirtualFs::ReadFailed(const Node& n, size_t size, uint64_t offset, const FsError& e) {
+  LogServed(n.ckpt, e, PathOf(n) + ": read of " + std::to_string(size) + " bytes at " + std::to_string(offset) +
+      " failed (" + std::strerror(e.err()) + "): " + e.message());
+  return e;
+}
+
+FsError VirtualFs::ReadFailed(const Node& n, size_t size, uint64_t offset, const Status& st) {
+  if (st.code() == Status::Code::kStale && n.sources) MarkMergedStale(n.sources, n.ckpt, st.message());
+  else if (st.code() == Status::Code::kStale) InvalidateCheckpoint(n.ckpt);
+  return ReadFailed(n, size, offset, FsError::From(st));
+}
+
+// Kept loaded by the open handle; a merged/ file reads two checkpoints' files.
+SourceReader* VirtualFs::ReaderOf(const Handle& h) {
+  return h.node->sources ? h.node->sources->reader.get() : h.served->reader.get();
+}
+
+FsResult<ReadPlan> VirtualFs::PlanRead(const Handle& h, size_t size, uint64_t offset) {
+  const Node& n = *h.node;
+  if (!n.problem.empty()) return ReadFailed(n, size, offset, FsError(EIO, n.problem));
   if (n.sources && n.sources->stale.load())
-    return fail(FsError(EIO, PathOf(n) + ": a source of the adapter or of its base changed since indexing; the merged "
-                             "view reads as EIO until the adapter is indexed again"));
+    return ReadFailed(n, size, offset,
+                      FsError(EIO, PathOf(n) + ": a source of the adapter or of its base changed since indexing; "
+                                               "the merged view reads as EIO until the adapter is loaded again"));
   // One changed source makes the whole checkpoint suspect: files the read
   // does not touch may belong to a save that replaced them all.
-  if (h->served->stale.load())
-    return fail(FsError(EIO, Join(h->served->dir, "") + ": a source changed since indexing; the checkpoint reads as "
-                                 "EIO until it is indexed again"));
+  if (h.served->stale.load())
+    return ReadFailed(n, size, offset,
+                      FsError(EIO, Join(h.served->dir, "") + ": a source changed since indexing; the checkpoint "
+                                                             "reads as EIO until it is indexed again"));
   auto plan = Plan(*n.layout, offset, size);
-  if (!plan.ok()) return fail(FsError::From(plan.status()));
-  // Kept loaded by the open handle; a merged/ file reads two checkpoints' files.
-  SourceReader* reader = n.sources ? n.sources->reader.get() : h->served->reader.get();
-  Status st = reader->Execute(*plan, buf);
-  if (st.ok() && !plan->computes.empty()) st = compute_->Fill(plan->computes, buf, *reader, n.ckpt);
-  if (!st.ok()) {
-    if (st.code() == Status::Code::kStale && n.sources) MarkMergedStale(n.sources, n.ckpt, st.message());
-    else if (st.code() == Status::Code::kStale) InvalidateCheckpoint(n.ckpt);
-    return fail(FsError::From(st));
+  if (!plan.ok()) return ReadFailed(n, size, offset, FsError::From(plan.status()));
+  return std::move(plan).value();
+}
+
+FsResult<ScatterReply> VirtualFs::ReadScatter(uint64_t handle, size_t size, uint64_t offset) {
+  const Handle* h = reinterpret_cast<const Handle*>(handle);
+  const Node& n = *h->node;
+  ScatterReply reply;
+  if (n.kind != Node::Kind::kVirtualFile) {
+    // One buffer per thread, kept (see the header).
+    thread_local std::vector<char> buf;
+    if (buf.size() < size) buf.resize(size);
+    ASSIGN_OR_RETURN(size_t got, Read(handle, buf.data(), size, offset));
+    reply.Add(0, buf.data(), got);
+    if (Status st = reply.Finish(); !st.ok()) return FsError::From(st);
+    return reply;
   }
-  reader->ReadAhead(h->stream, n.layout, offset, plan->length);
-  return plan->length;
+  ASSIGN_OR_RETURN(ReadPlan plan, PlanRead(*h, size, offset));
+  SourceReader* reader = ReaderOf(*h);
+  Status st = reader->ExecuteScatter(plan, &reply);
+  // Computed bytes are gathered: each op into the memory ExecuteScatter set aside.
+  for (size_t i = 0; st.ok() && i < plan.computes.size(); ++i) {
+    ComputeOp op = plan.computes[i];
+    char* out = reply.Reserve(op.dst_offset, op.length);
+    op.dst_offset = 0;
+    st = compute_->Fill({op}, out, *reader, n.ckpt);
+  }
+  if (st.ok()) st = reply.Finish();
+  if (!st.ok()) return ReadFailed(n, size, offset, st);
+  reader->ReadAhead(h->stream, n.layout, offset, plan.length);
+  return reply;
 }
 
 FsResult<std::string> VirtualFs::ReadLink(uint64_t ino) {

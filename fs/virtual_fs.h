@@ -153,6 +153,11 @@ class VirtualFs {
   FsResult<uint64_t> Open(uint64_t ino, int flags);
   // Reads up to `size` bytes; fewer only at end of file.
   FsResult<size_t> Read(uint64_t handle, char* buf, size_t size, uint64_t offset);
+  // Read, as a finished scatter list (source/scatter_reply.h): a virtual
+  // file's pieces point into the buffers its source reads filled. A source
+  // file's reply points into a buffer of the calling thread, valid until
+  // that thread's next ReadScatter.
+  FsResult<ScatterReply> ReadScatter(uint64_t handle, size_t size, uint64_t offset);
   void Release(uint64_t handle);
   // The target of a symlink in the source tree (never followed by us).
   FsResult<std::string> ReadLink(uint64_t ino);
@@ -288,6 +293,16 @@ class VirtualFs {
   int HostedBy(const std::string& rel) const;
   // Drops the kernel's cache of every virtual file of checkpoint `i`, once.
   void InvalidateCheckpoint(size_t i);
+  // The plan of a read of a virtual file through `h`, or the failure to
+  // serve (logged).
+  FsResult<ReadPlan> PlanRead(const Handle& h, size_t size, uint64_t offset);
+  // Logs a failed read of `n` and returns the error to serve; a Stale
+  // status marks the checkpoint stale first.
+  FsError ReadFailed(const Node& n, size_t size, uint64_t offset, const FsError& e);
+  FsError ReadFailed(const Node& n, size_t size, uint64_t offset, const Status& st);
+  // The reader of an open virtual file: its checkpoint's, or a merged/
+  // file's own (fs/merged_view.h).
+  static SourceReader* ReaderOf(const Handle& h);
   FsResult<uint64_t> OpenMesh(Node* mesh_dir, const std::string& spec_name);
   // consolidated.<dtype>/ of the checkpoint shown in `dir`, made on its
   // first lookup (ENOENT with a log line for an unknown dtype).

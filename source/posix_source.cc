@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/sendfile.h>
 #include <sys/stat.h>
 #include <sys/vfs.h>
@@ -14,6 +15,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "source/posix_io.h"
 
@@ -49,13 +51,121 @@ bool InodeStable(dev_t dev, const std::function<int(struct statfs*)>& do_statfs)
 // folios; one call per 512 KiB keeps a cancelled prefetch quick to stop.
 constexpr uint64_t kPrefetchStep = 512 << 10;
 
+// Whether mincore() tells us which pages of the file open on `fd` are
+// cached: only for a file the caller owns or may open for writing (or as
+// root); for any other it answers "all cached" (mm/mincore.c,
+// can_do_mincore), and CachedPrefix would never see a cold page.
+bool MincoreTells(int fd) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) return false;
+  if (::geteuid() == 0 || st.st_uid == ::geteuid()) return true;
+  return ::faccessat(AT_FDCWD, ("/proc/self/fd/" + std::to_string(fd)).c_str(), W_OK, AT_EACCESS) == 0;
+}
+
+// A second descriptor of the file open on `fd`, with O_DIRECT, or -1 when
+// it is read buffered: its filesystem reports no STATX_DIOALIGN (tmpfs,
+// FUSE and most network filesystems) or an alignment above kDirectAlign,
+// mincore() would not say which of its pages are cached (MincoreTells), or
+// the open is refused. Opened through /proc/self/fd, so it is the same
+// open file whatever its path names now.
+int OpenDirect(int fd) {
+  if (!MincoreTells(fd)) return -1;
+  struct statx sx;
+  if (::statx(fd, "", AT_EMPTY_PATH, STATX_DIOALIGN, &sx) != 0) return -1;
+  if (!(sx.stx_mask & STATX_DIOALIGN) || sx.stx_dio_offset_align == 0 ||
+      sx.stx_dio_offset_align > kDirectAlign || sx.stx_dio_mem_align > kDirectAlign)
+    return -1;
+  return ::open(("/proc/self/fd/" + std::to_string(fd)).c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+}
+
+// Bytes of [offset, offset + len) in the page cache from its start: up to
+// the first page that is not, by mincore() over a mapping of the range.
+// Not preadv2(RWF_NOWAIT): on a page not cached it starts the kernel's
+// read-ahead before answering EAGAIN, which would read the cold range into
+// the page cache as well as into our buffer. 0 when the range cannot be
+// mapped (then it is read with O_DIRECT, which is correct either way).
+uint64_t CachedPrefix(int fd, uint64_t offset, uint64_t len) {
+  static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
+  const AlignedSpan span = AlignSpan(offset, len, page);
+  void* map = ::mmap(nullptr, span.length, PROT_READ, MAP_SHARED, fd, off_t(span.start));
+  if (map == MAP_FAILED) return 0;
+  std::vector<unsigned char> resident(span.length / page);
+  const int rc = ::mincore(map, span.length, resident.data());
+  ::munmap(map, span.length);
+  if (rc != 0) return 0;
+  size_t pages = 0;
+  while (pages < resident.size() && (resident[pages] & 1)) ++pages;
+  return std::min(len, pages * page > span.skip ? pages * page - span.skip : 0);
+}
+
+// Reads [from, end) of the file with O_DIRECT on `dfd` into `base`, which
+// holds the file from byte `start` (both aligned), starting at the aligned
+// offset at or below `from`. A tail left unaligned by a short read (the end
+// of the file) is read buffered on `fd`, which reports the short file.
+Status PreadDirect(int dfd, int fd, char* base, uint64_t start, uint64_t from, uint64_t end,
+                   const std::string& what) {
+  uint64_t pos = AlignDown(from, kDirectAlign);
+  const uint64_t stop = AlignUp(end, kDirectAlign);
+  while (pos < end) {
+    if (pos % kDirectAlign != 0) return PreadFull(fd, base + (pos - start), end - pos, pos, what);
+    ssize_t n = ::pread(dfd, base + (pos - start), stop - pos, off_t(pos));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0)
+      return Status::IOError(what + ": direct read at " + std::to_string(pos) + ": " + std::strerror(errno));
+    if (n == 0) return Status::Corruption(what + ": unexpected end of file at byte " + std::to_string(pos));
+    pos += n;
+  }
+  return Status::OK();
+}
+
 class PosixObject : public SourceObject {
  public:
   PosixObject(int fd, std::string abs) : fd_(fd), abs_(std::move(abs)) {}
-  ~PosixObject() override { ::close(fd_); }
+  ~PosixObject() override {
+    ::close(fd_);
+    if (direct_fd_ >= 0) ::close(direct_fd_);
+  }
 
   Status ReadAt(uint64_t offset, uint64_t len, char* dst) const override {
     return PreadFull(fd_, dst, len, offset, abs_);
+  }
+
+  Result<FilledRange> ReadFilled(uint64_t offset, uint64_t len, DirectIo* direct) const override {
+    if (!direct || len == 0 || DirectFd(*direct) < 0) return Buffered(offset, len, direct);
+    const AlignedSpan span = AlignSpan(offset, len);
+    std::optional<Buffer> pooled = direct->pool().TryTake(span.length);
+    if (!pooled) {
+      direct->stats().pool_full.fetch_add(1, std::memory_order_relaxed);
+      return Buffered(offset, len, direct);
+    }
+    FilledRange out;
+    out.buffer = std::move(*pooled);
+    char* at = out.buffer.data() + span.skip;
+    out.data = at;
+    const uint64_t cached = CachedPrefix(fd_, offset, len);
+    RETURN_IF_ERROR(PreadFull(fd_, at, cached, offset, abs_));
+    DirectStats& stats = direct->stats();
+    stats.cached_bytes.fetch_add(cached, std::memory_order_relaxed);
+    if (cached == len) return out;
+    RETURN_IF_ERROR(PreadDirect(direct_fd_, fd_, out.buffer.data(), span.start, offset + cached, offset + len, abs_));
+    stats.direct_reads.fetch_add(1, std::memory_order_relaxed);
+    stats.direct_bytes.fetch_add(len - cached, std::memory_order_relaxed);
+    return out;
+  }
+
+  Status ReadAtVia(uint64_t offset, uint64_t len, char* dst, DirectIo* direct) const override {
+    if (!direct || len == 0 || DirectFd(*direct) < 0) {
+      if (direct) direct->stats().buffered_bytes.fetch_add(len, std::memory_order_relaxed);
+      return ReadAt(offset, len, dst);
+    }
+    // Cached bytes go straight to `dst`; only the cold rest needs a buffer.
+    const uint64_t cached = CachedPrefix(fd_, offset, len);
+    RETURN_IF_ERROR(PreadFull(fd_, dst, cached, offset, abs_));
+    direct->stats().cached_bytes.fetch_add(cached, std::memory_order_relaxed);
+    if (cached == len) return Status::OK();
+    ASSIGN_OR_RETURN(FilledRange rest, ReadFilled(offset + cached, len - cached, direct));
+    std::memcpy(dst + cached, rest.data, len - cached);
+    return Status::OK();
   }
 
   Result<SourceFile> Identity() const override {
@@ -103,8 +213,25 @@ class PosixObject : public SourceObject {
   }
 
  private:
+  // The O_DIRECT descriptor, opened on first use (-1: this file is read
+  // buffered; see OpenDirect).
+  int DirectFd(DirectIo& direct) const {
+    std::call_once(direct_once_, [&] {
+      direct_fd_ = OpenDirect(fd_);
+      if (direct_fd_ < 0) direct.stats().refused_files.fetch_add(1, std::memory_order_relaxed);
+    });
+    return direct_fd_;
+  }
+
+  Result<FilledRange> Buffered(uint64_t offset, uint64_t len, DirectIo* direct) const {
+    if (direct) direct->stats().buffered_bytes.fetch_add(len, std::memory_order_relaxed);
+    return SourceObject::ReadFilled(offset, len, direct);
+  }
+
   int fd_;
   std::string abs_;
+  mutable std::once_flag direct_once_;
+  mutable int direct_fd_ = -1;  // set once, under direct_once_
 };
 
 int64_t Ns(const struct timespec& t) { return int64_t(t.tv_sec) * 1'000'000'000 + t.tv_nsec; }

@@ -19,8 +19,24 @@ SourceFile IdentityOf(const S3ObjectInfo& o) {
 // One object, pinned to the ETag it had when opened.
 class S3Object : public SourceObject {
  public:
-  S3Object(std::shared_ptr<S3Client> client, S3ObjectInfo info)
-      : client_(std::move(client)), info_(std::move(info)) {}
+  S3Object(std::shared_ptr<S3Client> client, std::shared_ptr<PartCache> parts, S3ObjectInfo info)
+      : client_(std::move(client)), parts_(std::move(parts)), info_(std::move(info)) {}
+
+  // Fetches of whole parts queued, not waited for: the reader's next
+  // requests find them cached or in flight (PartCache::Copy).
+  void Prefetch(uint64_t offset, uint64_t len, const std::function<bool()>& go_on) const override {
+    if (!go_on()) return;
+    std::shared_ptr<S3Client> client = client_;
+    const std::string key = info_.key, etag = info_.etag;
+    parts_->Prefetch(Version(), info_.size, offset, len,
+                     [client, key, etag](const std::string&, uint64_t at, uint64_t n, char* out) {
+                       return client->Get(key, etag, at, n, out);
+                     });
+  }
+
+  Result<std::unique_ptr<SourceObject>> Reopen() const override {
+    return std::unique_ptr<SourceObject>(std::make_unique<S3Object>(client_, parts_, info_));
+  }
 
   // Ranges longer than --part-size go out as parts, up to --max-threads
   // in flight; the first failure is the answer.
@@ -28,6 +44,7 @@ class S3Object : public SourceObject {
     if (offset > info_.size || len > info_.size - offset)
       return Status::Corruption(client_->config().Root() + "/" + Rel() + ": unexpected end of file at byte " +
                                 std::to_string(std::min(info_.size, offset + len)));
+    if (parts_->Copy(Version(), offset, len, dst)) return Status::OK();
     const uint64_t part = client_->config().part_size;
     const uint64_t parts = (len + part - 1) / part;
     if (parts <= 1) return client_->Get(info_.key, info_.etag, offset, len, dst);
@@ -53,8 +70,11 @@ class S3Object : public SourceObject {
 
  private:
   std::string Rel() const { return info_.key.substr(client_->config().location.prefix.size()); }
+  // Names this version of the object in the part cache.
+  std::string Version() const { return info_.key + '\0' + info_.etag; }
 
   std::shared_ptr<S3Client> client_;
+  std::shared_ptr<PartCache> parts_;
   S3ObjectInfo info_;
 };
 
@@ -68,7 +88,9 @@ uint64_t EtagIdentity(const std::string& etag) {
 }
 
 S3Source::S3Source(S3Config config)
-    : client_(std::make_shared<S3Client>(std::move(config))), root_(client_->config().Root()) {}
+    : client_(std::make_shared<S3Client>(std::move(config))),
+      root_(client_->config().Root()),
+      parts_(std::make_shared<PartCache>(kReadAheadBytes, client_->config().part_size, client_->config().max_threads)) {}
 
 Status S3Source::Probe() const {
   RETURN_IF_ERROR(client_->Probe(client_->config().location.prefix));
@@ -107,7 +129,7 @@ Result<SourceFile> S3Source::Identify(const std::string& rel) const {
 
 Result<std::unique_ptr<SourceObject>> S3Source::Open(const std::string& rel) const {
   ASSIGN_OR_RETURN(S3ObjectInfo o, client_->Head(Key(rel)));
-  return std::unique_ptr<SourceObject>(std::make_unique<S3Object>(client_, std::move(o)));
+  return std::unique_ptr<SourceObject>(std::make_unique<S3Object>(client_, parts_, std::move(o)));
 }
 
 std::string S3Source::DescribeChange(const SourceFile& a, const SourceFile& b) const {

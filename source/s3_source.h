@@ -8,11 +8,17 @@
 // opened with a HEAD whose ETag must hash to the indexed one, and every GET
 // of it carries If-Match on that ETag: bytes of two versions never mix, and
 // an object overwritten after indexing fails its next read (412 → Stale).
+//
+// Read-ahead: a sequential reader's next parts are fetched ahead, whole
+// --part-size parts --max-threads at a time, into memory (PartCache, keyed
+// by key and ETag, so a part is only ever served to readers of its version);
+// a read served from there waits for no round trip.
 #pragma once
 
 #include <memory>
 #include <string>
 
+#include "source/part_cache.h"
 #include "source/s3_client.h"
 #include "source/source.h"
 
@@ -46,7 +52,12 @@ class S3Source : public Source {
 
   std::shared_ptr<S3Client> client_;
   std::string root_;
+  // Read-ahead of sequential readers (SourceObject::Prefetch): whole parts
+  // fetched --max-threads at a time, at most kReadAheadBytes held.
+  std::shared_ptr<PartCache> parts_;
 };
+
+inline constexpr uint64_t kReadAheadBytes = 256ull << 20;
 
 // The identity value kept in SourceFile::inode for an ETag.
 uint64_t EtagIdentity(const std::string& etag);

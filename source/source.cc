@@ -8,6 +8,14 @@ Result<std::unique_ptr<SourceObject>> SourceObject::Reopen() const {
   return Status::NotSupported("this source object cannot be reopened");
 }
 
+Result<FilledRange> SourceObject::ReadFilled(uint64_t offset, uint64_t len, DirectIo*) const {
+  FilledRange out;
+  out.buffer = Buffer::Heap(len);
+  RETURN_IF_ERROR(ReadAt(offset, len, out.buffer.data()));
+  out.data = out.buffer.data();
+  return out;
+}
+
 Result<std::string> SourceObject::ReadString(uint64_t offset, uint64_t len) const {
   std::string out(len, '\0');
   RETURN_IF_ERROR(ReadAt(offset, len, out.data()));

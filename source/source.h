@@ -20,6 +20,7 @@
 
 #include "core/meta.h"
 #include "core/status.h"
+#include "source/direct_io.h"
 
 namespace ckptfs {
 
@@ -35,6 +36,13 @@ struct SourceListing {
   std::map<std::string, SourceFile> known;
 };
 
+// A source range read into memory of its own (SourceObject::ReadFilled).
+struct FilledRange {
+  Buffer buffer;                              // holds the bytes, unless `shared` does
+  std::shared_ptr<const std::string> shared;  // decoded items kept by a cache
+  const char* data = nullptr;                 // the first byte asked for
+};
+
 // One open source file. ReadAt may be called from several threads at once.
 class SourceObject {
  public:
@@ -43,6 +51,17 @@ class SourceObject {
   // Reads exactly `len` bytes at `offset` into `dst`. A file shorter than
   // that is Corruption ("unexpected end of file"); other failures IOError.
   virtual Status ReadAt(uint64_t offset, uint64_t len, char* dst) const = 0;
+
+  // [offset, offset + len) into memory the result owns. With `direct`, a
+  // backend that can (POSIX) reads the part not in its cache with O_DIRECT
+  // into memory of direct->pool() (source/direct_io.h). Errors as ReadAt.
+  // Default: ReadAt into heap memory.
+  virtual Result<FilledRange> ReadFilled(uint64_t offset, uint64_t len, DirectIo* direct) const;
+
+  // ReadAt, with the part not in the cache read as ReadFilled reads it.
+  virtual Status ReadAtVia(uint64_t offset, uint64_t len, char* dst, DirectIo* direct) const {
+    return ReadAt(offset, len, dst);
+  }
 
   // The identity of the bytes this object reads now (for POSIX: fstat of
   // the descriptor). Path left empty.
@@ -53,7 +72,8 @@ class SourceObject {
   virtual void WillNeed(uint64_t offset, uint64_t len) const {}
 
   // Brings [offset, offset + len) into the cache that ReadAt reads through
-  // (for POSIX, the page cache), waiting for it, while `go_on()` is true.
+  // (for POSIX, the page cache, waiting for it while `go_on()` is true; for
+  // object storage, fetches queued and not waited for).
   // Read-ahead calls it on an object of its own (Reopen), so the reader's
   // objects keep their own state. Only speed depends on it.
   virtual void Prefetch(uint64_t offset, uint64_t len, const std::function<bool()>& go_on) const {}

@@ -141,11 +141,12 @@ Status SourceReader::ReadOne(const SourceRead& r, char* dst, char* converted, st
     return Status::OK();
   }
   ASSIGN_OR_RETURN(const SourceObject* obj, Object(r.file));
+  DirectIo* direct = read_.direct.get();
   if (r.direct()) {
-    RETURN_IF_ERROR(obj->ReadAt(r.offset, r.length, dst + r.gathers[0].dst_offset));
+    RETURN_IF_ERROR(obj->ReadAtVia(r.offset, r.length, dst + r.gathers[0].dst_offset, direct));
   } else {
     scratch.resize(r.length);
-    RETURN_IF_ERROR(obj->ReadAt(r.offset, r.length, scratch.data()));
+    RETURN_IF_ERROR(obj->ReadAtVia(r.offset, r.length, scratch.data(), direct));
     for (const auto& g : r.gathers)
       std::memcpy((g.to_scratch ? converted : dst) + g.dst_offset, scratch.data() + g.read_offset, g.length);
   }
@@ -224,16 +225,23 @@ void SourceReader::HintWindow(const Layout& layout, ReadStream::Window w, const 
 
 void SourceReader::SetChecksumGate(std::unique_ptr<ChecksumGate> gate) { gate_ = std::move(gate); }
 
+Status SourceReader::PassGate(const std::vector<CopyOp>& copies) {
+  return gate_->Check(copies, [this](FileId file, uint64_t offset, uint64_t length, char* out) {
+    ReadPlan whole;
+    whole.length = length;
+    whole.copies.push_back({file, offset, 0, length});
+    return ExecuteUngated(whole, out);
+  });
+}
+
 Status SourceReader::Execute(const ReadPlan& plan, char* dst) {
-  if (gate_) {
-    RETURN_IF_ERROR(gate_->Check(plan.copies, [this](FileId file, uint64_t offset, uint64_t length, char* out) {
-      ReadPlan whole;
-      whole.length = length;
-      whole.copies.push_back({file, offset, 0, length});
-      return ExecuteUngated(whole, out);
-    }));
-  }
+  if (gate_) RETURN_IF_ERROR(PassGate(plan.copies));
   return ExecuteUngated(plan, dst);
+}
+
+Status SourceReader::ExecuteScatter(const ReadPlan& plan, ScatterReply* reply) {
+  if (gate_) RETURN_IF_ERROR(PassGate(plan.copies));
+  return ScatterUngated(plan, reply);
 }
 
 Status SourceReader::CheckSources(const std::vector<FileId>& ids) {
@@ -246,16 +254,30 @@ Status SourceReader::CheckSources(const std::vector<FileId>& ids) {
   return Status::OK();
 }
 
-Status SourceReader::ExecuteUngated(const ReadPlan& plan, char* dst) {
-  for (const LiteralOp& l : plan.literals) std::memcpy(dst + l.dst_offset, l.data, l.length);
-  if (plan.copies.empty()) return Status::OK();
-  std::vector<SourceRead> reads = GroupReads(plan.copies, policy_);
+namespace {
+
+// Decodes the elements of `c` from `converted` (the plan's scratch) into
+// c.length float32 bytes at `out`.
+void Convert(const ConvertOp& c, const char* converted, char* out, std::vector<float>& values) {
+  values.resize(c.count);
+  DecodeToFloat32(c.from, reinterpret_cast<const uint8_t*>(converted + c.scratch_offset), c.first, c.count,
+                  values.data());
+  std::memcpy(out, reinterpret_cast<const char*>(values.data()) + c.skip, c.length);
+}
+
+}  // namespace
+
+Status SourceReader::ForEachRead(const std::vector<SourceRead>& reads,
+                                 const std::function<Status(size_t)>& task) {
+  if (read_.direct && reads.size() > 1) return read_.direct->io().RunAll(reads.size(), task);
   // The first read starts at once; hinting the others first lets the disk
   // fetch them while it is waited for.
   if (read_.overlap && reads.size() > 1) Hint(reads, 1);
-  std::vector<char> converted(plan.scratch_size);  // source bytes of ConvertOps
-  std::vector<char> scratch;
-  for (const SourceRead& r : reads) RETURN_IF_ERROR(ReadOne(r, dst, converted.data(), scratch));
+  for (size_t i = 0; i < reads.size(); ++i) RETURN_IF_ERROR(task(i));
+  return Status::OK();
+}
+
+Status SourceReader::CheckReads(const std::vector<SourceRead>& reads) {
   // Identity checked after the reads (see the header): reads are grouped by
   // file, so this is one fstat + stat per file touched.
   // A derived source's bytes may come from the decoded cache: its base file
@@ -269,13 +291,69 @@ Status SourceReader::ExecuteUngated(const ReadPlan& plan, char* dst) {
     ASSIGN_OR_RETURN(const SourceObject* obj, Object(id));
     RETURN_IF_ERROR(CheckUnchanged(id, *obj));
   }
+  return Status::OK();
+}
+
+Status SourceReader::ExecuteUngated(const ReadPlan& plan, char* dst) {
+  for (const LiteralOp& l : plan.literals) std::memcpy(dst + l.dst_offset, l.data, l.length);
+  if (plan.copies.empty()) return Status::OK();
+  std::vector<SourceRead> reads = GroupReads(plan.copies, policy_);
+  std::vector<char> converted(plan.scratch_size);  // source bytes of ConvertOps
+  RETURN_IF_ERROR(ForEachRead(reads, [&](size_t i) {
+    std::vector<char> scratch;
+    return ReadOne(reads[i], dst, converted.data(), scratch);
+  }));
+  RETURN_IF_ERROR(CheckReads(reads));
   std::vector<float> values;
-  for (const ConvertOp& c : plan.converts) {
-    values.resize(c.count);
-    DecodeToFloat32(c.from, reinterpret_cast<const uint8_t*>(converted.data() + c.scratch_offset), c.first, c.count,
-                    values.data());
-    std::memcpy(dst + c.dst_offset, reinterpret_cast<const char*>(values.data()) + c.skip, c.length);
+  for (const ConvertOp& c : plan.converts) Convert(c, converted.data(), dst + c.dst_offset, values);
+  return Status::OK();
+}
+
+Result<FilledRange> SourceReader::ReadFilled(const SourceRead& r) {
+  if ((*files_)[r.file].derived()) {
+    ASSIGN_OR_RETURN(auto bytes, Decoded(r.file));
+    if (r.offset + r.length > bytes->size())
+      return Status::Corruption(PathOf(r.file) + ": read past the decoded item");
+    FilledRange f;
+    f.data = bytes->data() + r.offset;
+    f.shared = std::move(bytes);
+    return f;
   }
+  ASSIGN_OR_RETURN(const SourceObject* obj, Object(r.file));
+  ASSIGN_OR_RETURN(FilledRange f, obj->ReadFilled(r.offset, r.length, read_.direct.get()));
+  bytes_read_->fetch_add(r.length, std::memory_order_relaxed);
+  return f;
+}
+
+Status SourceReader::ScatterUngated(const ReadPlan& plan, ScatterReply* reply) {
+  // Bytes made here rather than read: literals, converted values and the
+  // caller's computed ones.
+  uint64_t gathered = 0;
+  for (const LiteralOp& l : plan.literals) gathered += l.length;
+  for (const ConvertOp& c : plan.converts) gathered += c.length;
+  for (const ComputeOp& c : plan.computes) gathered += c.length;
+  reply->ReserveGather(gathered);
+  for (const LiteralOp& l : plan.literals) std::memcpy(reply->Reserve(l.dst_offset, l.length), l.data, l.length);
+  if (plan.copies.empty()) return Status::OK();
+  std::vector<SourceRead> reads = GroupReads(plan.copies, policy_);
+  std::vector<FilledRange> filled(reads.size());
+  RETURN_IF_ERROR(ForEachRead(reads, [&](size_t i) -> Status {
+    ASSIGN_OR_RETURN(filled[i], ReadFilled(reads[i]));
+    return Status::OK();
+  }));
+  RETURN_IF_ERROR(CheckReads(reads));
+  std::vector<char> converted(plan.scratch_size);
+  for (size_t i = 0; i < reads.size(); ++i) {
+    for (const SourceRead::Gather& g : reads[i].gathers) {
+      if (g.to_scratch) std::memcpy(converted.data() + g.dst_offset, filled[i].data + g.read_offset, g.length);
+      else reply->Add(g.dst_offset, filled[i].data + g.read_offset, g.length);
+    }
+    if (filled[i].buffer.data()) reply->Keep(std::move(filled[i].buffer));
+    if (filled[i].shared) reply->Keep(std::move(filled[i].shared));
+  }
+  std::vector<float> values;
+  for (const ConvertOp& c : plan.converts)
+    Convert(c, converted.data(), reply->Reserve(c.dst_offset, c.length), values);
   return Status::OK();
 }
 

@@ -12,14 +12,18 @@
 // bytes (a short read is Corruption). Once a file is seen changed, every
 // later read of it fails at once.
 //
-// Speed (docs/BENCHMARKS.md): the reads of one request are hinted to the
-// kernel together before they are read one by one, so their disk I/O
-// overlaps; ReadAhead() brings the sources of what a sequential reader will
-// ask for next into the page cache (source/readahead.h). Neither replaces
-// the checked preads.
+// Speed (docs/BENCHMARKS.md): with ReadOptions::direct, the reads of one
+// request run side by side on an I/O pool and read what is not in the page
+// cache with O_DIRECT into pooled buffers (source/direct_io.h), which
+// ExecuteScatter hands to the reply without copying; without it, they are
+// hinted to the kernel together before they are read one by one, so their
+// disk I/O overlaps. ReadAhead() brings the sources of what a sequential
+// reader will ask for next into the page cache (source/readahead.h). None
+// of this replaces the checked reads.
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
@@ -32,7 +36,9 @@
 #include "core/meta.h"
 #include "core/planner.h"
 #include "core/status.h"
+#include "source/direct_io.h"
 #include "source/readahead.h"
+#include "source/scatter_reply.h"
 #include "source/source.h"
 
 namespace ckptfs {
@@ -43,8 +49,14 @@ struct ReadOptions {
   // a disk of ~2 GB/s busy for the ~15 ms a 2-core machine may take to
   // come back to a stream under load, and is small next to a page cache.
   uint64_t readahead_bytes = 32ull << 20;
-  // Hint all reads of a request before the first pread (overlapped I/O).
+  // Hint all reads of a request before the first pread (overlapped I/O;
+  // without `direct` only: with it the reads run side by side).
   bool overlap = true;
+  // Direct reads of cold source ranges into a bounded pool, the reads of a
+  // request run side by side (source/direct_io.h); shared by the readers of
+  // one mount. Null: every read goes through the page cache, one after the
+  // other (the CLI's one-shot commands).
+  std::shared_ptr<DirectIo> direct;
 };
 
 // Derived sources (decoded transformed items) are decoded on first read and
@@ -65,6 +77,14 @@ class SourceReader {
 
   // Fills dst[0, plan.length) as the plan says. Thread-safe.
   Status Execute(const ReadPlan& plan, char* dst);
+
+  // The plan's bytes as a scatter list over the buffers its reads filled
+  // (source/scatter_reply.h): no byte read is copied to put it in place.
+  // Literals and converted values go to the reply's gather memory, which is
+  // reserved for the plan's ComputeOps too: the caller fills those with
+  // reply->Reserve, then calls reply->Finish. Same checks as Execute: the
+  // sources' identity after every read, before anything is handed out.
+  Status ExecuteScatter(const ReadPlan& plan, ScatterReply* reply);
 
   // From now on every Execute first passes its source ranges through
   // `gate` (verify-on-first-read of recorded checksums; source/checksums.h).
@@ -99,6 +119,16 @@ class SourceReader {
 
  private:
   Status ExecuteUngated(const ReadPlan& plan, char* dst);
+  Status ScatterUngated(const ReadPlan& plan, ScatterReply* reply);
+  // Verify-on-first-read of the chunks `copies` touch (SetChecksumGate).
+  Status PassGate(const std::vector<CopyOp>& copies);
+  // Runs task(i) for each of `reads`: side by side on the IoPool with
+  // `direct`, else in order after hinting them all.
+  Status ForEachRead(const std::vector<SourceRead>& reads, const std::function<Status(size_t)>& task);
+  // Checks the sources of `reads` unchanged (after reading them).
+  Status CheckReads(const std::vector<SourceRead>& reads);
+  // The bytes of read `r` in memory of their own.
+  Result<FilledRange> ReadFilled(const SourceRead& r);
   Result<const SourceObject*> Object(FileId id);
   // Compares the file's identity now (open object and path) with the indexed one.
   Status CheckUnchanged(FileId id, const SourceObject& obj);

@@ -47,6 +47,7 @@ Examples:
   ckptfs ls     /ckpts/step_100 model/consolidated
   ckptfs cat    /ckpts/step_100 model/consolidated/model.safetensors.index.json
   ckptfs export /ckpts/step_100 model/consolidated /tmp/hf   # materialise a view
+  ckptfs mount  s3://bucket/run1 /mnt/run1      # object storage (AWS_* variables, ~/.aws)
 
 Docs: docs/CLI.md (flags, exit codes), docs/SEMANTICS.md (what the mount serves).
 )";
@@ -87,6 +88,7 @@ struct Flags {
   bool no_watch = false, json = false, dump = false, verify_checksums = false;
   unsigned threads = 16;
   unsigned readahead_mib = 32;
+  unsigned direct_pool_mib = 64;
   unsigned rescan_ms = 2000;
   size_t max_loaded = 32;  // mount only: the one-shot commands load what they need
   std::string mountpoint, vpath, dest, log_file, log_level = "info";
@@ -129,6 +131,10 @@ void AddIndexAndMount(CLI::App& app, Flags& f, Commands& cmd) {
   m->add_option("--readahead-mib", f.readahead_mib,
                 "Source MiB read ahead of each sequential reader of a virtual file; 0 = off (default 32)")
       ->check(CLI::Range(0u, 4096u));
+  m->add_option("--direct-pool-mib", f.direct_pool_mib,
+                "MiB of aligned buffers for direct (O_DIRECT) reads of source ranges not in the page cache; when "
+                "full, reads go through the page cache. 0 = no direct reads (default 64)")
+      ->check(CLI::Range(0u, 65536u));
   m->add_flag("--verify-checksums", f.verify_checksums,
               "Check each chunk's recorded CRC32C (checkpoints saved by ckptfs's writer) on its first read: a chunk "
               "that differs answers EIO, the rest keep serving. The first read of a chunk reads all of it");
@@ -137,7 +143,8 @@ void AddIndexAndMount(CLI::App& app, Flags& f, Commands& cmd) {
   m->add_option("--log-level", f.log_level, "error, warn, info (default) or debug")
       ->check(CLI::IsMember({"error", "warn", "info", "debug"}));
   AddCommon(m, f.c, true);
-  m->footer("\nExamples:\n  ckptfs mount /ckpts/step_100 /mnt/s100\n  ckptfs mount -f --max-file-size 2GB /ckpts/step_100 /mnt/s100\n  fusermount3 -u /mnt/s100     # unmount\n\nExit status 7 when the mountpoint is missing, not a directory, not empty or already mounted.\n");
+  m->footer("\nExamples:\n  ckptfs mount /ckpts/step_100 /mnt/s100\n  ckptfs mount -f --max-file-size 2GB /ckpts/step_100 /mnt/s100\n"
+            "  ckptfs mount s3://bucket/run1 /mnt/run1 --endpoint-url http://minio:9000   # new steps by listing every --rescan-ms\n  fusermount3 -u /mnt/s100     # unmount\n\nExit status 7 when the mountpoint is missing, not a directory, not empty or already mounted.\n");
 }
 
 void AddReadCommands(CLI::App& app, Flags& f, Commands& cmd) {
@@ -224,6 +231,7 @@ int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::f
   fs->set_info([out](const std::string& line) { out->Write(LogLevel::kInfo, line); });
   ReadOptions read;
   read.readahead_bytes = uint64_t(f.readahead_mib) << 20;
+  if (f.direct_pool_mib > 0) read.direct = std::make_shared<DirectIo>(uint64_t(f.direct_pool_mib) << 20);
   fs->set_read_options(read);
   fs->set_verify_checksums(f.verify_checksums);
   out->Write(LogLevel::kInfo, "mounting " + AbsRoot(f.c.root) + " at " + mountpoint + " (index " + IndexPath(f.c) + ")");
@@ -252,6 +260,7 @@ int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::f
     out->Write(LogLevel::kError, st.message());
     return kExitMountFailed;
   }
+  if (read.direct) out->Write(LogLevel::kInfo, read.direct->stats().Describe());
   out->Write(LogLevel::kInfo, "unmounted " + mountpoint);
   return kExitOk;
 }

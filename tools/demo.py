@@ -14,6 +14,9 @@
 4. The same step in bf16, cast on read: MNT/step_N/consolidated.bf16/
    gives the logits transformers gets when it casts the fp32 folder to
    bf16 as it loads it.
+5. The last step in object storage: uploaded with boto3 to a local S3
+   server (SeaweedFS), mounted as s3://ckpts/run1, and loaded by
+   transformers from its consolidated/ with ranged GETs: the same logits.
 
     python3 tools/demo.py [--workdir DIR] [--steps N] [--save-every K] [--keep-mounted]
 """
@@ -98,6 +101,28 @@ def evaluate_bf16(mnt: Path, refs: Path, step_no: int) -> bool:
     return out[0].dtype == torch.bfloat16 and torch.equal(out[0], out[1])
 
 
+def from_object_storage(ckptfs: str, work: Path, root: Path, refs: Path, step_no: int) -> bool:
+    """Uploads step_N to a local S3 server, mounts the bucket's prefix and
+    evaluates the step from there."""
+    import s3_server  # tests/e2e/s3_server.py: SeaweedFS with one identity
+    (work / "seaweedfs").mkdir(exist_ok=True)
+    server = s3_server.Server(work / "seaweedfs")
+    s3mnt = work / "mnt-s3"
+    s3mnt.mkdir(exist_ok=True)
+    try:
+        keys = s3_server.upload_tree(server.client, str(root / f"step_{step_no}"), f"run1/step_{step_no}/")
+        print(f"   uploaded step_{step_no} ({len(keys)} objects) to s3://{s3_server.BUCKET}/run1/ at {server.endpoint}")
+        os.environ.update(AWS_ACCESS_KEY_ID=s3_server.ACCESS_KEY, AWS_SECRET_ACCESS_KEY=s3_server.SECRET_KEY)
+        run(ckptfs, "mount", f"s3://{s3_server.BUCKET}/run1", str(s3mnt), "--endpoint-url", server.endpoint,
+            "--log-file", str(work / "ckptfs-s3.log"))
+        try:
+            return evaluate(s3mnt, refs, step_no)
+        finally:
+            unmount(s3mnt)
+    finally:
+        server.stop()
+
+
 def eval_loop(mnt: Path, refs: Path, trainer: threading.Thread, wanted: list[int]) -> int:
     failures = 0
     for n in wanted:
@@ -156,6 +181,10 @@ def main() -> int:
         run("ls", "-l", str(mnt / f"step_{wanted[-1]}" / "consolidated"))
         step("4. every chunk of the last step re-read against the CRC32C its writer recorded")
         run(ckptfs, "verify", str(root / f"step_{wanted[-1]}"))
+        step(f"5. step_{wanted[-1]} read back from object storage (a local S3 server)")
+        same = from_object_storage(ckptfs, work, root, refs, wanted[-1])
+        failures += not same
+        print(f"   eval: s3://.../step_{wanted[-1]}/consolidated/ gives the trained model's logits: {same}", flush=True)
         print(f"\n   the mount's log: {work / 'ckptfs.log'}")
         if failures:
             print("DEMO FAILED", file=sys.stderr)

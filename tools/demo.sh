@@ -3,7 +3,8 @@
 # a small Llama trains on 2 gloo ranks and saves a checkpoint every few steps
 # (torch.distributed.checkpoint through ckptfs.torch.StorageWriter) into a root that ckptfs has mounted live; an
 # eval loop loads each new step from MNT/step_N/consolidated/ with
-# transformers as soon as it appears and checks the logits bit for bit.
+# transformers as soon as it appears and checks the logits bit for bit; the
+# same step in bf16 (cast on read), and read back from a local S3 server.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh

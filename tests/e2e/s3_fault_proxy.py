@@ -44,6 +44,7 @@ class FaultProxy:
         self.lock = threading.Lock()
         self.p = (p_slowdown, p_reset, p_truncate)
         self.counts = {"slowdown": 0, "reset": 0, "truncate": 0, "passed": 0}
+        self.ranged_gets = 0  # GETs with a Range header, faulted or not
         self.server = socket.socket()
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.server.bind(("127.0.0.1", 0))
@@ -76,6 +77,9 @@ class FaultProxy:
                 head, rest = _read_head(conn)
                 if not head:
                     return
+                if head.startswith(b"GET ") and b"\r\nrange:" in head.lower():
+                    with self.lock:
+                        self.ranged_gets += 1
                 kind = self._choose()
                 if kind == "slowdown":
                     conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "

@@ -28,6 +28,8 @@ def test_demo_trains_saves_and_evaluates_every_step_through_the_live_mount(tmp_p
     assert evals == [("3", "True"), ("6", "True")], out[-4000:]
     evals = re.findall(r"eval: step_(\d+)/consolidated.bf16/ .*bf16 logits: (\w+)", p.stdout)
     assert evals == [("3", "True"), ("6", "True")], out[-4000:]
+    assert re.search(r"eval: s3://\.\.\./step_6/consolidated/ gives the trained model's logits: True", p.stdout), \
+        out[-4000:]
     # The steps were saved by ckptfs's writer: each has its commit record,
     # and verify checked checksums (a scanned step has none to check).
     for n in (3, 6):

@@ -466,5 +466,64 @@ TEST_F(VirtualFsTest, EveryReadFailingLogsAFewLinesAndACount) {
   EXPECT_EQ(written + 1 + std::stoul(last.substr(at)), size_t(kReads)) << last;
 }
 
+// ReadScatter (the mount's reply) gives, for every range of every view file
+// of the fixture, the bytes the copying Read gives, with direct reads on
+// and the sources out of the page cache; the consolidated tensor data is
+// also checked against the bytes the fixture wrote (0..7).
+TEST_F(VirtualFsTest, ScatterRepliesEqualCopiedReadsForEveryRange) {
+  auto catalog = ScanSource((dir_ / "step").string());
+  ASSERT_TRUE(catalog.ok());
+  FsOptions o;
+  o.read.direct = std::make_shared<DirectIo>(8 << 20);
+  auto v = VirtualFs::Create(std::move(*catalog), o);
+  ASSERT_TRUE(v.ok());
+  for (const char* shard : {"shard-00001-model-00001-of-00001.safetensors",
+                            "shard-00002-model-00001-of-00001.safetensors"}) {
+    int fd = ::open((dir_ / "step" / "model" / shard).c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    ::fsync(fd);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
+  for (const char* path : {"model/consolidated/model.safetensors", "model/tensors/w.npy",
+                           "model/consolidated/config.json"}) {
+    const std::string whole = ReadAll(path);
+    ASSERT_FALSE(whole.empty()) << path;
+    if (std::string(path).find("config") == std::string::npos) {
+      EXPECT_EQ(whole.substr(whole.size() - 8), std::string("\0\1\2\3\4\5\6\7", 8)) << path;
+    }
+    auto a = (*v)->Resolve(path);
+    ASSERT_TRUE(a.ok());
+    auto h = (*v)->Open(a->ino, O_RDONLY);
+    ASSERT_TRUE(h.ok());
+    for (uint64_t off = 0; off <= whole.size(); ++off) {
+      for (uint64_t len = 0; off + len <= whole.size() + 2; ++len) {
+        auto r = (*v)->ReadScatter(*h, len, off);
+        ASSERT_TRUE(r.ok()) << path << " @" << off << "+" << len << ": " << r.status().message();
+        std::string got(r->length(), '\0');
+        r->CopyTo(got.data());
+        ASSERT_EQ(got, whole.substr(off, len)) << path << " @" << off << "+" << len;
+      }
+    }
+    (*v)->Release(*h);
+  }
+}
+
+TEST_F(VirtualFsTest, ScatterReplyOfAChangedSourceIsEIO) {
+  auto a = vfs_->Resolve("model/consolidated/model.safetensors");
+  auto h = vfs_->Open(a->ino, O_RDONLY);
+  ASSERT_TRUE(h.ok());
+  {
+    std::fstream f(dir_ / "step" / "model" / "shard-00002-model-00001-of-00001.safetensors",
+                   std::ios::binary | std::ios::in | std::ios::out | std::ios::ate);
+    f << "tail";
+  }
+  auto r = vfs_->ReadScatter(*h, a->size, 0);
+  vfs_->Release(*h);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().err(), EIO);
+  EXPECT_NE(r.status().message().find("run `ckptfs index` again"), std::string::npos) << r.status().message();
+}
+
 }  // namespace
 }  // namespace ckptfs

@@ -1,0 +1,478 @@
+// Direct reads (source/direct_io.h): the alignment arithmetic, the bounded
+// buffer pool, the I/O pool and scatter replies against simple oracles, and
+// the POSIX backend's direct path on a real disk filesystem (a file half in
+// the page cache) and on tmpfs (no O_DIRECT: read buffered).
+#include "source/direct_io.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <linux/magic.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <set>
+#include <thread>
+
+#include "source/io_pool.h"
+#include "source/posix_source.h"
+#include "source/scatter_reply.h"
+
+namespace ckptfs {
+namespace {
+
+namespace fs = std::filesystem;
+
+// --- alignment -------------------------------------------------------------
+
+TEST(AlignSpan, CoversTheRangeWithTheNearestAlignedBoundsByCounting) {
+  std::mt19937_64 rng(7);
+  for (uint64_t align : {512ull, 4096ull}) {
+    for (int i = 0; i < 5000; ++i) {
+      const uint64_t offset = i < 50 ? uint64_t(i) * align / 8 : rng() % (1ull << 40);
+      const uint64_t length = rng() % (3 * align);
+      // Oracle: walk down and up one byte at a time to the nearest multiples.
+      uint64_t lo = offset;
+      while (lo % align != 0) --lo;
+      uint64_t hi = offset + length;
+      while (hi % align != 0) ++hi;
+      AlignedSpan s = AlignSpan(offset, length, align);
+      ASSERT_EQ(s.start, lo) << offset << "+" << length;
+      ASSERT_EQ(s.length, hi - lo) << offset << "+" << length;
+      ASSERT_EQ(s.skip, offset - lo);
+    }
+  }
+}
+
+// --- BufferPool --------------------------------------------------------------
+
+TEST(BufferPool, BuffersArePageAlignedAndAtLeastTheSizeAsked) {
+  BufferPool pool(64 << 20);
+  for (uint64_t ask : {1ull, 4096ull, 65537ull, 1ull << 20, (1ull << 20) + 1, 8ull << 20}) {
+    auto b = pool.TryTake(ask);
+    ASSERT_TRUE(b.has_value()) << ask;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(b->data()) % 4096, 0u) << ask;
+    EXPECT_GE(b->size(), ask);
+    EXPECT_LT(b->size(), std::max<uint64_t>(2 * ask, BufferPool::kMinBuffer + 1));
+    EXPECT_TRUE(b->pooled());
+    std::memset(b->data(), 0xab, b->size());  // all of it is ours to write
+  }
+  EXPECT_EQ(pool.in_use(), 0u);
+}
+
+TEST(BufferPool, ReleasedBufferServesTheNextTakeOfItsSize) {
+  BufferPool pool(8 << 20);
+  char* first;
+  {
+    auto b = pool.TryTake(1 << 20);
+    ASSERT_TRUE(b);
+    first = b->data();
+  }
+  auto again = pool.TryTake((1 << 20) - 100);
+  ASSERT_TRUE(again);
+  EXPECT_EQ(again->data(), first);
+  EXPECT_EQ(pool.held(), 1u << 20);
+}
+
+// Random takes and releases against a model of what the pool may hold: it
+// never holds more than its capacity, and refuses a take only when the
+// buffers in use leave no room for it.
+TEST(BufferPool, NeverHoldsMoreThanItsCapacityAndRefusesOnlyWhenFull) {
+  const uint64_t cap = 16 << 20;
+  BufferPool pool(cap);
+  std::mt19937_64 rng(11);
+  std::vector<Buffer> taken;
+  uint64_t in_use = 0;  // the model: bytes of the buffers we hold
+  for (int step = 0; step < 20000; ++step) {
+    if (!taken.empty() && rng() % 2) {
+      size_t i = rng() % taken.size();
+      in_use -= taken[i].size();
+      taken.erase(taken.begin() + i);
+    } else {
+      const uint64_t ask = 1 + rng() % (6 << 20);
+      const uint64_t size = BufferPool::ClassSize(ask);
+      auto b = pool.TryTake(ask);
+      ASSERT_EQ(b.has_value(), in_use + size <= cap) << "step " << step << " in use " << in_use << " ask " << ask;
+      if (b) {
+        in_use += b->size();
+        taken.push_back(std::move(*b));
+      }
+    }
+    ASSERT_LE(pool.held(), cap);
+    ASSERT_EQ(pool.in_use(), in_use);
+  }
+}
+
+TEST(BufferPool, HeapBufferIsNotPooled) {
+  Buffer b = Buffer::Heap(100);
+  EXPECT_FALSE(b.pooled());
+  EXPECT_EQ(b.size(), 100u);
+  Buffer moved = std::move(b);
+  EXPECT_EQ(b.data(), nullptr);
+  EXPECT_EQ(moved.size(), 100u);
+}
+
+// --- IoPool ------------------------------------------------------------------
+
+TEST(IoPool, RunsEveryTaskOnceOnSeveralThreads) {
+  IoPool io(4);
+  const size_t n = 200;
+  std::vector<std::atomic<int>> runs(n);
+  std::mutex mu;
+  std::set<std::thread::id> threads;
+  Status st = io.RunAll(n, [&](size_t i) {
+    runs[i].fetch_add(1);
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    std::lock_guard<std::mutex> lock(mu);
+    threads.insert(std::this_thread::get_id());
+    return Status::OK();
+  });
+  ASSERT_TRUE(st.ok());
+  for (size_t i = 0; i < n; ++i) ASSERT_EQ(runs[i].load(), 1) << i;
+  EXPECT_GT(threads.size(), 1u);
+}
+
+TEST(IoPool, ReturnsTheFailureOfTheLowestIndex) {
+  IoPool io(3);
+  Status st = io.RunAll(50, [&](size_t i) {
+    if (i == 41) return Status::IOError("forty-one");
+    if (i == 17) return Status::Corruption("seventeen");
+    return Status::OK();
+  });
+  EXPECT_EQ(st.code(), Status::Code::kCorruption);
+  EXPECT_EQ(st.message(), "seventeen");
+  EXPECT_TRUE(io.RunAll(0, [](size_t) { return Status::IOError("never run"); }).ok());
+}
+
+// More callers than pool threads, each waiting on its own batch: every batch
+// finishes (callers run their own tasks when the threads are busy).
+TEST(IoPool, ManyCallersAtOnceAllFinish) {
+  IoPool io(2);
+  std::atomic<uint64_t> sum{0};
+  std::vector<std::thread> callers;
+  for (int c = 0; c < 12; ++c)
+    callers.emplace_back([&] {
+      for (int round = 0; round < 50; ++round)
+        ASSERT_TRUE(io.RunAll(7, [&](size_t i) {
+                        sum.fetch_add(i + 1);
+                        return Status::OK();
+                      }).ok());
+    });
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(sum.load(), 12u * 50u * 28u);
+}
+
+// --- ScatterReply ------------------------------------------------------------
+
+struct Piece {
+  uint64_t at;
+  std::string bytes;
+};
+
+// The oracle: each piece written at its offset of one string.
+std::string Expected(const std::vector<Piece>& pieces) {
+  uint64_t n = 0;
+  for (const Piece& p : pieces) n = std::max<uint64_t>(n, p.at + p.bytes.size());
+  std::string out(n, '\0');
+  for (const Piece& p : pieces) out.replace(p.at, p.bytes.size(), p.bytes);
+  return out;
+}
+
+// Pieces of random sizes tiling [0, total), added in a shuffled order, each
+// in its own string (so no two are adjacent in memory).
+std::vector<Piece> RandomPieces(size_t count, std::mt19937_64& rng) {
+  std::vector<Piece> pieces;
+  uint64_t at = 0;
+  for (size_t i = 0; i < count; ++i) {
+    std::string b(1 + rng() % 300, '\0');
+    for (char& ch : b) ch = char(rng());
+    pieces.push_back({at, b});
+    at += b.size();
+  }
+  std::shuffle(pieces.begin(), pieces.end(), rng);
+  return pieces;
+}
+
+std::string Sent(const ScatterReply& r) {
+  std::string out;
+  for (const struct iovec& v : r.iov()) out.append(static_cast<const char*>(v.iov_base), v.iov_len);
+  return out;
+}
+
+TEST(ScatterReply, PiecesInAnyOrderComeOutInFileOrder) {
+  std::mt19937_64 rng(3);
+  for (size_t count : {size_t(1), size_t(2), size_t(37), ScatterReply::kMaxPieces}) {
+    std::vector<Piece> pieces = RandomPieces(count, rng);
+    ScatterReply r;
+    for (const Piece& p : pieces) r.Add(p.at, p.bytes.data(), p.bytes.size());
+    ASSERT_TRUE(r.Finish().ok());
+    EXPECT_EQ(r.iov().size(), count);  // not gathered: every piece as it is
+    EXPECT_EQ(Sent(r), Expected(pieces));
+    EXPECT_EQ(r.length(), Expected(pieces).size());
+    std::string copied(r.length(), '\0');
+    r.CopyTo(copied.data());
+    EXPECT_EQ(copied, Expected(pieces));
+  }
+}
+
+TEST(ScatterReply, MoreThanIovMaxPiecesAreGatheredDownToIt) {
+  std::mt19937_64 rng(5);
+  for (size_t count : {ScatterReply::kMaxPieces + 1, size_t(2048), size_t(5000)}) {
+    std::vector<Piece> pieces = RandomPieces(count, rng);
+    ScatterReply r;
+    for (const Piece& p : pieces) r.Add(p.at, p.bytes.data(), p.bytes.size());
+    ASSERT_TRUE(r.Finish().ok());
+    ASSERT_EQ(r.iov().size(), ScatterReply::kMaxPieces) << count;
+    EXPECT_EQ(Sent(r), Expected(pieces)) << count;
+  }
+  ScatterReply few;  // a limit of 1: everything in one piece
+  std::vector<Piece> pieces = RandomPieces(10, rng);
+  for (const Piece& p : pieces) few.Add(p.at, p.bytes.data(), p.bytes.size());
+  ASSERT_TRUE(few.Finish(1).ok());
+  ASSERT_EQ(few.iov().size(), 1u);
+  EXPECT_EQ(Sent(few), Expected(pieces));
+}
+
+// 1100 pieces of 1000 bytes but for 78 of one byte in a row: bringing them
+// to 1023 copies exactly those 78 bytes; every other piece is sent from
+// where it was.
+TEST(ScatterReply, GathersTheNeighboursWithTheFewestBytes) {
+  std::vector<std::string> store;
+  std::vector<Piece> pieces;
+  uint64_t at = 0;
+  for (size_t i = 0; i < 1100; ++i) {
+    const size_t n = (i >= 500 && i < 578) ? 1 : 1000;
+    pieces.push_back({at, std::string(n, char('a' + i % 26))});
+    at += n;
+  }
+  ScatterReply r;
+  for (const Piece& p : pieces) r.Add(p.at, p.bytes.data(), p.bytes.size());
+  ASSERT_TRUE(r.Finish().ok());
+  ASSERT_EQ(r.iov().size(), ScatterReply::kMaxPieces);
+  EXPECT_EQ(Sent(r), Expected(pieces));
+  std::set<const void*> originals;
+  for (const Piece& p : pieces) originals.insert(p.bytes.data());
+  uint64_t copied = 0;
+  for (const struct iovec& v : r.iov())
+    if (!originals.count(v.iov_base)) copied += v.iov_len;
+  EXPECT_EQ(copied, 78u);
+}
+
+TEST(ScatterReply, NeighboursInMemoryAreJoinedAndGatherMemoryIsOwned) {
+  const std::string backing = "abcdefghij";
+  ScatterReply r;
+  r.ReserveGather(3);
+  r.Add(0, backing.data(), 4);       // "abcd"
+  r.Add(4, backing.data() + 4, 3);   // "efg", right after it in memory
+  std::memcpy(r.Reserve(7, 3), "XYZ", 3);
+  ASSERT_TRUE(r.Finish().ok());
+  ASSERT_EQ(r.iov().size(), 2u);
+  EXPECT_EQ(r.iov()[0].iov_len, 7u);
+  EXPECT_EQ(Sent(r), "abcdefgXYZ");
+}
+
+TEST(ScatterReply, AHoleOrAnOverlapIsCorruption) {
+  const std::string b = "0123456789";
+  ScatterReply hole;
+  hole.Add(0, b.data(), 3);
+  hole.Add(4, b.data() + 4, 3);
+  Status st = hole.Finish();
+  EXPECT_EQ(st.code(), Status::Code::kCorruption);
+  EXPECT_NE(st.message().find("hole at byte 3"), std::string::npos) << st.message();
+  ScatterReply overlap;
+  overlap.Add(0, b.data(), 5);
+  overlap.Add(3, b.data(), 2);
+  EXPECT_EQ(overlap.Finish().code(), Status::Code::kCorruption);
+  ScatterReply empty;
+  EXPECT_TRUE(empty.Finish().ok());
+  EXPECT_EQ(empty.iov().size(), 0u);
+}
+
+// --- the POSIX backend's direct path ---------------------------------------
+
+// statx reports direct I/O alignment for regular files only: a probe file.
+bool SupportsDirect(const fs::path& dir) {
+  const fs::path probe = dir / "probe";
+  std::ofstream(probe) << "x";
+  struct statx sx;
+  const bool ok = ::statx(AT_FDCWD, probe.c_str(), 0, STATX_DIOALIGN, &sx) == 0 &&
+                  (sx.stx_mask & STATX_DIOALIGN) && sx.stx_dio_offset_align > 0 &&
+                  sx.stx_dio_offset_align <= 4096;
+  fs::remove(probe);
+  return ok;
+}
+
+// A directory on a filesystem with O_DIRECT: the test temp dir, else
+// /var/tmp (where /tmp is tmpfs).
+fs::path DiskDir(const std::string& name) {
+  for (std::string base : {::testing::TempDir(), std::string("/var/tmp")}) {
+    fs::path d = fs::path(base) / (name + "_" + std::to_string(::getpid()));
+    fs::create_directories(d);
+    if (SupportsDirect(d)) return d;
+    fs::remove_all(d);
+  }
+  ADD_FAILURE() << "no directory with O_DIRECT among the test temp dir and /var/tmp";
+  return {};
+}
+
+std::string RandomBytes(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::string s(n, '\0');
+  for (char& ch : s) ch = char(rng());
+  return s;
+}
+
+// Writes `bytes` to `path`, flushed to disk, with the page cache of
+// [drop_from, end) dropped.
+void WriteFile(const fs::path& path, const std::string& bytes, uint64_t drop_from) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::write(fd, bytes.data(), bytes.size()), ssize_t(bytes.size()));
+  ASSERT_EQ(::fsync(fd), 0);
+  ASSERT_EQ(::posix_fadvise(fd, off_t(drop_from), 0, POSIX_FADV_DONTNEED), 0);
+  ::close(fd);
+}
+
+class DirectPosixTest : public ::testing::Test {
+ protected:
+  void TearDown() override {
+    if (!dir_.empty()) fs::remove_all(dir_);
+  }
+  fs::path dir_;
+};
+
+// A file of odd size, its second half out of the page cache: random ranges
+// (unaligned, across the boundary, up to the last byte) read through
+// ReadFilled and ReadAtVia equal the bytes written, and both paths ran.
+TEST_F(DirectPosixTest, HalfCachedFileReadsExactBytesThroughBothPaths) {
+  dir_ = DiskDir("direct_half");
+  ASSERT_FALSE(dir_.empty());
+  const size_t size = (6 << 20) + 1234;
+  const std::string bytes = RandomBytes(size, 1);
+  WriteFile(dir_ / "f", bytes, size / 2);
+  auto src = PosixSource::OpenRoot(dir_.string());
+  ASSERT_TRUE(src.ok());
+  auto obj = (*src)->Open("f");
+  ASSERT_TRUE(obj.ok());
+  DirectIo direct(32 << 20);
+  std::mt19937_64 rng(2);
+  for (int i = 0; i < 400; ++i) {
+    uint64_t len = 1 + rng() % (1 << 20);
+    uint64_t off = i == 0 ? size - len : rng() % (size - len + 1);
+    if (i % 2 == 0) {
+      auto got = (*obj)->ReadFilled(off, len, &direct);
+      ASSERT_TRUE(got.ok()) << got.status().message();
+      ASSERT_EQ(std::memcmp(got->data, bytes.data() + off, len), 0) << off << "+" << len;
+    } else {
+      std::string out(len, '\0');
+      ASSERT_TRUE((*obj)->ReadAtVia(off, len, out.data(), &direct).ok());
+      ASSERT_EQ(out, bytes.substr(off, len)) << off << "+" << len;
+    }
+  }
+  const DirectStats& st = direct.stats();
+  EXPECT_GT(st.direct_reads.load(), 0u) << st.Describe();
+  EXPECT_GT(st.direct_bytes.load(), 0u) << st.Describe();
+  EXPECT_GT(st.cached_bytes.load(), 0u) << st.Describe();
+  EXPECT_EQ(st.refused_files.load(), 0u) << st.Describe();
+  EXPECT_EQ(direct.pool().in_use(), 0u);
+}
+
+// Pages of [offset, offset + len) of `path` in the page cache (mincore on a
+// mapping of our own: the test runs as the files' owner).
+size_t ResidentPages(const fs::path& path, uint64_t offset, uint64_t len) {
+  int fd = ::open(path.c_str(), O_RDONLY);
+  void* m = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, fd, off_t(offset));
+  ::close(fd);
+  EXPECT_NE(m, MAP_FAILED);
+  std::vector<unsigned char> vec((len + 4095) / 4096);
+  EXPECT_EQ(::mincore(m, len, vec.data()), 0);
+  ::munmap(m, len);
+  size_t n = 0;
+  for (unsigned char v : vec) n += v & 1;
+  return n;
+}
+
+// A cold range is read into our buffer only: the page cache of the source
+// stays empty (probing with preadv2(RWF_NOWAIT) started the kernel's
+// read-ahead of it, reading it twice).
+TEST_F(DirectPosixTest, ColdRangeDoesNotEnterThePageCache) {
+  dir_ = DiskDir("direct_cold");
+  ASSERT_FALSE(dir_.empty());
+  const std::string bytes = RandomBytes(8 << 20, 8);
+  WriteFile(dir_ / "f", bytes, 0);
+  ASSERT_EQ(ResidentPages(dir_ / "f", 0, bytes.size()), 0u);
+  auto obj = (*PosixSource::OpenRoot(dir_.string()))->Open("f");
+  DirectIo direct(16 << 20);
+  for (uint64_t off = 0; off < (4 << 20); off += 1 << 20) {
+    auto got = (*obj)->ReadFilled(off + 1, (1 << 20) - 1, &direct);
+    ASSERT_TRUE(got.ok());
+    ASSERT_EQ(std::memcmp(got->data, bytes.data() + off + 1, (1 << 20) - 1), 0);
+  }
+  EXPECT_EQ(ResidentPages(dir_ / "f", 0, bytes.size()), 0u) << direct.stats().Describe();
+  EXPECT_EQ(direct.stats().direct_bytes.load(), 4u * ((1 << 20) - 1));
+}
+
+TEST_F(DirectPosixTest, ReadPastTheEndIsCorruption) {
+  dir_ = DiskDir("direct_eof");
+  ASSERT_FALSE(dir_.empty());
+  const std::string bytes = RandomBytes(10000, 4);
+  WriteFile(dir_ / "f", bytes, 0);
+  auto obj = (*PosixSource::OpenRoot(dir_.string()))->Open("f");
+  ASSERT_TRUE(obj.ok());
+  DirectIo direct(8 << 20);
+  auto got = (*obj)->ReadFilled(9000, 2000, &direct);
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), Status::Code::kCorruption);
+  EXPECT_NE(got.status().message().find("unexpected end of file at byte 10000"), std::string::npos)
+      << got.status().message();
+  auto tail = (*obj)->ReadFilled(9000, 1000, &direct);  // up to the last byte: fine
+  ASSERT_TRUE(tail.ok());
+  EXPECT_EQ(std::string(tail->data, 1000), bytes.substr(9000));
+}
+
+TEST_F(DirectPosixTest, FullPoolReadsThroughThePageCache) {
+  dir_ = DiskDir("direct_full");
+  ASSERT_FALSE(dir_.empty());
+  const std::string bytes = RandomBytes(1 << 20, 5);
+  WriteFile(dir_ / "f", bytes, 0);
+  auto obj = (*PosixSource::OpenRoot(dir_.string()))->Open("f");
+  DirectIo direct(0);  // no room for any buffer
+  auto got = (*obj)->ReadFilled(100, 500000, &direct);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(std::string(got->data, 500000), bytes.substr(100, 500000));
+  EXPECT_EQ(direct.stats().pool_full.load(), 1u);
+  EXPECT_EQ(direct.stats().buffered_bytes.load(), 500000u);
+  EXPECT_EQ(direct.stats().direct_bytes.load(), 0u);
+}
+
+// tmpfs has no O_DIRECT alignment to offer (statx): its files are read
+// buffered, detected once per file.
+TEST_F(DirectPosixTest, TmpfsFileIsReadBuffered) {
+  struct statfs sfs;
+  ASSERT_EQ(::statfs("/dev/shm", &sfs), 0);
+  ASSERT_EQ(sfs.f_type, TMPFS_MAGIC) << "/dev/shm is not tmpfs here";
+  dir_ = fs::path("/dev/shm") / ("direct_tmpfs_" + std::to_string(::getpid()));
+  fs::create_directories(dir_);
+  const std::string bytes = RandomBytes(300000, 6);
+  std::ofstream(dir_ / "f", std::ios::binary) << bytes;
+  auto obj = (*PosixSource::OpenRoot(dir_.string()))->Open("f");
+  DirectIo direct(8 << 20);
+  for (uint64_t off : {0ull, 4097ull, 200000ull}) {
+    auto got = (*obj)->ReadFilled(off, 99999, &direct);
+    ASSERT_TRUE(got.ok());
+    EXPECT_EQ(std::string(got->data, 99999), bytes.substr(off, 99999));
+  }
+  EXPECT_EQ(direct.stats().refused_files.load(), 1u);
+  EXPECT_EQ(direct.stats().direct_bytes.load(), 0u);
+  EXPECT_EQ(direct.stats().buffered_bytes.load(), 3u * 99999u);
+}
+
+}  // namespace
+}  // namespace ckptfs

@@ -1,0 +1,108 @@
+#include "source/part_cache.h"
+
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <string>
+#include <thread>
+
+namespace ckptfs {
+namespace {
+
+// An object whose byte i is (i * 7 + version) & 0xff; fetches counted.
+struct FakeObject {
+  uint64_t size;
+  int version = 0;
+  std::atomic<int> fetches{0};
+  std::atomic<bool> fail{false};
+  PartCache::Fetch fetch() {
+    return [this](const std::string&, uint64_t at, uint64_t n, char* out) {
+      ++fetches;
+      if (fail) return Status::IOError("reset");
+      for (uint64_t i = 0; i < n; ++i) out[i] = char(((at + i) * 7 + version) & 0xff);
+      return Status::OK();
+    };
+  }
+  std::string Expected(uint64_t at, uint64_t n) const {
+    std::string s(n, '\0');
+    for (uint64_t i = 0; i < n; ++i) s[i] = char(((at + i) * 7 + version) & 0xff);
+    return s;
+  }
+};
+
+TEST(PartCache, ServesPrefetchedRangesAcrossPartsAndTheShortLastPart) {
+  FakeObject obj{1000};
+  PartCache cache(1 << 20, 64, 3);
+  cache.Prefetch("k", obj.size, 0, obj.size, obj.fetch());
+  for (auto [at, n] : {std::pair<uint64_t, uint64_t>{0, 1}, {60, 10}, {63, 130}, {990, 10}, {0, 1000}}) {
+    std::string got(n, '\0');
+    ASSERT_TRUE(cache.Copy("k", at, n, got.data())) << at;
+    EXPECT_EQ(got, obj.Expected(at, n)) << at;
+  }
+  EXPECT_EQ(obj.fetches.load(), 16);  // ceil(1000 / 64), each part once
+}
+
+TEST(PartCache, AnotherVersionsKeyNeverMeetsTheseParts) {
+  FakeObject obj{256};
+  PartCache cache(1 << 20, 64, 2);
+  const std::string v1("k\0etag-1", 8), v2("k\0etag-2", 8);
+  cache.Prefetch(v1, obj.size, 0, 256, obj.fetch());
+  char b[8];
+  EXPECT_FALSE(cache.Copy(v2, 0, 8, b));
+  EXPECT_TRUE(cache.Copy(v1, 0, 8, b));
+}
+
+TEST(PartCache, ARangeNotPrefetchedOrAFailedFetchIsTheReadersToFetch) {
+  FakeObject obj{256};
+  PartCache cache(1 << 20, 64, 2);
+  char b[8];
+  EXPECT_FALSE(cache.Copy("k", 0, 8, b));
+  obj.fail = true;
+  cache.Prefetch("k", obj.size, 0, 64, obj.fetch());
+  EXPECT_FALSE(cache.Copy("k", 0, 8, b));  // waits for the fetch, then says no
+  EXPECT_EQ(cache.held(), 0u);
+  // Half prefetched: not served from the cache at all.
+  obj.fail = false;
+  cache.Prefetch("k", obj.size, 0, 64, obj.fetch());
+  EXPECT_FALSE(cache.Copy("k", 32, 64, b));
+}
+
+TEST(PartCache, HoldsAtMostItsCapacityDroppingTheLeastRecentlyUsed) {
+  FakeObject obj{100 * 64};
+  PartCache cache(4 * 64, 64, 2);
+  cache.Prefetch("k", obj.size, 0, 4 * 64, obj.fetch());
+  char b[1];
+  ASSERT_TRUE(cache.Copy("k", 0, 1, b));          // waits for part 0
+  ASSERT_TRUE(cache.Copy("k", 3 * 64, 1, b));     // and part 3
+  ASSERT_TRUE(cache.Copy("k", 64, 1, b));
+  ASSERT_TRUE(cache.Copy("k", 2 * 64, 1, b));
+  ASSERT_TRUE(cache.Copy("k", 0, 1, b));          // part 0 most recently used now
+  EXPECT_EQ(cache.held(), 4u * 64);
+  cache.Prefetch("k", obj.size, 10 * 64, 64, obj.fetch());  // drops part 3, the least recent
+  ASSERT_TRUE(cache.Copy("k", 10 * 64, 1, b));
+  EXPECT_LE(cache.held(), 4u * 64);
+  EXPECT_TRUE(cache.Copy("k", 0, 1, b));
+  EXPECT_FALSE(cache.Copy("k", 3 * 64, 1, b));
+}
+
+TEST(PartCache, ConcurrentReadersOfPartsInFlightGetExactBytes) {
+  FakeObject obj{64 * 1024};
+  PartCache cache(1 << 20, 1024, 4);
+  cache.Prefetch("k", obj.size, 0, obj.size, obj.fetch());
+  std::atomic<int> wrong{0};
+  std::vector<std::thread> readers;
+  for (int t = 0; t < 8; ++t)
+    readers.emplace_back([&, t] {
+      for (uint64_t at = t * 100; at + 3000 < obj.size; at += 2500) {
+        std::string got(3000, '\0');
+        if (!cache.Copy("k", at, 3000, got.data()) || got != obj.Expected(at, 3000)) ++wrong;
+      }
+    });
+  for (auto& r : readers) r.join();
+  EXPECT_EQ(wrong.load(), 0);
+  EXPECT_EQ(obj.fetches.load(), 64);
+}
+
+}  // namespace
+}  // namespace ckptfs
