@@ -138,7 +138,11 @@ Result<Layout> SafetensorsFileLayout(const SliceList& slices, const std::map<std
   Layout layout;
   layout.Reserve(slices.size() + 1);  // exact unless tensors are joined
   layout.AddLiteral(std::move(header));
-  for (const TensorSlice& s : slices)
+  for (const TensorSlice& s : slices) {
+    if (s.computed) {
+      layout.AddComputed(s.computed);
+      continue;
+    }
     for (const Box& b : s.ByteOrder()) {
       if (s.cast && *s.cast != s.tensor->dtype) {
         if (!InBounds(b, s.tensor->shape))
@@ -148,6 +152,7 @@ Result<Layout> SafetensorsFileLayout(const SliceList& slices, const std::map<std
         RETURN_IF_ERROR(layout.AddTensor(s.tensor, b));
       }
     }
+  }
   return layout;
 }
 

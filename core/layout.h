@@ -67,7 +67,9 @@ class Layout {
 // order and `box` is unused.
 //
 // `cast`, when set, serves the elements cast to that dtype (a dtype view);
-// dtype() is then the stored entry's dtype.
+// dtype() is then the stored entry's dtype. `computed`, when set, serves
+// that computation's output instead (a LoRA merge: core/lora.h); `tensor`
+// then names the base tensor it replaces, `cast` the computation's dtype.
 struct TensorSlice {
   std::shared_ptr<const TensorMeta> tensor;
   Box box;
@@ -75,6 +77,7 @@ struct TensorSlice {
   std::vector<Box> joined;
   int join_dim = 0;
   std::optional<DType> cast;
+  std::shared_ptr<const Computation> computed;
   const std::string& entry_name() const { return name.empty() ? tensor->fqn : name; }
   DType dtype() const { return cast ? *cast : tensor->dtype; }
   // The stored entry's shape: box.lengths, or the joined boxes' sum.
@@ -86,7 +89,7 @@ struct TensorSlice {
   std::vector<Box> ByteOrder() const;
   static TensorSlice Whole(std::shared_ptr<const TensorMeta> t) {
     Box b = Box::Whole(t->shape);
-    return {std::move(t), std::move(b), "", {}, 0, std::nullopt};
+    return {std::move(t), std::move(b), "", {}, 0, std::nullopt, nullptr};
   }
 };
 using SliceList = std::vector<TensorSlice>;

@@ -177,13 +177,6 @@ std::string TopKey(const TensorMeta& t) {
 
 bool IsPeftAdapter(const Checkpoint& ckpt) { return ckpt.sidecars.count(kPeftConfigName) > 0; }
 
-std::string MergedViewRefusal(const Checkpoint& ckpt) {
-  if (!IsPeftAdapter(ckpt)) return "";
-  return "merged/: not created: merging PEFT adapters on read is not supported by this version of ckptfs "
-         "(consolidated/ serves the adapter itself); merge with peft's PeftModel.merge_and_unload() and "
-         "save_pretrained()";
-}
-
 Result<SliceList> ModelWeights(const Checkpoint& ckpt, const ConsolidatedOptions& options) {
   SliceList out;
   std::map<std::string, std::string> seen;  // name -> fqn
@@ -238,7 +231,7 @@ Status CastSlices(SliceList& slices, const DTypeView& view) {
     const DType from = s.tensor->dtype;
     if (!IsCastable(from) || from == view.to) continue;
     if (!view.keep.empty() && std::regex_search(s.entry_name(), keep)) continue;
-    s.cast = view.to;
+    s.cast = view.to;  // a computed slice (a LoRA merge) is then stored as `to`
   }
   return Status::OK();
 }
@@ -261,6 +254,12 @@ Result<std::vector<ViewFile>> ConsolidatedView(const Checkpoint& ckpt, const std
                                                const ConsolidatedOptions& options, const DTypeView* dtype) {
   ASSIGN_OR_RETURN(SliceList slices, ModelWeights(ckpt, options));
   if (dtype) RETURN_IF_ERROR(CastSlices(slices, *dtype));
+  return HfFolderOf(ckpt, files, slices, options, dtype);
+}
+
+Result<std::vector<ViewFile>> HfFolderOf(const Checkpoint& ckpt, const std::vector<SourceFile>& files,
+                                         const SliceList& slices, const ConsolidatedOptions& options,
+                                         const DTypeView* dtype) {
   std::vector<SliceList> groups;
   if (!ckpt.file_index.empty()) {
     ASSIGN_OR_RETURN(groups, SplitByMapping(slices, ckpt.file_index));

@@ -67,16 +67,12 @@ Status CastSlices(SliceList& slices, const DTypeView& view);
 Result<std::string> ConfigForDType(const std::string& config_json, DType to);
 
 // A PEFT adapter folder (adapter_config.json beside the weights): its
-// consolidated/ is again an adapter folder, weights in kPeftWeightsName.
+// consolidated/ is again an adapter folder, weights in kPeftWeightsName;
+// a LoRA adapter also gets merged/ (core/lora.h).
 inline constexpr const char* kPeftConfigName = "adapter_config.json";
 inline constexpr const char* kPeftWeightsName = "adapter_model.safetensors";
 bool IsPeftAdapter(const Checkpoint& ckpt);
 
-// Why a PEFT adapter folder has no merged/ (its base with the adapter
-// merged on read): "" for a folder that is no adapter. Merging is not built
-// yet, so every adapter gets the reason and a way to merge meanwhile; the
-// mount logs it and `ckptfs check` reports it.
-std::string MergedViewRefusal(const Checkpoint& ckpt);
 
 // The Hugging Face folder for `ckpt`: model.safetensors, or
 // model-0000i-of-0000N.safetensors + model.safetensors.index.json (split by
@@ -89,6 +85,12 @@ Result<std::vector<ViewFile>> ConsolidatedView(const Checkpoint& ckpt,
                                                const std::vector<SourceFile>& files,
                                                const ConsolidatedOptions& options,
                                                const DTypeView* dtype = nullptr);
+
+// The Hugging Face folder of `slices` (ConsolidatedView once the slices
+// are chosen and cast): for views whose tensors are not simply ckpt's.
+Result<std::vector<ViewFile>> HfFolderOf(const Checkpoint& ckpt, const std::vector<SourceFile>& files,
+                                         const SliceList& slices, const ConsolidatedOptions& options,
+                                         const DTypeView* dtype = nullptr);
 
 // Every rank's folder under `spec`: its slice of each tensor it holds (in
 // model.safetensors, or split files + index.json when large), the sidecars,

@@ -44,6 +44,7 @@ struct VirtualFs::Node {
   std::string name;
   std::string rel;                              // source kinds
   std::shared_ptr<const Layout> layout;         // virtual file (freed when its checkpoint is unloaded)
+  std::shared_ptr<MergedSources> sources;       // a merged/ file: read through these, not its checkpoint's
   uint64_t size = 0;                            // virtual file: layout->size(), kept
   std::string problem;                          // virtual file that cannot be served
   std::map<std::string, uint64_t> children;     // virtual entries (in any dir)
@@ -51,7 +52,7 @@ struct VirtualFs::Node {
                                                 // a source dir: whose views `children` holds
   bool is_mesh = false;                         // a mesh/ dir: specs are made on lookup
   bool is_spec = false;                         // a mesh/<spec>/ dir
-  bool is_dtype_view = false;                   // a consolidated.<dtype>/ dir
+  bool is_dtype_view = false;                   // a consolidated.<dtype>/ or merged[.<dtype>]/ dir
   bool built = false;                           // either: its files have layouts (again after an unload)
   bool detached = false;                        // its checkpoint was replaced or removed
   std::atomic<uint64_t> nlookup{0};             // references the kernel holds (lookups - forgets)
@@ -364,9 +365,11 @@ bool VirtualFs::Unload(int i, bool wait) {
     for (const auto& [ino, n] : nodes_) {
       if (n->ckpt != i) continue;
       if (n->layout) layouts.push_back(std::move(n->layout));
+      n->sources.reset();
       n->built = false;
     }
   }
+  s->merged.clear();
   layouts.clear();
   compute_->Drop(i);
   s->reader.reset();
@@ -440,7 +443,12 @@ Status VirtualFs::BuildViews(int i, Node* dir) {
     pending.push_back({"consolidated", std::move(*files)});
   else
     Log(Join(ckpt.dir, "consolidated") + ": not created: " + files.status().message());
-  if (std::string why = MergedViewRefusal(ckpt); !why.empty()) Log(Join(ckpt.dir, why));
+  bool mergeable = false;
+  if (IsPeftAdapter(ckpt)) {
+    const std::string why = MergedRefusal(ckpt);
+    if (!why.empty()) Log(Join(ckpt.dir, "merged/: not created: " + why));
+    mergeable = why.empty();
+  }
   pending.push_back({"tensors", {}, false, true});
   if (auto items = BytesView(ckpt); !items.empty()) pending.push_back({"bytes", std::move(items)});
   if (auto rules = RulesFor(ckpt); rules.ok()) {
@@ -461,6 +469,7 @@ Status VirtualFs::BuildViews(int i, Node* dir) {
     if (const bool fill = p.is_npy && view->children.empty(); view->is_npy != fill) view->is_npy = fill;
     for (ViewFile& f : p.files) AddViewFile(view, std::move(f), i);
   }
+  if (mergeable) AddVirtual(dir, "merged", /*is_dir=*/true, i)->is_dtype_view = true;  // built on first lookup
   return Status::OK();
 }
 
@@ -527,6 +536,87 @@ FsResult<uint64_t> VirtualFs::OpenDTypeView(Node* dir, const std::string& name) 
   view_dir->built = true;
   for (ViewFile& f : *files) AddViewFile(view_dir, std::move(f), i);
   return view_dir->ino;
+}
+
+std::string VirtualFs::MergedRefusal(const Checkpoint& ckpt) const {
+  auto target = MergeTarget(*tree_->source(), ckpt);
+  if (!target.ok()) return target.status().message();
+  std::shared_lock lock(mu_);
+  return HostedBy(target->second) >= 0 ? "" : NoBaseCheckpoint(target->first, target->second);
+}
+
+Result<Checkpoint> VirtualFs::RowsOf(const std::string& dir) {
+  int i;
+  {
+    std::shared_lock lock(mu_);
+    i = HostedBy(dir);
+  }
+  if (i < 0) return Status::NotFound("no checkpoint in '" + Join(dir, "") + "' now");
+  auto s = Acquire(i);
+  if (!s.ok()) return Status::IOError(s.status().message());
+  Checkpoint copy = (*s)->ckpt;  // pinned: not unloaded while copied
+  Unpin(*s);
+  return copy;
+}
+
+// Built outside every lock: the base is pinned only while its rows are
+// copied, and the adapter's load_mu is taken only to attach, never with
+// the base's held.
+FsResult<uint64_t> VirtualFs::OpenMergedView(Node* dir, const std::string& name) {
+  int i;
+  bool mergeable;
+  {
+    std::shared_lock lock(mu_);
+    i = dir->ckpt;
+    mergeable = dir->children.count("merged") > 0;  // BuildViews' verdict, logged once there
+  }
+  if (i < 0) return FsError(ENOENT, Join(dir->rel, name) + ": no checkpoint here now");
+  if (!mergeable) return FsError(ENOENT, Join(dir->rel, name) + ": no merged view here (see the log)");
+  Served* served = ServedAt(i);
+  auto adapter = RowsOf(served->dir);  // the caller holds a pin: loads, never waits for an unload
+  if (!adapter.ok()) return LoadFailure(adapter.status());
+  const std::string where = Join(served->dir, name);
+  auto fail = [&](const std::string& why) {
+    Log(where + "/: not created: " + why);
+    return FsError(ENOENT, where + ": not created: " + why);
+  };
+  auto target = MergeTarget(*tree_->source(), *adapter);
+  if (!target.ok()) return fail(target.status().message());
+  auto base = RowsOf(target->second);
+  if (!base.ok()) return fail("its base " + Join(target->second, "") + ": " + base.status().message());
+  std::optional<DTypeView> dtype;
+  if (const std::string suffix = *MergedViewSuffix(name); !suffix.empty()) {
+    auto to = ParseViewDType(suffix);
+    if (!to) return fail("unknown dtype '" + suffix + "': the dtype views are .bf16, .fp16 and .fp32");
+    dtype = DTypeView{*to, options_.keep_dtype, ""};
+  }
+  auto built = BuildMergedView(tree_->source(), *adapter, *base, std::move(target->first), options_.consolidated,
+                               dtype ? &*dtype : nullptr, options_.read);
+  if (!built.ok()) return fail(built.status().message());
+  std::lock_guard<std::mutex> load(served->load_mu);  // guards served->merged
+  std::unique_lock lock(mu_);
+  if (dir->ckpt != i) return FsError(ESTALE, served->dir + ": replaced or removed; look it up again");
+  Node* view_dir = AddVirtual(dir, name, /*is_dir=*/true, i);  // or the one built before an unload
+  if (view_dir->built) return view_dir->ino;  // built by another thread meanwhile
+  view_dir->is_dtype_view = true;
+  view_dir->built = true;
+  for (ViewFile& f : built->files) AddViewFile(view_dir, std::move(f), i, built->sources);
+  served->merged.push_back(std::move(built->sources));
+  return view_dir->ino;
+}
+
+void VirtualFs::MarkMergedStale(const std::shared_ptr<MergedSources>& ms, int ckpt, const std::string& why) {
+  if (ms->stale.exchange(true)) return;
+  compute_->Drop(ckpt);
+  Log(Join(ServedAt(ckpt)->dir, "") + ": merged view: " + why + "; it reads as EIO until the adapter is indexed again");
+  if (!options_.invalidate) return;
+  std::vector<uint64_t> inos;
+  {
+    std::shared_lock lock(mu_);
+    for (const auto& [ino, n] : nodes_)
+      if (n->sources == ms) inos.push_back(ino);
+  }
+  for (uint64_t ino : inos) options_.invalidate(ino);
 }
 
 // The preset for the checkpoint's model family (config.json's model_type,
@@ -658,7 +748,9 @@ FsError VirtualFs::EnsureLayout(Node* n, const Served& served) {
   if (spec) {
     std::shared_ptr<Node> up = Find(spec->parent);
     if (!up) return FsError(ESTALE, PathOf(*n) + ": its checkpoint was replaced or removed");
-    auto built = spec->is_spec ? OpenMesh(up.get(), spec->name) : OpenDTypeView(up.get(), spec->name);
+    auto built = spec->is_spec                    ? OpenMesh(up.get(), spec->name)
+                 : MergedViewSuffix(spec->name) ? OpenMergedView(up.get(), spec->name)
+                                                : OpenDTypeView(up.get(), spec->name);
     if (!built.ok()) return built.status();
   }
   std::shared_lock lock(mu_);
@@ -674,7 +766,7 @@ void VirtualFs::ReturnFreedMemory() { malloc_trim(0); }
 // Puts a view file under `view`; a name with '/' (a sidecar folder such as
 // sentence-transformers' 1_Pooling/config.json) gets its directories.
 // REQUIRES: mu_ held exclusively.
-void VirtualFs::AddViewFile(Node* view, ViewFile f, int ckpt) {
+void VirtualFs::AddViewFile(Node* view, ViewFile f, int ckpt, std::shared_ptr<MergedSources> sources) {
   Node* dir = view;
   for (size_t at = 0, slash; (slash = f.name.find('/', at)) != std::string::npos; at = slash + 1) {
     const std::string part = f.name.substr(at, slash - at);
@@ -686,6 +778,7 @@ void VirtualFs::AddViewFile(Node* view, ViewFile f, int ckpt) {
   // (AttrOf, Open): what a reload leaves as it was is not written.
   if (const uint64_t size = f.layout->size(); n->size != size) n->size = size;
   if (n->problem != f.problem) n->problem = std::move(f.problem);
+  n->sources = std::move(sources);
   n->layout = std::move(f.layout);
 }
 
@@ -795,7 +888,7 @@ namespace {
 
 bool IsViewName(const std::string& name) {
   return name == "consolidated" || name == "tensors" || name == "mesh" || name == "bytes" ||
-         name.rfind("consolidated.", 0) == 0;
+         name.rfind("consolidated.", 0) == 0 || MergedViewSuffix(name);
 }
 
 }  // namespace
@@ -832,6 +925,9 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name, bool 
   if ((!child || !built) && p->kind == Node::Kind::kSourceDir && name.rfind("consolidated.", 0) == 0 &&
       ViewsAttached(*p)) {
     ASSIGN_OR_RETURN(child, OpenDTypeView(p.get(), name));
+  }
+  if ((!child || !built) && p->kind == Node::Kind::kSourceDir && MergedViewSuffix(name) && ViewsAttached(*p)) {
+    ASSIGN_OR_RETURN(child, OpenMergedView(p.get(), name));
   }
   // A view of a checkpoint that cannot be loaded exists; it cannot be served.
   if (!child && !load_error.ok() && IsViewName(name)) return FsError(EIO, load_error.message());
@@ -971,7 +1067,7 @@ FsResult<size_t> VirtualFs::Read(uint64_t handle, char* buf, size_t size, uint64
   const Node& n = *h->node;
   if (n.kind == Node::Kind::kSourceFile) return h->file->Read(buf, size, offset);
   ASSIGN_OR_RETURN(ReadPlan plan, PlanRead(*h, size, offset));
-  SourceReader* reader = h->served->reader.get();  // kept loaded by the open handle
+  SourceReader* reader = ReaderOf(*h);
   Status st = reader->Execute(plan, buf);
   if (st.ok() && !plan.computes.empty()) st = compute_->Fill(plan.computes, buf, *reader, n.ckpt);
   if (!st.ok()) return ReadFailed(n, size, offset, st);
@@ -986,13 +1082,23 @@ FsError VirtualFs::ReadFailed(const Node& n, size_t size, uint64_t offset, const
 }
 
 FsError VirtualFs::ReadFailed(const Node& n, size_t size, uint64_t offset, const Status& st) {
-  if (st.code() == Status::Code::kStale) InvalidateCheckpoint(n.ckpt);
+  if (st.code() == Status::Code::kStale && n.sources) MarkMergedStale(n.sources, n.ckpt, st.message());
+  else if (st.code() == Status::Code::kStale) InvalidateCheckpoint(n.ckpt);
   return ReadFailed(n, size, offset, FsError::From(st));
+}
+
+// Kept loaded by the open handle; a merged/ file reads two checkpoints' files.
+SourceReader* VirtualFs::ReaderOf(const Handle& h) {
+  return h.node->sources ? h.node->sources->reader.get() : h.served->reader.get();
 }
 
 FsResult<ReadPlan> VirtualFs::PlanRead(const Handle& h, size_t size, uint64_t offset) {
   const Node& n = *h.node;
   if (!n.problem.empty()) return ReadFailed(n, size, offset, FsError(EIO, n.problem));
+  if (n.sources && n.sources->stale.load())
+    return ReadFailed(n, size, offset,
+                      FsError(EIO, PathOf(n) + ": a source of the adapter or of its base changed since indexing; "
+                                               "the merged view reads as EIO until the adapter is loaded again"));
   // One changed source makes the whole checkpoint suspect: files the read
   // does not touch may belong to a save that replaced them all.
   if (h.served->stale.load())
@@ -1018,7 +1124,7 @@ FsResult<ScatterReply> VirtualFs::ReadScatter(uint64_t handle, size_t size, uint
     return reply;
   }
   ASSIGN_OR_RETURN(ReadPlan plan, PlanRead(*h, size, offset));
-  SourceReader* reader = h->served->reader.get();  // kept loaded by the open handle
+  SourceReader* reader = ReaderOf(*h);
   Status st = reader->ExecuteScatter(plan, &reply);
   // Computed bytes are gathered: each op into the memory ExecuteScatter set aside.
   for (size_t i = 0; st.ok() && i < plan.computes.size(); ++i) {
@@ -1090,11 +1196,15 @@ size_t VirtualFs::RecheckSources() {
     Served* s = ServedAt(i);
     if (s->stale.load()) continue;
     bool changed_now;
+    std::vector<std::pair<std::shared_ptr<MergedSources>, Status>> merged_changed;
     {
       std::lock_guard<std::mutex> load(s->load_mu);  // the reader is not unloaded meanwhile
       // Null until loaded (nothing served, nothing cached) and once unloaded.
       changed_now = s->reader && !s->reader->Recheck().ok();
+      for (const auto& ms : s->merged)
+        if (Status st = ms->stale ? Status::OK() : ms->reader->Recheck(); !st.ok()) merged_changed.push_back({ms, st});
     }
+    for (const auto& [ms, st] : merged_changed) MarkMergedStale(ms, i, st.message());
     if (changed_now) {
       InvalidateCheckpoint(i);
       ++changed;

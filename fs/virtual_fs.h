@@ -60,6 +60,7 @@
 #include "fs/compute_cache.h"
 #include "fs/fs_error.h"
 #include "fs/log_limiter.h"
+#include "fs/merged_view.h"
 #include "fs/source_tree.h"
 #include "source/source_reader.h"
 
@@ -231,6 +232,7 @@ class VirtualFs {
     std::atomic<bool> resident{false}; // rows loaded, views filled (set under load_mu and mu_)
     std::atomic<int> handles{0};       // open virtual files and pins; raised under mu_ (shared)
     std::atomic<uint64_t> last_used{0};
+    std::vector<std::shared_ptr<MergedSources>> merged;  // its merged/ views' sources; guarded by load_mu
   };
   // Keeps a checkpoint from being unloaded while a lookup uses its views.
   class Pin {
@@ -298,10 +300,25 @@ class VirtualFs {
   // status marks the checkpoint stale first.
   FsError ReadFailed(const Node& n, size_t size, uint64_t offset, const FsError& e);
   FsError ReadFailed(const Node& n, size_t size, uint64_t offset, const Status& st);
+  // The reader of an open virtual file: its checkpoint's, or a merged/
+  // file's own (fs/merged_view.h).
+  static SourceReader* ReaderOf(const Handle& h);
   FsResult<uint64_t> OpenMesh(Node* mesh_dir, const std::string& spec_name);
   // consolidated.<dtype>/ of the checkpoint shown in `dir`, made on its
   // first lookup (ENOENT with a log line for an unknown dtype).
   FsResult<uint64_t> OpenDTypeView(Node* dir, const std::string& name);
+  // merged/ or merged.<dtype>/ of the LoRA adapter shown in `dir`, made on
+  // its first lookup (fs/merged_view.h); ENOENT with a log line saying why
+  // when it cannot be.
+  FsResult<uint64_t> OpenMergedView(Node* dir, const std::string& name);
+  // Why adapter `ckpt` gets no merged/ ("" when it does: a LoRA adapter
+  // whose base is a checkpoint of this mount).
+  std::string MergedRefusal(const Checkpoint& ckpt) const;
+  // A copy of the rows of the checkpoint in `dir`, loaded for the copy.
+  Result<Checkpoint> RowsOf(const std::string& dir);
+  // From now on merged view `ms` of checkpoint `ckpt` reads as EIO; the
+  // kernel's pages of its files are dropped.
+  void MarkMergedStale(const std::shared_ptr<MergedSources>& ms, int ckpt, const std::string& why);
   // The DTypeView for suffix `suffix` of checkpoint `ckpt`.
   Result<DTypeView> DTypeViewFor(const Checkpoint& ckpt, const std::string& suffix) const;
   bool NeedsNpy(const Node& dir) const;
@@ -322,7 +339,8 @@ class VirtualFs {
   void DetachLocked(int i);
   Node* SourceNode(const std::string& rel, NodeKind kind);
   Node* AddVirtual(Node* parent, const std::string& name, bool is_dir, int ckpt);
-  void AddViewFile(Node* view, ViewFile f, int ckpt);
+  // `sources`: a merged/ file's own sources (fs/merged_view.h), else null.
+  void AddViewFile(Node* view, ViewFile f, int ckpt, std::shared_ptr<MergedSources> sources = nullptr);
   FsResult<Attr> AttrOf(const Node& n) const;
   std::string PathOf(const Node& n) const;
   void Log(const std::string& line) const;

@@ -17,7 +17,7 @@ dropped before every timed pass (needs root):
 3. The merge: `PeftModel.from_pretrained(base).merge_and_unload()` +
    `save_pretrained` + `from_pretrained` of what it saved, vs
    `from_pretrained(MNT/adapter/merged.bf16)` (goal <= 0.5x). When the mount
-   serves no `merged.bf16/` (this version of ckptfs does not merge yet),
+   serves no `merged.bf16/` (the mount log says why),
    the ckptfs side is reported as "not served", never timed on something
    else.
 4. The daemon's peak RSS (VmHWM) over each mount.

@@ -19,7 +19,9 @@
 #include "core/convert.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
+#include "core/lora.h"
 #include "core/views.h"
+#include "fs/merged_view.h"
 #include "indexer/commit_record.h"
 #include "indexer/scan.h"
 #include "source/checksums.h"
@@ -298,6 +300,33 @@ void UnreadableChunks(const std::shared_ptr<const Source>& source, const Checkpo
     }
 }
 
+// merged/ of a LoRA adapter. A view ckptfs does not offer (another adapter
+// kind, a base outside the root) is no fault of the checkpoint: said, not
+// counted. An adapter that does not fit its base is a problem.
+void CheckMerge(const Source& source, const Catalog& catalog, const Checkpoint& ck,
+                std::vector<std::string>* problems) {
+  if (!IsPeftAdapter(ck)) return;
+  auto target = MergeTarget(source, ck);
+  const Checkpoint* base = nullptr;
+  if (target.ok())
+    for (const Checkpoint& other : catalog.checkpoints)
+      if (other.dir == target->second) base = &other;
+  const std::string why = !target.ok() ? target.status().message()
+                          : !base      ? NoBaseCheckpoint(target->first, target->second)
+                                       : "";
+  if (!why.empty()) {
+    std::fprintf(stderr, "ckptfs: note: %s: merged/: not created: %s\n", Where(ck).c_str(), why.c_str());
+    return;
+  }
+  auto view = MergedView(JoinAdapter(ck, *base, target->first), {});
+  if (view.ok()) return;
+  if (view.status().code() == Status::Code::kNotSupported)  // a layer kind not merged on read
+    std::fprintf(stderr, "ckptfs: note: %s: merged/: not created: %s\n", Where(ck).c_str(),
+                 view.status().message().c_str());
+  else
+    problems->push_back(Where(ck) + ": merged/: not created: " + view.status().message());
+}
+
 }  // namespace
 
 int RunCheck(const Common& c) {
@@ -308,9 +337,7 @@ int RunCheck(const Common& c) {
   std::vector<std::string> problems = FindInterruptedSaves(*source);
   for (const Checkpoint& ck : catalog->checkpoints) {
     for (const std::string& p : ck.problems) problems.push_back(Where(ck) + ": " + p);
-    // A view ckptfs does not offer is no fault of the checkpoint: said, not counted.
-    if (std::string why = MergedViewRefusal(ck); !why.empty())
-      std::fprintf(stderr, "ckptfs: note: %s: %s\n", Where(ck).c_str(), why.c_str());
+    CheckMerge(*source, *catalog, ck, &problems);
     std::vector<bool> changed;
     ChangedSources(*source, ck, &changed, &problems);
     UnreadableChunks(source, ck, changed, &problems);

@@ -69,14 +69,17 @@ def test_adapter_consolidated_is_an_adapter_folder(adapter_root, mount_factory):
             assert torch.equal(through(ids).logits, ref(ids).logits)
 
 
-def test_adapter_without_merge_support_says_why(adapter_root, mount_factory, ckptfs):
-    """No merged/ is served (never a wrong one); the log and `ckptfs check`
-    say why and how to merge meanwhile."""
+def test_adapter_naming_no_base_gets_no_merged_and_says_why(adapter_root, mount_factory, ckptfs):
+    """An adapter saved from a model made in memory names no base
+    (base_model_name_or_path is null): no merged/ is served (never a wrong
+    one); the log and `ckptfs check` say why and what to set. Adapters that
+    are merged: test_merged.py."""
     root, _, _ = adapter_root
     with mount_factory(root) as m:
         assert not os.path.exists(m.p("adapter", "merged"))
-        assert "adapter/merged/: not created: merging PEFT adapters on read is not supported" in m.log()
+        assert "adapter/merged/: not created: adapter_config.json names no base model" in m.log()
     r = ckptfs("check", root)
     out, err = r.stdout.decode(), r.stderr.decode()
     assert r.returncode == 0, out + err  # the adapter itself is sound
-    assert "note: adapter: merged/: not created" in err and "merge_and_unload()" in err, err
+    assert "note: adapter: merged/: not created: adapter_config.json names no base model" in err, err
+    assert "set it to the base checkpoint's path" in err, err

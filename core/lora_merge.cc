@@ -1,0 +1,148 @@
+// The merge Computation of core/lora.h: W + scaling * B @ A in float32,
+// a block of output rows at a time.
+#include <cmath>
+#include <cstring>
+
+#include <Eigen/Core>
+
+#include "core/cast.h"
+#include "core/convert.h"
+#include "core/lora.h"
+
+namespace ckptfs {
+namespace {
+
+using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+
+std::string ShapeText(const Shape& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+Matrix Decode(const TensorMeta& t, const std::string& bytes, uint64_t rows, uint64_t cols) {
+  Matrix m(rows, cols);
+  DecodeToFloat32(t.dtype, reinterpret_cast<const uint8_t*>(bytes.data()), 0, rows * cols, m.data());
+  return m;
+}
+
+class LoraMerge : public Computation {
+ public:
+  LoraMerge(LoraTerm t, DType to) : t_(std::move(t)), to_(to) {
+    rows_ = t_.base->shape[0];
+    cols_ = t_.base->shape.size() > 1 ? t_.base->shape[1] : 1;
+    rank_ = t_.a ? t_.a->shape[0] : 0;
+  }
+  DType dtype() const override { return to_; }
+  const Shape& shape() const override { return t_.base->shape; }
+  std::string what() const override {
+    return "LoRA merge of '" + t_.base->fqn + "' with '" + t_.b->fqn + "'";
+  }
+
+  std::vector<ComputeInput> InputsOf(uint64_t blk) const override {
+    uint64_t first, count;
+    BlockRows(blk, &first, &count);
+    std::vector<ComputeInput> in;
+    if (!t_.a) {  // a bias: base + scaling * lora_B.bias
+      in.push_back({t_.base, Box{{first}, {count}}});
+      in.push_back({t_.b, Box{{first}, {count}}});
+      return in;
+    }
+    in.push_back({t_.base, Box{{first, 0}, {count, cols_}}});
+    if (t_.transposed) {
+      // Output row i is input feature i: column i of A, all of B.
+      in.push_back({t_.a, Box{{0, first}, {rank_, count}}});
+      in.push_back({t_.b, Box::Whole(t_.b->shape)});
+    } else {
+      in.push_back({t_.a, Box::Whole(t_.a->shape)});
+      in.push_back({t_.b, Box{{first, 0}, {count, rank_}}});
+    }
+    if (t_.magnitude) in.push_back({t_.magnitude, Box{{first}, {count}}});
+    return in;
+  }
+
+  Result<std::string> Compute(uint64_t blk, const std::vector<std::string>& inputs) const override {
+    uint64_t first, count;
+    BlockRows(blk, &first, &count);
+    const size_t want = t_.a ? (t_.magnitude ? 4 : 3) : 2;
+    if (inputs.size() != want) return Status::Corruption(what() + ": block got " + std::to_string(inputs.size()) +
+                                                         " inputs, wants " + std::to_string(want));
+    const float s = float(t_.scaling);
+    Matrix w = Decode(*t_.base, inputs[0], count, cols_);
+    if (!t_.a) {
+      w += s * Decode(*t_.b, inputs[1], count, 1);
+    } else if (t_.transposed) {
+      Matrix a = Decode(*t_.a, inputs[1], rank_, count);
+      Matrix b = Decode(*t_.b, inputs[2], cols_, rank_);
+      Matrix delta = (b * a).transpose();
+      w += s * delta;
+    } else {
+      Matrix a = Decode(*t_.a, inputs[1], rank_, cols_);
+      Matrix b = Decode(*t_.b, inputs[2], count, rank_);
+      Matrix delta = b * a;
+      w += s * delta;
+    }
+    if (t_.magnitude) {
+      Matrix m = Decode(*t_.magnitude, inputs[3], count, 1);
+      for (uint64_t i = 0; i < count; ++i) w.row(i) *= m(i, 0) / w.row(i).norm();
+    }
+    return Encode(w);
+  }
+
+ private:
+  std::string Encode(const Matrix& w) const {
+    const uint64_t n = uint64_t(w.size());
+    std::string out(ByteSize(to_, n).value_or(0), '\0');
+    if (to_ == DType::kF32) {
+      std::memcpy(out.data(), w.data(), out.size());
+    } else {
+      CastElements(DType::kF32, to_, reinterpret_cast<const uint8_t*>(w.data()), n,
+                   reinterpret_cast<uint8_t*>(out.data()));
+    }
+    return out;
+  }
+
+  LoraTerm t_;
+  DType to_;
+  uint64_t rows_ = 0, cols_ = 0, rank_ = 0;
+};
+
+Status CheckShapes(const LoraTerm& t) {
+  const Shape& w = t.base->shape;
+  auto refuse = [&](const std::string& why) {
+    return Status::InvalidArgument("adapter tensor '" + t.b->fqn + "' does not fit base tensor '" + t.base->fqn +
+                                   "' " + ShapeText(w) + ": " + why +
+                                   "; is base_model_name_or_path the model this adapter was trained on?");
+  };
+  for (const auto* p : {&t.base, &t.a, &t.b, &t.magnitude})
+    if (*p && !IsCastable((*p)->dtype))
+      return Status::InvalidArgument("tensor '" + (*p)->fqn + "' has dtype " + std::string(DTypeName((*p)->dtype)) +
+                                     ": a LoRA merge needs floating tensors");
+  if (!t.a) {
+    if (w.size() != 1 || t.b->shape != w) return refuse("lora_B.bias is " + ShapeText(t.b->shape));
+    return Status::OK();
+  }
+  if (w.size() != 2) return refuse("only 2-d weights (Linear, Conv1D, Embedding) are merged on read");
+  const Shape& a = t.a->shape;
+  const Shape& b = t.b->shape;
+  const uint64_t in = t.transposed ? w[0] : w[1], out = t.transposed ? w[1] : w[0];
+  if (a.size() != 2 || b.size() != 2 || a[1] != in || b[0] != out || b[1] != a[0])
+    return refuse("A is " + ShapeText(a) + ", B is " + ShapeText(b) + (t.transposed ? " (transposed: ΔW = (B @ A)^T)" : ""));
+  if (t.magnitude) {
+    if (t.transposed)
+      return Status::NotSupported("DoRA on '" + t.base->fqn + "' (fan_in_fan_out or embedding) is not merged on read; "
+                                  "merge it with peft's PeftModel.merge_and_unload()");
+    if (t.magnitude->shape != Shape{out}) return refuse("lora_magnitude_vector is " + ShapeText(t.magnitude->shape));
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Result<std::shared_ptr<const Computation>> MakeLoraMerge(LoraTerm term, DType to) {
+  if (!term.base || !term.b) return Status::InvalidArgument("a LoRA merge needs a base tensor and lora_B");
+  RETURN_IF_ERROR(CheckShapes(term));
+  return std::shared_ptr<const Computation>(std::make_shared<const LoraMerge>(std::move(term), to));
+}
+
+}  // namespace ckptfs

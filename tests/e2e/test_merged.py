@@ -1,0 +1,296 @@
+"""merged/ and merged.<dtype>/: PEFT LoRA adapters merged into their base on read.
+
+Oracles: peft's own `PeftModel.from_pretrained(base).merge_and_unload()` (every
+tensor, fp32), the unmerged PeftModel's forward (logits of transformers on
+merged/), and torch's `.to(bfloat16)` of peft's merge. The models and adapters
+are made by transformers and peft (lora_gen.py), never by ckptfs.
+"""
+
+from __future__ import annotations
+
+import glob
+import mmap
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+from safetensors.torch import load, load_file
+from transformers import AutoModelForCausalLM
+
+import lora_gen
+
+IDS = torch.tensor([[1, 5, 9, 13, 2, 40, 77, 96]])
+
+
+@pytest.fixture(scope="module")
+def lora_root(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("lora"))
+    lora_gen.make_root(root)
+    return root
+
+
+@pytest.fixture(scope="module")
+def lora_mount(lora_root, mount_factory):
+    with mount_factory(lora_root) as m:
+        yield m
+
+
+def load_folder(folder: str) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        out.update(load_file(f))
+    return out
+
+
+def base_names(base_dir: str) -> set[str]:
+    return set(load_folder(base_dir)) if glob.glob(os.path.join(base_dir, "*.safetensors")) else None
+
+
+def assert_close_rel(got: torch.Tensor, want: torch.Tensor, name: str, rel: float = 1e-5) -> None:
+    assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape, got.dtype, want.dtype)
+    scale = want.abs().max().item() or 1.0
+    err = (got.float() - want.float()).abs().max().item()
+    assert err <= rel * scale, f"{name}: max error {err} vs scale {scale}"
+
+
+def assert_within_bf16_ulp(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    assert got.dtype == want.dtype == torch.bfloat16, (name, got.dtype, want.dtype)
+    g, w = got.float(), want.float()
+    # bfloat16 keeps 8 significant bits: one ulp of x is 2^(e - 8) for x = m * 2^e, m in [0.5, 1).
+    ulp = torch.ldexp(torch.ones_like(w), torch.frexp(torch.maximum(g.abs(), w.abs())).exponent - 8)
+    assert bool(((g - w).abs() <= ulp).all()), f"{name}: differs by more than one bf16 ulp"
+
+
+@pytest.mark.parametrize("adapter", sorted(lora_gen.ADAPTERS))
+def test_every_tensor_is_pefts_merge(lora_root, lora_mount, adapter, tmp_path):
+    family, _ = lora_gen.ADAPTERS[adapter]
+    base_dir = os.path.join(lora_root, f"base_{family}")
+    view = lora_mount.p(adapter, "merged")
+    got = load_folder(view)
+    # The base's tensors under the base's names, no adapter tensor.
+    assert set(got) == base_names(base_dir), sorted(set(got) ^ base_names(base_dir))
+    # As saved by transformers: the file names of fused MoE experts are the base's, not the module's.
+    saved = str(tmp_path / "peft-merged")
+    lora_gen.peft_merged(family, base_dir, os.path.join(lora_root, adapter)).save_pretrained(saved)
+    want = load_folder(saved)
+    changed = 0
+    base = load_folder(base_dir)
+    for name, t in got.items():
+        assert_close_rel(t, want[name], name)
+        changed += not torch.equal(t, base[name])
+    assert changed > 0
+    # transformers on merged/ computes what the unmerged adapter computes.
+    merged = AutoModelForCausalLM.from_pretrained(view, dtype=torch.float32).eval()
+    ref = lora_gen.peft_unmerged(family, base_dir, os.path.join(lora_root, adapter))
+    with torch.no_grad():
+        torch.testing.assert_close(merged(IDS).logits, ref(IDS).logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("view", ["merged", "merged.bf16"])
+def test_bf16_base_is_within_one_ulp_of_peft(lora_root, lora_mount, view):
+    base_dir = os.path.join(lora_root, "base_llama_bf16")
+    got = load_folder(lora_mount.p("llama_plain_on_bf16", view))
+    want = lora_gen.peft_merged("llama", base_dir, os.path.join(lora_root, "llama_plain_on_bf16"),
+                                dtype=torch.bfloat16).state_dict()
+    assert set(got) == base_names(base_dir)
+    for name, t in got.items():
+        assert_within_bf16_ulp(t, want[name], name)
+
+
+def test_merged_bf16_view_of_an_fp32_base(lora_root, lora_mount):
+    base_dir = os.path.join(lora_root, "base_llama")
+    view = lora_mount.p("llama_plain", "merged.bf16")
+    got = load_folder(view)
+    want = lora_gen.peft_merged("llama", base_dir, os.path.join(lora_root, "llama_plain")).state_dict()
+    assert set(got) == base_names(base_dir)
+    for name, t in got.items():
+        assert_within_bf16_ulp(t, want[name].to(torch.bfloat16), name)
+    import json
+    with open(os.path.join(view, "config.json")) as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+
+
+def test_dcp_base(lora_root, lora_mount):
+    """A base saved as a DCP step ({"model": state_dict}): merged/ is an HF folder under the HF names."""
+    hf_base = os.path.join(lora_root, "base_llama")
+    adapter = os.path.join(lora_root, "llama_plain_on_dcp")
+    view = lora_mount.p("llama_plain_on_dcp", "merged")
+    got = load_folder(view)
+    assert set(got) == base_names(hf_base)
+    want = lora_gen.peft_merged("llama", hf_base, adapter).state_dict()
+    for name, t in got.items():
+        assert_close_rel(t, want[name], name)
+    merged = AutoModelForCausalLM.from_pretrained(view, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ref = lora_gen.peft_unmerged("llama", hf_base, adapter)
+        torch.testing.assert_close(merged(IDS).logits, ref(IDS).logits, atol=1e-4, rtol=0)
+
+
+def test_sidecars_come_from_the_adapter_else_the_base(lora_root, lora_mount):
+    names = set(os.listdir(lora_mount.p("llama_plain", "merged")))
+    assert "config.json" in names and "model.safetensors" in names, names
+    assert "adapter_config.json" not in names and "adapter_model.safetensors" not in names, names
+    with open(lora_mount.p("llama_plain", "merged", "README.md"), "rb") as f:  # peft writes one into the adapter
+        assert f.read() == open(os.path.join(lora_root, "llama_plain", "README.md"), "rb").read()
+    assert "merged" in os.listdir(lora_mount.p("llama_plain"))
+
+
+def test_adapters_that_cannot_be_merged_get_no_merged_and_say_why(lora_root, lora_mount, ckptfs):
+    assert not os.path.exists(lora_mount.p("refused_loha", "merged"))
+    assert not os.path.exists(lora_mount.p("refused_no_base", "merged"))
+    assert not os.path.exists(lora_mount.p("refused_shapes", "merged"))
+    log = lora_mount.log()
+    assert "refused_loha/merged/: not created: peft_type is 'LOHA'" in log, log
+    assert "refused_no_base/merged/: not created: its base model '../no_such_base' is no checkpoint" in log, log
+    assert ("refused_shapes/merged/: not created: adapter tensor "
+            "'base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight' does not fit base tensor "
+            "'model.layers.0.self_attn.q_proj.weight' [32, 32]") in log, log
+    r = ckptfs("check", lora_root)
+    out, err = r.stdout.decode(), r.stderr.decode()
+    assert r.returncode == 5, out + err  # the misfit adapter is a problem; the others are notes
+    assert "note: refused_loha: merged/: not created: peft_type is 'LOHA'" in err, err
+    assert "note: refused_no_base: merged/: not created: its base model" in err, err
+    assert "refused_shapes: merged/: not created: adapter tensor" in out, out
+    assert "llama_plain:" not in out + err
+
+
+def read_all(path: str, order: list[int], chunk: int) -> bytes:
+    buf = bytearray(os.path.getsize(path))
+    with open(path, "rb", buffering=0) as f:
+        for i in order:
+            f.seek(i * chunk)
+            data = f.read(chunk)
+            buf[i * chunk:i * chunk + len(data)] = data
+    return bytes(buf)
+
+
+def mmap_all(path: str, order: list[int], chunk: int) -> bytes:
+    buf = bytearray(os.path.getsize(path))
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        for i in order:
+            buf[i * chunk:i * chunk + chunk] = m[i * chunk:i * chunk + chunk]
+    return bytes(buf)
+
+
+def test_eight_concurrent_readers_get_exact_bytes(tmp_path, mount_factory):
+    """Tensors of several compute blocks, more than the cache keeps, read by 4
+    mmap and 4 read() readers at once in random page orders on a fresh mount,
+    equal peft's merge."""
+    root = str(tmp_path)
+    base_dir, adapter = os.path.join(root, "base"), os.path.join(root, "adapter")
+    lora_gen.llama(hidden=256, intermediate=4608).save_pretrained(base_dir)
+    lora_gen.save_adapter(lora_gen.llama(hidden=256, intermediate=4608), adapter,
+                          dict(r=8, lora_alpha=16, target_modules=lora_gen.ATTN + lora_gen.MLP))
+    lora_gen.point_at_base(adapter, "../base")
+    with mount_factory(root, "--compute-cache-mib", "8") as m:  # fewer than the file's ~12 blocks are kept
+        path = m.p("adapter", "merged", "model.safetensors")
+        chunk = 4096
+        pages = (os.path.getsize(path) + chunk - 1) // chunk
+        results, errors = [None] * 8, []
+
+        def run(k):
+            try:
+                order = list(range(pages))
+                random.Random(k).shuffle(order)
+                results[k] = (mmap_all if k % 2 else read_all)(path, order, chunk)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert all(r == results[0] for r in results)
+        got = load(results[0])
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    import peft
+    want = peft.PeftModel.from_pretrained(base, adapter).merge_and_unload().state_dict()
+    for name, t in got.items():
+        assert_close_rel(t, want[name], name)
+
+
+@pytest.mark.parametrize("changed", ["base/model.safetensors", "adapter/adapter_model.safetensors"])
+def test_a_changed_source_of_either_checkpoint_reads_as_eio(tmp_path, mount_factory, changed):
+    """The pages already served are dropped too: a read after the change is
+    EIO, never the bytes merged from the old sources."""
+    root = str(tmp_path)
+    base_dir, adapter = os.path.join(root, "base"), os.path.join(root, "adapter")
+    lora_gen.llama().save_pretrained(base_dir)
+    lora_gen.save_adapter(lora_gen.llama(), adapter, dict(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    lora_gen.point_at_base(adapter, "../base")
+    with mount_factory(root) as m:
+        path = m.p("adapter", "merged", "model.safetensors")
+        before = open(path, "rb").read()  # served once: pages in the kernel's cache
+        assert len(before) == os.path.getsize(path)
+        src = os.path.join(root, changed)
+        st = os.stat(src)
+        os.utime(src, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # same bytes, another identity
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with open(path, "rb") as f:
+                    f.read()
+            except OSError as e:
+                assert e.errno == 5, e  # EIO
+                break
+            assert time.monotonic() < deadline, "merged/ still served after its base changed"
+            time.sleep(0.5)
+        assert "adapter/: merged view: " in m.log(), m.log()
+
+
+def test_merged_is_built_again_after_its_adapter_is_unloaded(lora_root, mount_factory):
+    """With --max-loaded 1, reading other checkpoints unloads the adapter (and
+    its merged view's rows); its merged/ files then open and read the same."""
+    with mount_factory(lora_root, "--max-loaded", "1") as m:
+        path = m.p("llama_plain", "merged", "model.safetensors")
+
+        def read_closed():  # load_file's tensors may keep the file mapped, and so open
+            with open(path, "rb") as f:
+                return load(f.read())
+        first = read_closed()
+        with open(m.p("qwen2_bias", "merged", "model.safetensors"), "rb") as f:
+            f.read()
+        load_folder(m.p("base_gpt2", "consolidated"))
+        assert "llama_plain/: unloaded" in m.log(), m.log()
+        again = read_closed()
+        assert set(again) == set(first)
+        for name in first:
+            assert torch.equal(again[name], first[name]), name
+
+
+def test_cli_export_writes_the_merged_folder(lora_root, lora_mount, ckptfs, tmp_path):
+    """`ckptfs export` reads merged/ through the same read path, without FUSE."""
+    out = str(tmp_path / "out")
+    r = ckptfs("export", lora_root, "qwen2_bias/merged", out)
+    assert r.returncode == 0, r.stderr.decode()
+    for name in os.listdir(lora_mount.p("qwen2_bias", "merged")):
+        with open(os.path.join(out, name), "rb") as a, open(lora_mount.p("qwen2_bias", "merged", name), "rb") as b:
+            assert a.read() == b.read(), name
+
+
+@pytest.mark.parametrize("adapter,name", [("llama_embed_save", "lm_head.weight"),
+                                          ("qwen2_bias_all", "model.layers.1.self_attn.k_proj.bias")])
+def test_saved_copies_replace_the_bases_tensor(lora_root, lora_mount, adapter, name):
+    """modules_to_save and bias="all" save trained copies: merged/ serves them, not the base's."""
+    family, _ = lora_gen.ADAPTERS[adapter]
+    saved = load_file(os.path.join(lora_root, adapter, "adapter_model.safetensors"))["base_model.model." + name]
+    got = load_folder(lora_mount.p(adapter, "merged"))[name]
+    assert not torch.equal(got, load_folder(os.path.join(lora_root, f"base_{family}"))[name])
+    assert torch.equal(got, saved)
+
+
+def test_merged_is_no_name_elsewhere(lora_root, lora_mount):
+    """Looking merged/ up where there is none (a base, a refused adapter) is
+    ENOENT, logged once per checkpoint load at most, not once per lookup."""
+    for _ in range(3):
+        for where in ("base_llama", "refused_loha"):
+            for name in ("merged", "merged.bf16"):
+                assert not os.path.exists(lora_mount.p(where, name))
+    log = lora_mount.log()
+    assert "base_llama/merged" not in log, log
+    assert log.count("refused_loha/merged/: not created") == 1, log
