@@ -1,6 +1,8 @@
 """A save the writer refuses ends cleanly: the writer's I/O threads are
 joined on the way out (not left to the interpreter's teardown), and rank
-processes that exit through the refusal exit 1, never abort.
+processes that exit through the refusal exit 1, with neither a writer
+thread nor a gloo thread left running into the interpreter's finalization
+(where a gloo worker that takes the GIL aborts the process).
 
 Real torch, CPU, gloo; the refused dtype is complex32 (torch.save framing
 has no storage for it)."""
@@ -21,6 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 GEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "writer_gen.py")
 IO_THREAD = "ckptfs-io"  # what the stager names its I/O threads
+GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")  # torch's names for a gloo group's threads
 
 
 def io_threads() -> int:
@@ -53,9 +56,43 @@ def test_a_refused_save_leaves_no_writer_thread_running(tmp_path):
     assert io_threads() == 0
 
 
+# Runs a script as __main__ after registering, before anything else can, an
+# atexit handler; handlers run last-registered first, so this one runs after
+# every other (ckptfs's and torch's included), as the interpreter is about to
+# finalize, and names the threads still alive then.
+LAUNCHER = """\
+import atexit, os, runpy, sys
+
+def _threads_at_finalization():
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:
+            pass
+    sys.stderr.write("threads at finalization: " + ",".join(sorted(names)) + "\\n")
+
+atexit.register(_threads_at_finalization)
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+FINALIZATION_THREADS = "threads at finalization: "
+
+
+def threads_at_finalization(log: str) -> list[str]:
+    """The thread names a rank run through LAUNCHER reported, or [] when the
+    line is missing (the caller checks it is there)."""
+    lines = [ln for ln in log.splitlines() if ln.startswith(FINALIZATION_THREADS)]
+    return lines[-1].removeprefix(FINALIZATION_THREADS).split(",") if lines else []
+
+
 def _run_ranks(job: dict, world: int, tmpd: str, timeout: float = 120) -> list[tuple[int, str]]:
-    """Runs the ranks of writer_gen.py JOB; [(exit status, log)] per rank
-    (a negative status is the signal that ended it)."""
+    """Runs the ranks of writer_gen.py JOB through LAUNCHER; [(exit status,
+    log)] per rank (a negative status is the signal that ended it)."""
+    launcher = os.path.join(tmpd, "launcher.py")
+    with open(launcher, "w") as f:
+        f.write(LAUNCHER)
     job_file = os.path.join(tmpd, "job.json")
     with open(job_file, "w") as f:
         json.dump(job, f)
@@ -67,7 +104,8 @@ def _run_ranks(job: dict, world: int, tmpd: str, timeout: float = 120) -> list[t
         for rank in range(world):
             log = open(os.path.join(tmpd, f"rank{rank}.log"), "w+b")
             logs.append(log)
-            procs.append(subprocess.Popen([sys.executable, GEN, "_worker", str(rank), str(world), init, job_file],
+            argv = [sys.executable, launcher, GEN, "_worker", str(rank), str(world), init, job_file]
+            procs.append(subprocess.Popen(argv,
                                           env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL))
         out = []
         for p, log in zip(procs, logs):
@@ -84,17 +122,36 @@ def _run_ranks(job: dict, world: int, tmpd: str, timeout: float = 120) -> list[t
             log.close()
 
 
-@pytest.mark.xfail(strict=False, reason="open defect: a rank ending through a refused save still aborts "
-                   "('terminate called without an active exception') in about 1 of 30 runs under load, at "
-                   "interpreter shutdown with no Python frame; cause not yet found")
+def _check_rank(trial: int, rank: int, code: int, log: str) -> str | None:
+    """Why this rank's exit is wrong, or None: it must exit 1 with the
+    refusal, never abort, and leave no thread of ckptfs's stager or of
+    torch's gloo process group to the interpreter's finalization."""
+    where = f"trial {trial} rank {rank}"
+    if code == -signal.SIGABRT or "terminate called" in log:
+        return f"{where}: aborted (status {code})\n{log[-3000:]}"
+    if code != 1 or "complex32" not in log:
+        return f"{where}: status {code}, not 1 with the refusal\n{log[-3000:]}"
+    threads = threads_at_finalization(log)
+    if not threads:
+        return f"{where}: the launcher's atexit handler did not report\n{log[-3000:]}"
+    left = sorted(set(threads) & {IO_THREAD, *GLOO_THREADS})
+    if left:
+        return f"{where}: threads alive when the interpreter finalizes: {left}"
+    return None
+
+
 def test_ranks_that_exit_through_a_refused_save_exit_1_every_time(tmp_path):
+    """Rank 1 refuses; rank 0 wrote its files and pooled its stagers. Both
+    exit through the interpreter with the CheckpointException. A thread left
+    running into finalization is what aborted such ranks, seldom (about 1
+    exit in 30, when a gloo worker freed the last collective's tensors just
+    as finalization began), so the check is on its cause, in every trial:
+    no such thread is alive when the last atexit handler runs."""
     failures = []
-    for trial in range(15):
+    for trial in range(3):
         tmpd = tempfile.mkdtemp(prefix=f"refused{trial}-", dir=tmp_path)
         job = {"kind": "refused", "seed": trial, "dir": os.path.join(tmpd, "ckpt")}
         for rank, (code, log) in enumerate(_run_ranks(job, 2, tmpd)):
-            if code == -signal.SIGABRT or "terminate called" in log:
-                failures.append(f"trial {trial} rank {rank}: aborted (status {code})\n{log[-3000:]}")
-            elif code != 1 or "complex32" not in log:
-                failures.append(f"trial {trial} rank {rank}: status {code}, not 1 with the refusal\n{log[-3000:]}")
+            if (why := _check_rank(trial, rank, code, log)) is not None:
+                failures.append(why)
     assert not failures, "\n".join(failures)

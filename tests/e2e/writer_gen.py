@@ -42,10 +42,12 @@ Jobs (``spawn_ranks(__file__, world, job)``; ``job["kind"]``):
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from harness import spawn_ranks  # noqa: E402,F401
@@ -224,6 +226,7 @@ def _job_refused(job: dict, mesh) -> None:
 def _worker(rank: int, world: int, init_file: str, job: dict) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    mesh = None
     try:
         mesh = init_device_mesh("cpu", (world,))
         jobs = {"save": _job_save, "stock": _job_stock, "flat": _job_flat, "load": _job_load, "steps": _job_steps,
@@ -232,8 +235,39 @@ def _worker(rank: int, world: int, init_file: str, job: dict) -> None:
         # No rank tears gloo down while a peer may still be in a collective
         # with it (torch's teardown has aborted a rank that did).
         dist.barrier()
+    except BaseException as e:
+        # The failed job's frames hold its DTensors, and so the mesh; their
+        # locals go now (the traceback still prints), so that the destroy
+        # below frees the process group.
+        traceback.clear_frames(e.__traceback__)
+        raise
     finally:
-        dist.destroy_process_group()
+        mesh = None  # it holds the process group (_destroy_process_group)
+        _destroy_process_group()
+
+
+def _destroy_process_group() -> None:
+    """destroy_process_group that frees the group, joining gloo's threads,
+    while the interpreter is whole. A DeviceMesh holds its groups, so while
+    one is referenced they outlive destroy_process_group, and a gloo worker
+    that frees the tensors of the last collective (made in Python) during
+    finalization takes the GIL then: CPython ends that thread with
+    pthread_exit, whose unwind through a noexcept destructor aborts the
+    process ("terminate called without an active exception"). REQUIRES:
+    the caller holds no DeviceMesh or DTensor."""
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos, clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+    # DTensor's caches (sharding propagation, redistribution plans, mesh
+    # topology) keep the specs, and so the mesh, of every op a DTensor
+    # went through.
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
+    _gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+    gc.collect()
+    dist.destroy_process_group()
+    gc.collect()
 
 
 if __name__ == "__main__":
