@@ -355,8 +355,15 @@ def test_ckptfs_over_s3fs_serves_exact_bytes_after_s3fs_renumbers_then_sees_an_o
     time.sleep(1.1)
     data = bytearray((Path(main_ckpt["out_dir"]) / shard).read_bytes())
     data[-1] ^= 0xFF
+    before = os.stat(s3fs_mount / "main" / shard).st_mtime_ns
     client.put_object(Bucket=BUCKET, Key=f"s3fs/main/{shard}", Body=bytes(data))
-    _drop_caches()
+    deadline = time.monotonic() + 30
+    while True:  # s3fs lets go of the closed files' entries in its own time
+        _drop_caches()
+        if os.stat(s3fs_mount / "main" / shard).st_mtime_ns != before or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert os.stat(s3fs_mount / "main" / shard).st_mtime_ns != before, "s3fs never showed the overwrite"
     r = ckptfs("check", str(s3fs_mount))
     assert r.returncode == 5 and shard.encode() in r.stdout + r.stderr, r.stdout.decode() + r.stderr.decode()
     r = ckptfs("cat", str(s3fs_mount), "main/consolidated/model.safetensors")
