@@ -434,17 +434,15 @@ def _reference_consolidated(m, rel: str, expected: dict) -> bytes:
     return ref
 
 
-def _timed_pread(path: str, n: int, off: int, out: dict) -> None:
-    """One O_DIRECT pread (it reaches the daemon); its bytes or its
-    exception, and how long it took, go into `out`."""
+def _timed_pread(fd: int, n: int, off: int, out: dict) -> None:
+    """One pread; its bytes or its exception, and how long it took, go
+    into `out`."""
     t0 = time.monotonic()
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
     try:
         out["data"] = os.pread(fd, n, off)
     except OSError as e:
         out["error"] = e
     finally:
-        os.close(fd)
         out["seconds"] = time.monotonic() - t0
 
 
@@ -468,13 +466,19 @@ def test_stalled_and_trickling_gets_are_abandoned_retried_then_eio_in_bounded_ti
         with mount_factory(f"s3://{BUCKET}/stalls", "--endpoint-url", f"http://127.0.0.1:{proxy.port}",
                            "--readahead-mib", "0", "--rescan-ms", "0") as m:
             ref = _reference_consolidated(m, "once", main_ckpt["expected"])
+            # Opened (and so loaded: its sidecars are read) before the faults,
+            # with O_DIRECT: each read reaches the daemon.
+            fds = {name: os.open(m.p(name, "consolidated", "model.safetensors"), os.O_RDONLY | os.O_DIRECT)
+                   for name in ("once", "always", "trickle")}
+            for name, fd in fds.items():
+                assert os.pread(fd, len(ref), 0) == ref, name
             proxy.set_script({"/stalls/once/": ["stall_headers", "stall_silent"],
                               "/stalls/always/": ["stall_headers", "stall_silent"] * 20,
                               "/stalls/trickle/": ["trickle"] * 20})
             off, n = len(ref) // 2, 4096
             results = {name: {} for name in ("once", "always", "trickle")}
             threads = [threading.Thread(target=_timed_pread, daemon=True,
-                                        args=(m.p(name, "consolidated", "model.safetensors"), n, off, out))
+                                        args=(fds[name], n, off, out))
                        for name, out in results.items()]
             for t in threads:
                 t.start()
@@ -483,6 +487,8 @@ def test_stalled_and_trickling_gets_are_abandoned_retried_then_eio_in_bounded_ti
             log = m.log()
             assert not any(t.is_alive() for t in threads), (
                 {k: v for k, v in results.items()}, "a read still waits after 150 s", log[-3000:])
+            for fd in fds.values():
+                os.close(fd)
     finally:
         proxy.close()
     once, always, trickle = results["once"], results["always"], results["trickle"]
