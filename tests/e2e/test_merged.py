@@ -2,13 +2,15 @@
 
 Oracles: peft's own `PeftModel.from_pretrained(base).merge_and_unload()` (every
 tensor, fp32), the unmerged PeftModel's forward (logits of transformers on
-merged/), and torch's `.to(bfloat16)` of peft's merge. The models and adapters
-are made by transformers and peft (lora_gen.py), never by ckptfs.
+merged/), and torch's `.to(bfloat16)` of peft's merge. The models and adapters are made by
+transformers, peft and torch's FSDP2 + DCP (lora_gen.py, fsdp_lora_gen.py),
+never by ckptfs.
 """
 
 from __future__ import annotations
 
 import glob
+import json
 import mmap
 import os
 import random
@@ -20,6 +22,7 @@ import torch
 from safetensors.torch import load, load_file
 from transformers import AutoModelForCausalLM
 
+import fsdp_lora_gen
 import lora_gen
 
 IDS = torch.tensor([[1, 5, 9, 13, 2, 40, 77, 96]])
@@ -108,7 +111,6 @@ def test_merged_bf16_view_of_an_fp32_base(lora_root, lora_mount):
     assert set(got) == base_names(base_dir)
     for name, t in got.items():
         assert_within_bf16_ulp(t, want[name].to(torch.bfloat16), name)
-    import json
     with open(os.path.join(view, "config.json")) as f:
         assert json.load(f)["dtype"] == "bfloat16"
 
@@ -127,6 +129,47 @@ def test_dcp_base(lora_root, lora_mount):
     with torch.no_grad():
         ref = lora_gen.peft_unmerged("llama", hf_base, adapter)
         torch.testing.assert_close(merged(IDS).logits, ref(IDS).logits, atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def fsdp_root(tmp_path_factory):
+    """(root, reference): fsdp_lora_gen's step and adapter, and the step's weights unsharded."""
+    root = str(tmp_path_factory.mktemp("fsdp-lora"))
+    reference = str(tmp_path_factory.mktemp("fsdp-reference"))
+    fsdp_lora_gen.make(root, reference)
+    return root, reference
+
+
+def test_an_fsdp2_finetune_over_a_dcp_step(fsdp_root, mount_factory):
+    """An adapter saved from an FSDP2 fine-tune (the full state dict gathered
+    to rank 0, saved by PeftModel.save_pretrained) whose base is the DCP
+    step an FSDP2 run saved: merged/ is peft's merge into the unsharded base."""
+    root, reference = fsdp_root
+    adapter = os.path.join(root, fsdp_lora_gen.ADAPTER)
+    factors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    lora_b = {n: t for n, t in factors.items() if ".lora_B." in n}
+    assert len(lora_b) == 2 * len(fsdp_lora_gen.LORA["target_modules"])  # both decoder layers
+    assert all(t.abs().max() > 0 for t in lora_b.values()), "lora_B is still zero: not trained"
+    ref_base = load_folder(reference)
+    with mount_factory(root) as m:
+        # The step in the mount is the reference the oracles read.
+        consolidated = load_folder(m.p(fsdp_lora_gen.BASE, "consolidated"))
+        assert set(consolidated) == set(ref_base)
+        for name, t in consolidated.items():
+            assert torch.equal(t, ref_base[name]), name
+        view = m.p(fsdp_lora_gen.ADAPTER, "merged")
+        got = load_folder(view)
+        assert set(got) == set(ref_base), sorted(set(got) ^ set(ref_base))
+        want = lora_gen.peft_merged("llama", reference, adapter).state_dict()
+        changed = 0
+        for name, t in got.items():
+            assert_close_rel(t, want[name], name)
+            changed += not torch.equal(t, ref_base[name])
+        assert changed == len(lora_b), changed
+        merged = AutoModelForCausalLM.from_pretrained(view, dtype=torch.float32).eval()
+        with torch.no_grad():
+            ref = lora_gen.peft_unmerged("llama", reference, adapter)
+            torch.testing.assert_close(merged(IDS).logits, ref(IDS).logits, atol=1e-4, rtol=0)
 
 
 def test_sidecars_come_from_the_adapter_else_the_base(lora_root, lora_mount):
