@@ -208,6 +208,30 @@ def test_adapters_that_cannot_be_merged_get_no_merged_and_say_why(lora_root, lor
     assert "llama_plain:" not in out + err
 
 
+def test_an_adapter_saved_from_ungathered_shards_is_refused_saying_so(tmp_path, mount_factory, ckptfs):
+    """DeepSpeed ZeRO-3 (and FSDP outside summon_full_params) leaves each
+    parameter an empty placeholder between steps: peft's save_pretrained
+    then writes empty factors (and warns). merged/ is refused naming the
+    tensor and the save that went wrong, not the base."""
+    root = str(tmp_path)
+    adapter = os.path.join(root, "adapter")
+    lora_gen.llama().save_pretrained(os.path.join(root, "base"))
+    pm = peft.get_peft_model(lora_gen.llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    for name, p in pm.named_parameters():
+        if "lora_" in name:
+            p.data = torch.empty(0)  # what ZeRO-3's partitioning leaves on a module
+    with pytest.warns(peft.utils.warning.PeftWarning, match="not gathered"):  # peft's own check agrees
+        pm.save_pretrained(adapter)
+    lora_gen.point_at_base(adapter, "../base")
+    why = ("adapter tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' is [0], not a 2-d "
+           "LoRA factor: the adapter was saved from parameters FSDP or DeepSpeed ZeRO-3 had not gathered")
+    with mount_factory(root) as m:
+        assert not os.path.exists(m.p("adapter", "merged"))
+        assert "adapter/merged/: not created: " + why in m.log(), m.log()
+    r = ckptfs("check", root)
+    assert r.returncode == 5 and why in r.stdout.decode(), r.stdout.decode() + r.stderr.decode()
+
+
 MIB = 1 << 20
 
 
