@@ -349,7 +349,7 @@ def test_eight_readers_by_mmap_and_read_get_exact_bytes_in_bounded_memory(tmp_pa
     order and 4 reading random ~1 MiB ranges, at once on a fresh mount, each
     get every byte of peft's merge as safetensors writes it; the merged
     tensors are many times the compute cache, and the daemon's peak RSS stays
-    within the cache, a block per FUSE thread and a little slack above its
+    within the cache, a block's working set per FUSE thread and some slack above its
     RSS before the first read."""
     root = str(tmp_path / "root")
     base_dir, adapter = os.path.join(root, "base"), os.path.join(root, "adapter")
