@@ -77,7 +77,7 @@ void AddCommon(CLI::App* cmd, Common& c, bool view_flags) {
   AddS3(cmd, c);
   if (view_flags) {
     cmd->add_option("--max-file-size", c.max_file_size,
-                    "Split consolidated/ into files of at most this size when the checkpoint has no file mapping (default 5GB; units B, KB, MB, GB, KiB, MiB, GiB)");
+                    "Split consolidated/ into files of at most this size when the checkpoint has no file mapping (default 5GB; units B, KB, MB, GB, KiB, MiB, GiB; K, M, G are binary)");
     cmd->add_flag("--reindex", c.reindex, "Rebuild the index before opening");
     cmd->add_option("--names", c.names,
                     "JSON {fqn: name}: exactly which tensors consolidated/ and mesh/ hold, under which names "
