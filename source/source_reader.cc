@@ -5,7 +5,9 @@
 #include <cerrno>
 #include <cstring>
 
+#include "core/compute.h"
 #include "core/convert.h"
+#include "core/layout.h"
 #include "source/checksums.h"
 #include "source/posix_source.h"
 #include "source/transform.h"
@@ -22,6 +24,26 @@ constexpr uint64_t kHintChunk = 512 << 10;
 // Read-ahead is planned and hinted this much of the virtual file at a time,
 // in file order (one FUSE request's worth).
 constexpr uint64_t kHintSlice = 1 << 20;
+
+// The source ranges that computing the blocks of `op` starting inside it
+// reads (their inputs). A block is hinted from the slice holding its first
+// byte only, so the slices of one window hint each block once.
+std::vector<CopyOp> InputCopies(const ComputeOp& op) {
+  std::vector<CopyOp> out;
+  const Computation& c = *op.computed;
+  const uint64_t end = op.offset + op.length;
+  uint64_t b = c.block_end(0) > 0 ? op.offset / c.block_end(0) : 0;
+  for (; b < c.block_count() && c.block_begin(b) < end; ++b) {
+    if (c.block_begin(b) < op.offset) continue;
+    for (const ComputeInput& in : c.InputsOf(b)) {
+      Layout layout;
+      if (!layout.AddTensor(in.tensor, in.box).ok()) continue;
+      auto plan = Plan(layout, 0, layout.size());
+      if (plan.ok()) out.insert(out.end(), plan->copies.begin(), plan->copies.end());
+    }
+  }
+  return out;
+}
 
 }  // namespace
 
@@ -219,6 +241,11 @@ void SourceReader::HintWindow(const Layout& layout, ReadStream::Window w, const 
     if (generation->load(std::memory_order_relaxed) != want) return;
     auto plan = Plan(layout, at, std::min(kHintSlice, end - at));
     if (!plan.ok()) return;  // the read of those bytes will say why
+    // A computed tensor's bytes come from its inputs: those are read ahead.
+    for (const ComputeOp& op : plan->computes) {
+      std::vector<CopyOp> inputs = InputCopies(op);
+      plan->copies.insert(plan->copies.end(), inputs.begin(), inputs.end());
+    }
     Prefetch(GroupReads(plan->copies, policy_), *generation, want);
   }
 }
