@@ -16,6 +16,10 @@ and measures, in turns:
     (goal: at most 0.5x the time);
   - s3fs alone (Debian's, reading the shard objects) and ckptfs over s3fs
     (consolidated/ of the s3fs mount), for reference;
+  - a second pass with `--cache DIR` (a fresh mount whose cache an earlier,
+    untimed mount filled; DIR on the same disk as the local checkpoint) vs
+    a mount of the same checkpoint on local disk: sequential reads of
+    consolidated/ (goal: at least 0.8x the local speed);
   - the mount daemon's peak RSS (VmHWM).
 Speeds are bytes read by the client per second; ratios compare them within
 the same pass. The best of --passes is reported, with the load average.
@@ -101,16 +105,16 @@ class S3fs:
 
 
 class Bench:
-    def __init__(self, args, top: str, server: s3_server.Server, keys: list[str]):
-        self.args, self.top, self.server, self.keys = args, top, server, keys
+    def __init__(self, args, top: str, server: s3_server.Server, keys: list[str], ckpt: str):
+        self.args, self.top, self.server, self.keys, self.ckpt = args, top, server, keys, ckpt
         self.work = os.path.join(top, "work")
         self.root = f"s3://{s3_server.BUCKET}/{PREFIX.rstrip('/')}"
         self.rss: list[int] = []
 
-    def mount(self, root: str, name: str) -> bench.Mounted:
+    def mount(self, root: str, name: str, extra: list[str] = ()) -> bench.Mounted:
         d = os.path.join(self.work, name)
         m = bench.Mounted(self.args.bin, root, os.path.join(d, "mnt"), os.path.join(d, "index"),
-                          os.path.join(d, "mount.log"))
+                          os.path.join(d, "mount.log"), extra)
         m.start()
         return m
 
@@ -120,11 +124,11 @@ class Bench:
         n = fn()
         return time.monotonic() - t0, n
 
-    def run_mounted(self, root: str, name: str, client) -> tuple[float, int]:
+    def run_mounted(self, root: str, name: str, client, extra: list[str] = ()) -> tuple[float, int]:
         """A fresh mount of `root`, cold; `client(folder)` timed on its
         consolidated/ (the mount's own start not included)."""
         bench.drop_caches()
-        m = self.mount(root, name)
+        m = self.mount(root, name, extra)
         try:
             t0 = time.monotonic()
             n = client(os.path.join(m.mnt, "consolidated"))
@@ -133,6 +137,15 @@ class Bench:
             return secs, n
         finally:
             m.stop()
+
+    def cached_pass(self) -> tuple[float, int]:
+        """consolidated/ read by a fresh mount with --cache whose cache an
+        earlier mount's read filled (once per run, not timed)."""
+        cache = os.path.join(self.work, "cache")
+        extra = ["--cache", cache, "--max-cache-size", f"{int(self.args.size_gib * 2) + 1}G"]
+        if not os.path.isdir(os.path.join(cache, "blocks")):
+            self.run_mounted(self.root, "s3-cache-fill", read_folder, extra)
+        return self.run_mounted(self.root, "s3-cache", read_folder, extra)
 
     def download_pass(self) -> tuple[float, int]:
         out = os.path.join(self.work, "download")
@@ -166,6 +179,8 @@ def one_pass(b: Bench, s3fs: S3fs) -> dict:
     r["over_s3fs_read"] = b.run_mounted(s3fs.mnt, "over-s3fs", read_folder)
     r["convert_load"] = b.convert_pass()
     r["mount_load"] = b.run_mounted(b.root, "s3", bench.from_pretrained_pass)
+    r["local_read"] = b.run_mounted(b.ckpt, "local", read_folder)
+    r["cache_read"] = b.cached_pass()
     return r
 
 
@@ -182,7 +197,9 @@ def report(passes: list[dict], rss: list[int], load: tuple[float, float]) -> Non
     print(f"  from_pretrained: mount {best['mount_load']:.2f} s vs download + consolidate + load "
           f"{best['convert_load']:.2f} s: {best['mount_load'] / best['convert_load']:.2f}x the time")
     print(f"  daemon peak RSS (VmHWM): {max(rss) / 2**20:.0f} MiB")
-    print("  --cache: not measured (the local cache is not built yet)")
+    print(f"  second pass with --cache {best['cache_read']:.2f} s ({speed('cache_read'):.0f} MB/s) vs the "
+          f"checkpoint on local disk {best['local_read']:.2f} s ({speed('local_read'):.0f} MB/s): "
+          f"{speed('cache_read') / speed('local_read'):.2f}x the local speed")
 
 
 def main() -> int:
@@ -214,7 +231,7 @@ def main() -> int:
         keys = sorted(PREFIX + f for f in files)  # the shards and config.json
         os.environ.update(AWS_ACCESS_KEY_ID=s3_server.ACCESS_KEY, AWS_SECRET_ACCESS_KEY=s3_server.SECRET_KEY,
                           AWS_ENDPOINT_URL=server.endpoint, AWS_REGION="us-east-1")
-        b = Bench(args, top, server, keys)
+        b = Bench(args, top, server, keys, ckpt)
         s3fs = S3fs(server.endpoint, top)
         load0 = os.getloadavg()[0]
         passes = []
