@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -69,7 +70,13 @@ class S3Object : public SourceObject {
     };
     const unsigned threads = unsigned(std::min<uint64_t>(parts, config().max_threads));
     std::vector<std::thread> pool;
-    for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
+    for (unsigned t = 1; t < threads; ++t) {
+      try {
+        pool.emplace_back(work);
+      } catch (const std::system_error&) {
+        break;  // no thread to be had: the ones started and this one read every part
+      }
+    }
     work();
     for (auto& t : pool) t.join();
     for (const Status& s : errors)
