@@ -33,8 +33,8 @@
 // Errors served on reads and opens are logged through a LogLimiter (a few
 // lines per checkpoint and cause every 10 s, then a count).
 //
-// Thread-safe: the FUSE loop calls it from many threads. Lock order: mu_
-// (the node table) is never held while calling into SourceReader or doing
+// Thread-safe: the FUSE loop calls it from many threads. Lock order: the
+// node table's lock is never held while calling into SourceReader or doing
 // file I/O.
 #pragma once
 
@@ -57,50 +57,18 @@
 #include "core/layout.h"
 #include "core/meta.h"
 #include "core/views.h"
+#include "fs/checkpoint_set.h"
 #include "fs/compute_cache.h"
 #include "fs/fs_error.h"
+#include "fs/fs_options.h"
 #include "fs/log_limiter.h"
 #include "fs/merged_view.h"
+#include "fs/node_table.h"
 #include "fs/source_tree.h"
 #include "source/source_reader.h"
 
 namespace ckptfs {
 
-struct FsOptions {
-  ConsolidatedOptions consolidated;
-  // Contents of a mesh rules file (`--rules`), or empty for the presets.
-  std::string rules_json;
-  uid_t uid = 0;
-  gid_t gid = 0;
-  // Checkpoints kept loaded (rows, plans, views); beyond it the least
-  // recently used one with no open file is unloaded and loaded again on its
-  // next use. 0 = no limit (the CLI's one-shot commands).
-  size_t max_loaded = 0;
-  // Receives one line per served error (EIO on a read, say) and per view
-  // that could not be built. Must be thread-safe.
-  std::function<void(const std::string&)> log;
-  // Receives one line per checkpoint loaded or unloaded. May be empty.
-  std::function<void(const std::string&)> info;
-  // Asks the kernel to drop what it cached of inode `ino` (pages and
-  // attributes). Called from a reader thread, never while a lock is held;
-  // the mount queues it (invalidating from inside a read of the same inode
-  // would deadlock on the page lock). May be empty (no kernel cache: cat,
-  // export, tests).
-  std::function<void(uint64_t ino)> invalidate;
-  // Read-ahead and overlapped source reads (source/source_reader.h).
-  ReadOptions read;
-  // Tensors a dtype view (consolidated.<dtype>/, mesh/<spec>.<dtype>/)
-  // keeps as saved: a regex searched in their names (`--keep-dtype`).
-  std::string keep_dtype;
-  // Bytes of computed tensor blocks kept for readers (`--compute-cache-mib`,
-  // fs/compute_cache.h). 512 MiB: a ~1B-parameter model's largest matrices
-  // many times over, 2 % of a 24 GiB machine, which the page cache needs
-  // more (it holds the served pages themselves).
-  uint64_t compute_cache_bytes = 512ull << 20;
-  // Check each chunk's recorded CRC32C on its first read; a mismatch is EIO
-  // for the reads touching that chunk (ChecksumGate, source/checksums.h).
-  bool verify_checksums = false;
-};
 
 struct Attr {
   uint64_t ino = 0;
@@ -119,9 +87,6 @@ struct DirEntry {
   Attr attr;
 };
 
-// Loads the rows of the checkpoint in directory `dir` (relative to the root).
-using CheckpointLoader = std::function<Result<Checkpoint>(const std::string& dir)>;
-
 // A loaded checkpoint, for the CLI's inspection commands.
 struct LoadedCheckpoint {
   const Checkpoint* ckpt;
@@ -130,7 +95,7 @@ struct LoadedCheckpoint {
 
 class VirtualFs {
  public:
-  static constexpr uint64_t kRootIno = 1;
+  static constexpr uint64_t kRootIno = NodeTable::kRootIno;
 
   // The checkpoints in `dirs` under `root`, loaded by `loader` on first use.
   static Result<std::unique_ptr<VirtualFs>> Open(std::shared_ptr<const Source> source,
@@ -209,88 +174,11 @@ class VirtualFs {
   std::vector<LoadedCheckpoint> LoadAll();
 
  private:
-  enum class NodeKind { kSourceDir, kSourceFile, kSourceLink, kVirtualDir, kVirtualFile };
-  struct Node;
+  using Node = FsNode;
   struct Handle;
-  // One checkpoint as served: its rows, reader and views, loaded on first use.
-  // Never destroyed while the VirtualFs lives (open handles and the nodes of
-  // its views point into it); unloading frees its rows, not the entry.
-  struct Served {
-    std::string dir;
-    int index = -1;                  // in served_
-    std::mutex load_mu;              // serializes loading and unloading; never taken with mu_ held
-    std::string load_error;          // the last load's failure; guarded by load_mu
-    int failures = 0;                // consecutive failed loads; guarded by load_mu
-    std::chrono::steady_clock::time_point retry_at;  // no load tried before; guarded by load_mu
-    std::optional<Checkpoint> staged;  // rows handed over by AddCheckpoint; guarded by load_mu
-    Checkpoint ckpt;                 // its rows while resident
-    std::unique_ptr<SourceReader> reader;
-    ViewAccess access;               // set by the first load, kept: its nodes' attributes
-    bool has_access = false;         // guarded by load_mu
-    std::atomic<bool> stale{false};    // invalidated once, when first seen
-    std::atomic<bool> removed{false};  // replaced or deleted: no new lookups, no reload
-    std::atomic<bool> resident{false}; // rows loaded, views filled (set under load_mu and mu_)
-    std::atomic<int> handles{0};       // open virtual files and pins; raised under mu_ (shared)
-    std::atomic<uint64_t> last_used{0};
-    std::vector<std::shared_ptr<MergedSources>> merged;  // its merged/ views' sources; guarded by load_mu
-  };
-  // Keeps a checkpoint from being unloaded while a lookup uses its views.
-  class Pin {
-   public:
-    Pin(VirtualFs* fs, Served* s) : fs_(fs), served_(s) {}
-    Pin(Pin&& o) noexcept : fs_(o.fs_), served_(std::exchange(o.served_, nullptr)) {}
-    Pin(const Pin&) = delete;
-    Pin& operator=(const Pin&) = delete;
-    Pin& operator=(Pin&&) = delete;
-    ~Pin();
-
-   private:
-    VirtualFs* fs_;
-    Served* served_;
-  };
   VirtualFs(FsOptions options, std::unique_ptr<SourceTree> tree, CheckpointLoader loader);
-  // A replaced checkpoint's directory and the names of its views in it,
-  // whose kernel entries are dropped once the lock is released.
-  struct Detached {
-    uint64_t dir_ino = 0;
-    std::vector<std::string> names;
-  };
-  int HostLocked(std::unique_ptr<Served> s, Detached* old);
   void DropKernelEntries(const Detached& old) const;
-  // Loads checkpoint `i` (rows, reader) and attaches or refills its views,
-  // unless it is loaded. A failed load is tried again on a later call once
-  // its backoff is over; until then the failure is returned at once.
-  // NotFound for a replaced or removed checkpoint that is not loaded.
-  Status EnsureLoaded(int i);
-  Status LoadLocked(int i, Served* s);
   Status BuildViews(int i, Node* dir);
-  // For a source directory hosting a checkpoint: its views, loaded now if
-  // never attached, and kept loaded while the returned pin lives. `error`
-  // gets the load's failure.
-  Pin EnsureViewsOf(const Node& dir, Status* error = nullptr);
-  // Pins checkpoint `i` and loads it if it is not: the caller's handle.
-  // ESTALE for one replaced or removed meanwhile, EIO when it cannot load.
-  FsResult<Served*> Acquire(int i);
-  void Unpin(Served* s);
-  // Gives a loaded checkpoint's reader its ChecksumGate (--verify-checksums).
-  void UseChecksums(Served& s);
-  void Touch(int i) const;
-  // Unloads least recently used checkpoints (never `keep`, never one with an
-  // open file) until at most max_loaded are loaded, counting `keep` (>= 0)
-  // as about to be.
-  void EvictBeyondLimit(int keep);
-  // Frees the rows and layouts of checkpoint `i`, keeping its nodes, or does
-  // nothing when a file of it is open or it is in use. False when nothing
-  // was done.
-  // `wait`: for a replaced or removed one, whose rows nothing else frees;
-  // else a checkpoint being loaded or built is left alone.
-  bool Unload(int i, bool wait);
-  // NotFound (replaced or removed: the kernel looks the path up again) is
-  // ESTALE; anything else EIO.
-  static FsError LoadFailure(const Status& st);
-  Served* ServedAt(int i) const;
-  // The index of the live checkpoint in `rel`, or -1. REQUIRES: mu_ held.
-  int HostedBy(const std::string& rel) const;
   // Drops the kernel's cache of every virtual file of checkpoint `i`, once.
   void InvalidateCheckpoint(size_t i);
   // The plan of a read of a virtual file through `h`, or the failure to
@@ -327,43 +215,19 @@ class VirtualFs {
   // The layout of a virtual file whose checkpoint is pinned and loaded: a
   // tensors/ file's and a mesh file's are made again after an unload.
   FsError EnsureLayout(Node* file, const Served& served);
-  static void ReturnFreedMemory();
   Result<ShardingRules> RulesFor(const Checkpoint& ckpt) const;
-  // Shared: a node of a removed checkpoint may leave the table meanwhile.
-  std::shared_ptr<Node> Find(uint64_t ino) const;
-  // nullptr when `ino` left the table. REQUIRES: mu_ held.
-  Node* NodeLocked(uint64_t ino) const;
-  // Takes the nodes of replaced or removed checkpoint `i` out of the tree;
-  // those the kernel does not hold leave the table. REQUIRES: mu_ held
-  // exclusively.
-  void DetachLocked(int i);
-  Node* SourceNode(const std::string& rel, NodeKind kind);
-  Node* AddVirtual(Node* parent, const std::string& name, bool is_dir, int ckpt);
-  // `sources`: a merged/ file's own sources (fs/merged_view.h), else null.
-  void AddViewFile(Node* view, ViewFile f, int ckpt, std::shared_ptr<MergedSources> sources = nullptr);
   FsResult<Attr> AttrOf(const Node& n) const;
-  std::string PathOf(const Node& n) const;
-  void Log(const std::string& line) const;
   // Through limiter_, keyed by the checkpoint and the cause.
   void LogServed(int ckpt, const FsError& e, const std::string& line);
-  void Info(const std::string& line) const;
 
   FsOptions options_;
   std::unique_ptr<const SourceTree> tree_;
-  CheckpointLoader loader_;
   int64_t mounted_at_ns_ = 0;  // mtime of virtual entries
   std::function<void(uint64_t, const std::string&)> invalidate_entry_;
   LogLimiter limiter_;
-  // Lock order: a Served's load_mu, then mu_. mu_ is never held during I/O.
-  mutable std::shared_mutex mu_;  // guards nodes_, source_inos_, served_, hosted_
-  mutable std::atomic<uint64_t> use_clock_{0};
-  std::atomic<size_t> resident_count_{0};  // checkpoints loaded (resident)
   std::unique_ptr<ComputeCache> compute_;  // blocks of computed tensors, tagged by checkpoint
-  std::unordered_map<uint64_t, std::shared_ptr<Node>> nodes_;  // ino -> node
-  uint64_t next_ino_ = kRootIno + 1;                 // never reused
-  std::unordered_map<std::string, uint64_t> source_inos_;
-  std::vector<std::unique_ptr<Served>> served_;      // append-only
-  std::unordered_map<std::string, int> hosted_;      // dir -> live entry of served_
+  NodeTable nodes_;
+  CheckpointSet ckpts_;
 };
 
 }  // namespace ckptfs
