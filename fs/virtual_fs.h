@@ -65,6 +65,7 @@
 #include "fs/merged_view.h"
 #include "fs/node_table.h"
 #include "fs/source_tree.h"
+#include "fs/view_builder.h"
 #include "source/source_reader.h"
 
 namespace ckptfs {
@@ -178,7 +179,6 @@ class VirtualFs {
   struct Handle;
   VirtualFs(FsOptions options, std::unique_ptr<SourceTree> tree, CheckpointLoader loader);
   void DropKernelEntries(const Detached& old) const;
-  Status BuildViews(int i, Node* dir);
   // Drops the kernel's cache of every virtual file of checkpoint `i`, once.
   void InvalidateCheckpoint(size_t i);
   // The plan of a read of a virtual file through `h`, or the failure to
@@ -191,31 +191,9 @@ class VirtualFs {
   // The reader of an open virtual file: its checkpoint's, or a merged/
   // file's own (fs/merged_view.h).
   static SourceReader* ReaderOf(const Handle& h);
-  FsResult<uint64_t> OpenMesh(Node* mesh_dir, const std::string& spec_name);
-  // consolidated.<dtype>/ of the checkpoint shown in `dir`, made on its
-  // first lookup (ENOENT with a log line for an unknown dtype).
-  FsResult<uint64_t> OpenDTypeView(Node* dir, const std::string& name);
-  // merged/ or merged.<dtype>/ of the LoRA adapter shown in `dir`, made on
-  // its first lookup (fs/merged_view.h); ENOENT with a log line saying why
-  // when it cannot be.
-  FsResult<uint64_t> OpenMergedView(Node* dir, const std::string& name);
-  // Why adapter `ckpt` gets no merged/ ("" when it does: a LoRA adapter
-  // whose base is a checkpoint of this mount).
-  std::string MergedRefusal(const Checkpoint& ckpt) const;
-  // A copy of the rows of the checkpoint in `dir`, loaded for the copy.
-  Result<Checkpoint> RowsOf(const std::string& dir);
   // From now on merged view `ms` of checkpoint `ckpt` reads as EIO; the
   // kernel's pages of its files are dropped.
   void MarkMergedStale(const std::shared_ptr<MergedSources>& ms, int ckpt, const std::string& why);
-  // The DTypeView for suffix `suffix` of checkpoint `ckpt`.
-  Result<DTypeView> DTypeViewFor(const Checkpoint& ckpt, const std::string& suffix) const;
-  bool NeedsNpy(const Node& dir) const;
-  bool ViewsAttached(const Node& dir) const;
-  FsError FillNpy(Node* npy_dir);
-  // The layout of a virtual file whose checkpoint is pinned and loaded: a
-  // tensors/ file's and a mesh file's are made again after an unload.
-  FsError EnsureLayout(Node* file, const Served& served);
-  Result<ShardingRules> RulesFor(const Checkpoint& ckpt) const;
   FsResult<Attr> AttrOf(const Node& n) const;
   // Through limiter_, keyed by the checkpoint and the cause.
   void LogServed(int ckpt, const FsError& e, const std::string& line);
@@ -228,6 +206,7 @@ class VirtualFs {
   std::unique_ptr<ComputeCache> compute_;  // blocks of computed tensors, tagged by checkpoint
   NodeTable nodes_;
   CheckpointSet ckpts_;
+  ViewBuilder views_;
 };
 
 }  // namespace ckptfs
