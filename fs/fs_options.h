@@ -35,6 +35,10 @@ struct FsOptions {
   // would deadlock on the page lock). May be empty (no kernel cache: cat,
   // export, tests).
   std::function<void(uint64_t ino)> invalidate;
+  // Likewise for the kernel's cached name `name` in directory `parent`
+  // (a view of a replaced or removed checkpoint).
+  using InvalidateEntry = std::function<void(uint64_t parent, const std::string& name)>;
+  InvalidateEntry invalidate_entry;
   // Read-ahead and overlapped source reads (source/source_reader.h).
   ReadOptions read;
   // Tensors a dtype view (consolidated.<dtype>/, mesh/<spec>.<dtype>/)

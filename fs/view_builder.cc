@@ -21,7 +21,6 @@ struct PendingDir {
   bool is_npy = false;
 };
 
-
 // The text of sidecar `name` of `ckpt` ("" when it has none or it cannot be read).
 std::string ReadSidecar(const Source& source, const Checkpoint& ckpt, const std::string& name) {
   auto it = ckpt.sidecars.find(name);

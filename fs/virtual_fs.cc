@@ -1,24 +1,16 @@
 #include "fs/virtual_fs.h"
 
-#include <dirent.h>
 #include <fcntl.h>
-#include <malloc.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
-#include <cstdio>
-#include <cstring>
-#include <fstream>
+#include <map>
 #include <mutex>
 #include <set>
-#include <sstream>
+#include <shared_mutex>
 
-#include <nlohmann/json.hpp>
-
-#include "core/planner.h"
-#include "source/checksums.h"
 #include "source/posix_source.h"
 
 namespace ckptfs {
@@ -35,19 +27,7 @@ FsError FsError::From(const Status& s) {
 
 bool Attr::is_dir() const { return S_ISDIR(mode); }
 
-
-struct VirtualFs::Handle {
-  std::shared_ptr<const Node> node;
-  std::unique_ptr<TreeFile> file;  // source files
-  Served* served = nullptr;  // virtual files: holds it loaded (Served::handles)
-  mutable ReadStream stream;  // virtual files: follows the reader for read-ahead
-};
-
 namespace {
-
-std::string Join(const std::string& dir, const std::string& name) {
-  return dir.empty() ? name : dir + "/" + name;
-}
 
 int64_t MtimeNs(const struct stat& st) {
   return int64_t(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
@@ -58,11 +38,11 @@ int64_t MtimeNs(const struct stat& st) {
 VirtualFs::VirtualFs(FsOptions options, std::unique_ptr<SourceTree> tree, CheckpointLoader loader)
     : options_(std::move(options)),
       tree_(std::move(tree)),
-      limiter_([this](const std::string& line) { options_.Log(line); }),
       compute_(std::make_unique<ComputeCache>(options_.compute_cache_bytes)),
       ckpts_(options_, *tree_, std::move(loader), nodes_, *compute_,
              [this](int i, FsNode* dir) { return views_.Build(i, dir); }),
-      views_(options_, *tree_, nodes_, ckpts_) {
+      views_(options_, *tree_, nodes_, ckpts_),
+      files_(options_, *tree_, nodes_, ckpts_, views_, *compute_) {
   mounted_at_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
                        std::chrono::system_clock::now().time_since_epoch())
                        .count();
@@ -104,10 +84,6 @@ Result<std::unique_ptr<VirtualFs>> VirtualFs::Create(Catalog catalog, FsOptions 
   return Open(catalog.root, dirs, std::move(loader), std::move(options));
 }
 
-void VirtualFs::LogServed(int ckpt, const FsError& e, const std::string& line) {
-  limiter_.Log(ckpts_.ServedAt(ckpt)->dir + '\0' + std::to_string(e.err()) + '\0' + CauseKey(e.message()), line);
-}
-
 void VirtualFs::AddCheckpoint(const std::string& dir, std::optional<Checkpoint> rows) {
   const bool eager = rows.has_value();
   Detached old;
@@ -129,30 +105,30 @@ void VirtualFs::RemoveCheckpoint(const std::string& dir) {
   ckpts_.Unload(i, /*wait=*/true);
 }
 
+FsResult<uint64_t> VirtualFs::Open(uint64_t ino, int flags) { return files_.Open(ino, flags); }
+
+FsResult<size_t> VirtualFs::Read(uint64_t handle, char* buf, size_t size, uint64_t offset) {
+  return files_.Read(handle, buf, size, offset);
+}
+
+FsResult<ScatterReply> VirtualFs::ReadScatter(uint64_t handle, size_t size, uint64_t offset) {
+  return files_.ReadScatter(handle, size, offset);
+}
+
+void VirtualFs::Release(uint64_t handle) { files_.Release(handle); }
+
+size_t VirtualFs::RecheckSources() { return files_.RecheckSources(); }
+
 std::vector<std::string> VirtualFs::CheckpointDirs(bool stale_only) const { return ckpts_.Dirs(stale_only); }
 
 size_t VirtualFs::ServedCount() const { return ckpts_.size(); }
 
-
-
 void VirtualFs::Forget(uint64_t ino, uint64_t nlookup) { nodes_.Forget(ino, nlookup); }
 
 void VirtualFs::DropKernelEntries(const Detached& old) const {
-  if (!old.dir_ino || !invalidate_entry_) return;
-  for (const std::string& name : old.names) invalidate_entry_(old.dir_ino, name);
+  if (!old.dir_ino || !options_.invalidate_entry) return;
+  for (const std::string& name : old.names) options_.invalidate_entry(old.dir_ino, name);
 }
-
-
-
-
-
-
-
-
-
-
-
-
 
 std::vector<LoadedCheckpoint> VirtualFs::LoadAll() {
   std::vector<LoadedCheckpoint> out;
@@ -165,36 +141,7 @@ std::vector<LoadedCheckpoint> VirtualFs::LoadAll() {
   return out;
 }
 
-
-
-
-
-
-
-
-
-void VirtualFs::MarkMergedStale(const std::shared_ptr<MergedSources>& ms, int ckpt, const std::string& why) {
-  if (ms->stale.exchange(true)) return;
-  compute_->Drop(ckpt);
-  options_.Log(Join(ckpts_.ServedAt(ckpt)->dir, "") + ": merged view: " + why + "; it reads as EIO until the adapter is indexed again");
-  if (!options_.invalidate) return;
-  for (uint64_t ino : nodes_.Select([&](const Node& n) { return n.sources == ms; })) options_.invalidate(ino);
-}
-
-
-
-
-
-
-
-
-
-
 size_t VirtualFs::NodeCount() const { return nodes_.size(); }
-
-
-
-
 
 FsResult<Attr> VirtualFs::AttrOf(const Node& n) const {
   Attr a;
@@ -242,7 +189,7 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name, bool 
   if (name == "." ) return AttrOf(*p);
   if (name == "..") return GetAttr(p->parent);
   if (p->kind == NodeKind::kSourceDir) {
-    const std::string rel = Join(p->rel, name);
+    const std::string rel = JoinRel(p->rel, name);
     if (auto st = tree_->Lstat(rel); st.ok()) {
       if (S_ISDIR(st->st_mode)) return AttrOf(*nodes_.SourceNode(rel, NodeKind::kSourceDir));
       if (S_ISREG(st->st_mode)) return AttrOf(*nodes_.SourceNode(rel, NodeKind::kSourceFile));
@@ -255,21 +202,17 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name, bool 
   ASSIGN_OR_RETURN(uint64_t child, views_.Child(p.get(), name));
   // A view of a checkpoint that cannot be loaded exists; it cannot be served.
   if (!child && !load_error.ok() && IsViewName(name)) return FsError(EIO, load_error.message());
-  if (!child) return FsError(ENOENT, Join(nodes_.PathOf(*p), name) + ": no such file or directory");
+  if (!child) return FsError(ENOENT, JoinRel(nodes_.PathOf(*p), name) + ": no such file or directory");
   std::shared_ptr<Node> c = nodes_.Find(child);
-  if (!c) return FsError(ESTALE, Join(nodes_.PathOf(*p), name) + ": its checkpoint was replaced or removed");
+  if (!c) return FsError(ESTALE, JoinRel(nodes_.PathOf(*p), name) + ": its checkpoint was replaced or removed");
   ASSIGN_OR_RETURN(Attr a, AttrOf(*c));
   if (for_kernel) {
     std::shared_lock lock(nodes_.mu());  // Forget() erases under it exclusively
-    if (!nodes_.NodeLocked(child)) return FsError(ESTALE, Join(nodes_.PathOf(*p), name) + ": its checkpoint was removed");
+    if (!nodes_.NodeLocked(child)) return FsError(ESTALE, JoinRel(nodes_.PathOf(*p), name) + ": its checkpoint was removed");
     ++c->nlookup;
   }
   return a;
 }
-
-
-
-
 
 FsResult<Attr> VirtualFs::GetAttr(uint64_t ino) {
   std::shared_ptr<Node> n = nodes_.Find(ino);
@@ -312,137 +255,11 @@ FsResult<std::vector<DirEntry>> VirtualFs::ReadDir(uint64_t ino) {
   return out;
 }
 
-FsResult<uint64_t> VirtualFs::Open(uint64_t ino, int flags) {
-  std::shared_ptr<Node> n = nodes_.Find(ino);
-  if (!n) return FsError(ENOENT, "unknown inode " + std::to_string(ino));
-  if ((flags & O_ACCMODE) != O_RDONLY || (flags & (O_TRUNC | O_CREAT | O_APPEND)))
-    return FsError(EROFS, nodes_.PathOf(*n) + ": read-only file system");
-  if (n->is_dir()) return FsError(EISDIR, nodes_.PathOf(*n) + " is a directory");
-  // Refused here rather than at read: a mapped file whose pages fail to read
-  // kills its reader with SIGBUS, a failed open is an exception it can catch.
-  if (!n->problem.empty()) {
-    FsError e(EIO, nodes_.PathOf(*n) + ": " + n->problem);
-    LogServed(n->ckpt, e, nodes_.PathOf(*n) + ": open failed (" + std::strerror(EIO) + "): " + n->problem);
-    return e;
-  }
-  auto h = std::make_unique<Handle>();
-  h->node = n;
-  if (n->kind == NodeKind::kSourceLink) return FsError(ELOOP, n->rel + ": a symlink (the kernel follows it)");
-  if (n->kind == NodeKind::kSourceFile) {
-    ASSIGN_OR_RETURN(h->file, tree_->OpenFile(n->rel));
-  }
-  if (n->kind == NodeKind::kVirtualFile) {
-    // Loads its checkpoint again if it was unloaded since the kernel looked
-    // the file up: the inode is still this file's.
-    auto s = ckpts_.Acquire(n->ckpt);
-    if (!s.ok()) {
-      LogServed(n->ckpt, s.status(), nodes_.PathOf(*n) + ": open failed (" + std::strerror(s.status().err()) +
-                                         "): " + s.status().message());
-      return s.status();
-    }
-    h->served = *s;
-    if (FsError e = views_.EnsureLayout(n.get(), **s); !e.ok()) {
-      ckpts_.Unpin(*s);
-      return e;
-    }
-  }
-  ckpts_.Touch(n->ckpt);
-  return reinterpret_cast<uint64_t>(h.release());
-}
-
-FsResult<size_t> VirtualFs::Read(uint64_t handle, char* buf, size_t size, uint64_t offset) {
-  const Handle* h = reinterpret_cast<const Handle*>(handle);
-  const Node& n = *h->node;
-  if (n.kind == NodeKind::kSourceFile) return h->file->Read(buf, size, offset);
-  ASSIGN_OR_RETURN(ReadPlan plan, PlanRead(*h, size, offset));
-  SourceReader* reader = ReaderOf(*h);
-  Status st = reader->Execute(plan, buf);
-  if (st.ok() && !plan.computes.empty()) st = compute_->Fill(plan.computes, buf, *reader, n.ckpt);
-  if (!st.ok()) return ReadFailed(n, size, offset, st);
-  reader->ReadAhead(h->stream, n.layout, offset, plan.length);
-  return plan.length;
-}
-
-FsError VirtualFs::ReadFailed(const Node& n, size_t size, uint64_t offset, const FsError& e) {
-  LogServed(n.ckpt, e, nodes_.PathOf(n) + ": read of " + std::to_string(size) + " bytes at " + std::to_string(offset) +
-      " failed (" + std::strerror(e.err()) + "): " + e.message());
-  return e;
-}
-
-FsError VirtualFs::ReadFailed(const Node& n, size_t size, uint64_t offset, const Status& st) {
-  if (st.code() == Status::Code::kStale && n.sources) MarkMergedStale(n.sources, n.ckpt, st.message());
-  else if (st.code() == Status::Code::kStale) InvalidateCheckpoint(n.ckpt);
-  return ReadFailed(n, size, offset, FsError::From(st));
-}
-
-// Kept loaded by the open handle; a merged/ file reads two checkpoints' files.
-SourceReader* VirtualFs::ReaderOf(const Handle& h) {
-  return h.node->sources ? h.node->sources->reader.get() : h.served->reader.get();
-}
-
-FsResult<ReadPlan> VirtualFs::PlanRead(const Handle& h, size_t size, uint64_t offset) {
-  const Node& n = *h.node;
-  if (!n.problem.empty()) return ReadFailed(n, size, offset, FsError(EIO, n.problem));
-  if (n.sources && n.sources->stale.load())
-    return ReadFailed(n, size, offset,
-                      FsError(EIO, nodes_.PathOf(n) + ": a source of the adapter or of its base changed since indexing; "
-                                               "the merged view reads as EIO until the adapter is loaded again"));
-  // One changed source makes the whole checkpoint suspect: files the read
-  // does not touch may belong to a save that replaced them all.
-  if (h.served->stale.load())
-    return ReadFailed(n, size, offset,
-                      FsError(EIO, Join(h.served->dir, "") + ": a source changed since indexing; the checkpoint "
-                                                             "reads as EIO until it is indexed again"));
-  auto plan = Plan(*n.layout, offset, size);
-  if (!plan.ok()) return ReadFailed(n, size, offset, FsError::From(plan.status()));
-  return std::move(plan).value();
-}
-
-FsResult<ScatterReply> VirtualFs::ReadScatter(uint64_t handle, size_t size, uint64_t offset) {
-  const Handle* h = reinterpret_cast<const Handle*>(handle);
-  const Node& n = *h->node;
-  ScatterReply reply;
-  if (n.kind != NodeKind::kVirtualFile) {
-    // One buffer per thread, kept (see the header).
-    thread_local std::vector<char> buf;
-    if (buf.size() < size) buf.resize(size);
-    ASSIGN_OR_RETURN(size_t got, Read(handle, buf.data(), size, offset));
-    reply.Add(0, buf.data(), got);
-    if (Status st = reply.Finish(); !st.ok()) return FsError::From(st);
-    return reply;
-  }
-  ASSIGN_OR_RETURN(ReadPlan plan, PlanRead(*h, size, offset));
-  SourceReader* reader = ReaderOf(*h);
-  Status st = reader->ExecuteScatter(plan, &reply);
-  // Computed bytes are gathered: each op into the memory ExecuteScatter set aside.
-  for (size_t i = 0; st.ok() && i < plan.computes.size(); ++i) {
-    ComputeOp op = plan.computes[i];
-    char* out = reply.Reserve(op.dst_offset, op.length);
-    op.dst_offset = 0;
-    st = compute_->Fill({op}, out, *reader, n.ckpt);
-  }
-  if (st.ok()) st = reply.Finish();
-  if (!st.ok()) return ReadFailed(n, size, offset, st);
-  reader->ReadAhead(h->stream, n.layout, offset, plan.length);
-  return reply;
-}
-
 FsResult<std::string> VirtualFs::ReadLink(uint64_t ino) {
   std::shared_ptr<Node> n = nodes_.Find(ino);
   if (!n) return FsError(ENOENT, "unknown inode " + std::to_string(ino));
   if (n->kind != NodeKind::kSourceLink) return FsError(EINVAL, nodes_.PathOf(*n) + " is not a symlink");
   return tree_->ReadLink(n->rel);
-}
-
-void VirtualFs::InvalidateCheckpoint(size_t i) {
-  Served* s = ckpts_.ServedAt(int(i));
-  if (s->stale.exchange(true)) return;
-  compute_->Drop(int(i));
-  options_.Log(Join(s->dir, "") + ": a source changed since indexing; its views read as EIO until it is indexed again");
-  if (!options_.invalidate) return;
-  const std::vector<uint64_t> inos =
-      nodes_.Select([&](const Node& n) { return n.kind == NodeKind::kVirtualFile && n.ckpt == int(i); });
-  for (uint64_t ino : inos) options_.invalidate(ino);
 }
 
 std::vector<std::string> VirtualFs::SourceDirs() const {
@@ -460,35 +277,6 @@ std::vector<std::string> VirtualFs::SourceDirs() const {
   if (!tree_->watchable()) return out;
   for (const std::string& d : dirs) out.push_back(d.empty() ? tree_->root() : tree_->root() + "/" + d);
   return out;
-}
-
-size_t VirtualFs::RecheckSources() {
-  limiter_.Flush();  // the counts of a fault that stopped
-  size_t changed = 0;
-  for (int i : ckpts_.Live()) {
-    Served* s = ckpts_.ServedAt(i);
-    if (s->stale.load()) continue;
-    bool changed_now;
-    std::vector<std::pair<std::shared_ptr<MergedSources>, Status>> merged_changed;
-    {
-      std::lock_guard<std::mutex> load(s->load_mu);  // the reader is not unloaded meanwhile
-      // Null until loaded (nothing served, nothing cached) and once unloaded.
-      changed_now = s->reader && !s->reader->Recheck().ok();
-      for (const auto& ms : s->merged)
-        if (Status st = ms->stale ? Status::OK() : ms->reader->Recheck(); !st.ok()) merged_changed.push_back({ms, st});
-    }
-    for (const auto& [ms, st] : merged_changed) MarkMergedStale(ms, i, st.message());
-    if (changed_now) {
-      InvalidateCheckpoint(i);
-      ++changed;
-    }
-  }
-  return changed;
-}
-
-void VirtualFs::Release(uint64_t handle) {
-  std::unique_ptr<Handle> h(reinterpret_cast<Handle*>(handle));
-  if (h->served) ckpts_.Unpin(h->served);
 }
 
 FsResult<Attr> VirtualFs::Resolve(const std::string& path) {

@@ -4,68 +4,45 @@
 // directory on demand, so new files appear); next to each checkpoint the
 // views are injected as virtual directories (`consolidated/`, `tensors/`,
 // `bytes/`, `mesh/`). Where a real entry has the same name as a virtual one,
-// the real entry wins.
-//
-// Lazy: a checkpoint is only a directory name until a path inside it is
-// first looked up or listed; then its rows are loaded (CheckpointLoader:
-// the store, or a catalog in memory) and its views built, in time linear in
-// its tensors. With FsOptions::max_loaded, the least recently used loaded
-// checkpoint with no open file is unloaded (its rows and plans freed, the
-// nodes of its views kept, without their layouts) and loaded again on next
-// use: its inode numbers stay valid across the unload, so a file the kernel
-// still knows opens (reloading its checkpoint) instead of failing ESTALE,
-// and a reload adds no nodes. A load that fails is retried on later use,
-// at most once per backoff (1 s doubling to 16 s); meanwhile its views
-// answer EIO.
-// `mesh/<spec>/` directories are made on first lookup of a valid spec, the
-// files of `tensors/` on its first lookup or listing (most mounts never list
-// it; for 100k tensors its nodes alone take ~40 MB), and a `tensors/` file's
-// layout on its first open. Live: checkpoints can be added and removed while
+// the real entry wins. Live: checkpoints can be added and removed while
 // mounted.
 //
-// Inode numbers are allocated on first lookup and never reused (so the
-// FUSE generation is always 0). The table grows with distinct paths looked
-// up, not with unloads: a reload fills the nodes it had. The nodes of a
-// replaced or removed checkpoint leave the tree at once and the table once
-// the kernel forgets them (its rows are freed once no file of it is open).
-// Source nodes stay for the life of the mount.
+// VirtualFs answers the FUSE operations and composes the parts that hold
+// its state, each with its own header:
+//   NodeTable (fs/node_table.h): the inodes, allocated on first lookup and
+//     never reused; the lock that guards them and the checkpoint registry.
+//   CheckpointSet (fs/checkpoint_set.h): the checkpoints, each loaded on
+//     first use and unloaded beyond FsOptions::max_loaded (its nodes and
+//     inode numbers kept, so a file the kernel still knows opens instead of
+//     failing ESTALE).
+//   ViewBuilder (fs/view_builder.h): the views, built when a checkpoint is
+//     loaded or on their first lookup.
+//   OpenFiles (fs/open_files.h): handles, reads, and the EIO served once a
+//     source changed since indexing.
 //
-// Errors served on reads and opens are logged through a LogLimiter (a few
-// lines per checkpoint and cause every 10 s, then a count).
-//
-// Thread-safe: the FUSE loop calls it from many threads. Lock order: the
-// node table's lock is never held while calling into SourceReader or doing
-// file I/O.
+// Thread-safe: the FUSE loop calls it from many threads. The node table's
+// lock is never held while calling into SourceReader or doing file I/O.
 #pragma once
 
 #include <sys/types.h>
 
-#include <atomic>
-#include <chrono>
 #include <cstdint>
 #include <functional>
-#include <map>
-#include <optional>
 #include <memory>
-#include <mutex>
-#include <shared_mutex>
+#include <optional>
 #include <string>
-#include <unordered_map>
-#include <utility>
 #include <vector>
 
-#include "core/layout.h"
 #include "core/meta.h"
-#include "core/views.h"
 #include "fs/checkpoint_set.h"
 #include "fs/compute_cache.h"
 #include "fs/fs_error.h"
 #include "fs/fs_options.h"
-#include "fs/log_limiter.h"
-#include "fs/merged_view.h"
 #include "fs/node_table.h"
+#include "fs/open_files.h"
 #include "fs/source_tree.h"
 #include "fs/view_builder.h"
+#include "source/scatter_reply.h"
 #include "source/source_reader.h"
 
 namespace ckptfs {
@@ -141,18 +118,13 @@ class VirtualFs {
   size_t RecheckSources();
   // Absolute paths of the directories holding sources (for the watcher).
   std::vector<std::string> SourceDirs() const;
-  // Replaces FsOptions::info; call only while no request is served.
+  // Replace FsOptions' fields (invalidate_entry: see there); call only while
+  // no request is served. `read` applies to checkpoints loaded from then on.
   void set_info(std::function<void(const std::string&)> f) { options_.info = std::move(f); }
-  // Replaces FsOptions::invalidate; call only while no request is served.
   void set_invalidate(std::function<void(uint64_t)> f) { options_.invalidate = std::move(f); }
-  // Replaces FsOptions::read for checkpoints loaded from now on; call
-  // before serving.
+  void set_invalidate_entry(FsOptions::InvalidateEntry f) { options_.invalidate_entry = std::move(f); }
   void set_read_options(ReadOptions read) { options_.read = read; }
   void set_verify_checksums(bool on) { options_.verify_checksums = on; }
-  // Likewise for the kernel's cached name `name` in directory `parent`.
-  void set_invalidate_entry(std::function<void(uint64_t, const std::string&)> f) {
-    invalidate_entry_ = std::move(f);
-  }
 
   // "model/consolidated/model.safetensors" -> its attributes ("" is the root).
   FsResult<Attr> Resolve(const std::string& path);
@@ -176,37 +148,18 @@ class VirtualFs {
 
  private:
   using Node = FsNode;
-  struct Handle;
   VirtualFs(FsOptions options, std::unique_ptr<SourceTree> tree, CheckpointLoader loader);
   void DropKernelEntries(const Detached& old) const;
-  // Drops the kernel's cache of every virtual file of checkpoint `i`, once.
-  void InvalidateCheckpoint(size_t i);
-  // The plan of a read of a virtual file through `h`, or the failure to
-  // serve (logged).
-  FsResult<ReadPlan> PlanRead(const Handle& h, size_t size, uint64_t offset);
-  // Logs a failed read of `n` and returns the error to serve; a Stale
-  // status marks the checkpoint stale first.
-  FsError ReadFailed(const Node& n, size_t size, uint64_t offset, const FsError& e);
-  FsError ReadFailed(const Node& n, size_t size, uint64_t offset, const Status& st);
-  // The reader of an open virtual file: its checkpoint's, or a merged/
-  // file's own (fs/merged_view.h).
-  static SourceReader* ReaderOf(const Handle& h);
-  // From now on merged view `ms` of checkpoint `ckpt` reads as EIO; the
-  // kernel's pages of its files are dropped.
-  void MarkMergedStale(const std::shared_ptr<MergedSources>& ms, int ckpt, const std::string& why);
   FsResult<Attr> AttrOf(const Node& n) const;
-  // Through limiter_, keyed by the checkpoint and the cause.
-  void LogServed(int ckpt, const FsError& e, const std::string& line);
 
   FsOptions options_;
   std::unique_ptr<const SourceTree> tree_;
   int64_t mounted_at_ns_ = 0;  // mtime of virtual entries
-  std::function<void(uint64_t, const std::string&)> invalidate_entry_;
-  LogLimiter limiter_;
   std::unique_ptr<ComputeCache> compute_;  // blocks of computed tensors, tagged by checkpoint
   NodeTable nodes_;
   CheckpointSet ckpts_;
   ViewBuilder views_;
+  OpenFiles files_;
 };
 
 }  // namespace ckptfs
