@@ -47,7 +47,6 @@
 
 namespace ckptfs {
 
-
 struct Attr {
   uint64_t ino = 0;
   uint32_t mode = 0;  // S_IFDIR/S_IFREG/S_IFLNK | permission bits (never writable)
