@@ -97,6 +97,21 @@ double DecodeElement(DType t, const uint8_t* src, uint64_t k) {
 }
 
 void DecodeToFloat32(DType t, const uint8_t* src, uint64_t first, uint64_t count, float* out) {
+  // The dtypes of weights, without a double per element: fp32 as it is,
+  // bf16 as the top half of its fp32 (exact, as torch widens it).
+  if (t == DType::kF32) {
+    std::memcpy(out, src + 4 * first, 4 * count);
+    return;
+  }
+  if (t == DType::kBF16) {
+    for (uint64_t i = 0; i < count; ++i) {
+      uint16_t h;
+      std::memcpy(&h, src + 2 * (first + i), 2);
+      const uint32_t bits = uint32_t(h) << 16;
+      std::memcpy(out + i, &bits, 4);
+    }
+    return;
+  }
   for (uint64_t i = 0; i < count; ++i) out[i] = float(DecodeElement(t, src, first + i));
 }
 

@@ -8,6 +8,7 @@
 #include <map>
 #include <unordered_map>
 
+#include "core/box.h"
 #include "core/cast.h"
 #include "core/lora.h"
 
@@ -118,6 +119,25 @@ bool Transposed(const ModuleParts& m, const TensorMeta& w, const LoraConfig& con
   return plain == transposed ? config.fan_in_fan_out : transposed;
 }
 
+// A LoRA factor is 2-d and non-empty. An empty or 1-d one is what a save
+// writes from parameters it did not gather: DeepSpeed ZeRO-3 and FSDP leave
+// each rank an empty placeholder or a flat slice (peft warns about the same
+// shapes when it saves them). Said before the rank and shape checks, whose
+// messages would point at the config or the base instead.
+Status CheckGathered(const ModuleParts& m) {
+  for (const auto* f : {&m.a, &m.b}) {
+    const Shape& s = (*f)->shape;
+    if (s.size() == 2 && s[0] > 0 && s[1] > 0) continue;
+    return Status::InvalidArgument(
+        "adapter tensor '" + (*f)->fqn + "' is " + ShapeToString(s) +
+        ", not a 2-d LoRA factor: the adapter was saved from parameters FSDP or DeepSpeed ZeRO-3 had not gathered; "
+        "save it again from the gathered state dict (FSDP2: get_model_state_dict(model, "
+        "options=StateDictOptions(full_state_dict=True)), then PeftModel.save_pretrained(dir, state_dict=...) on "
+        "rank 0; ZeRO-3: inside deepspeed.zero.GatheredParameters)");
+  }
+  return Status::OK();
+}
+
 // One module's merged weight (and bias) into its slices of `slices`.
 Status MergeModule(const std::string& module, const ModuleParts& m, const LoraConfig& config,
                    const std::unordered_map<std::string, size_t>& index, SliceList& slices) {
@@ -125,6 +145,7 @@ Status MergeModule(const std::string& module, const ModuleParts& m, const LoraCo
   if (!m.a || !m.b)
     return Status::InvalidArgument("adapter module '" + module + "' has " + (m.a ? "lora_A" : "lora_B") +
                                    " without its other half; not merged");
+  RETURN_IF_ERROR(CheckGathered(m));
   auto it = index.find(weight);
   if (it == index.end())
     return Status::InvalidArgument("adapter tensor '" + m.b->fqn + "' targets '" + weight +

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 
 #include "core/layout.h"
 
@@ -53,7 +54,19 @@ Result<ComputeCache::Block> ComputeCache::Get(const Computation& c, uint64_t b, 
     RETURN_IF_ERROR(reader.CheckSources(block->files));
     return block;
   }
-  Result<Block> block = ComputeBlock(c, b, reader);
+  std::optional<Result<Block>> computed;
+  try {
+    computed.emplace(ComputeBlock(c, b, reader));
+  } catch (...) {
+    // bad_alloc: the waiters get it too, and the slot goes, so that a read
+    // after memory is free again computes the block anew.
+    promise.set_exception(std::current_exception());
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = slots_.find(key);
+    if (it != slots_.end() && it->second.serial == serial) EraseLocked(it);
+    throw;
+  }
+  Result<Block> block = std::move(*computed);
   promise.set_value(block);
   std::lock_guard<std::mutex> lock(mu_);
   ++computed_;

@@ -6,11 +6,15 @@
 //    rank's local chunks, placed by `saved_offsets` in the
 //    DCP_SHARDING_INFO (or dcp_custom_metadata) entry of __metadata__.
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <map>
 #include <regex>
+#include <optional>
 #include <set>
+#include <system_error>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -113,17 +117,63 @@ void AddEntries(const std::string& rel, const std::string& name, FileId id, uint
   }
 }
 
-// One safetensors file of the directory: its header read and its entries
-// added; a file that cannot be used is a problem.
-void ReadFile(const DirListing& dir, FileTable& files, const std::string& name,
+// Headers read side by side, this many at a time: on object storage each is
+// two round trips (length, then header), and a step may have hundreds of files.
+constexpr size_t kHeaderReaders = 8;
+
+// A safetensors file of the directory, registered, its header to be read.
+struct Pending {
+  std::string name;
+  FileId id;
+  std::optional<Result<SafetensorsHeader>> header;
+};
+
+// Registers the files named; one missing or unusable is a problem.
+std::vector<Pending> Register(const DirListing& dir, FileTable& files, const std::vector<std::string>& names,
+                              Checkpoint& out) {
+  std::vector<Pending> pending;
+  for (const std::string& name : names) {
+    const std::string rel = JoinPath(dir.rel, name);
+    if (!dir.has_file(name)) {
+      AddProblem(out, rel + ": listed in model.safetensors.index.json but missing", true);
+      continue;
+    }
+    auto id = files.Add(rel);
+    if (!id.ok()) {
+      AddProblem(out, id.status().message(), true);
+      continue;
+    }
+    pending.push_back({name, *id, std::nullopt});
+  }
+  return pending;
+}
+
+void ReadHeaders(const FileTable& files, std::vector<Pending>& pending) {
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next++) < pending.size();)
+      pending[i].header.emplace(ReadHeader(files, pending[i].id, files.at(pending[i].id).size));
+  };
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < std::min(kHeaderReaders, pending.size()); ++t) {
+    try {
+      pool.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;  // fewer threads: the loop below reads the rest
+    }
+  }
+  work();
+  for (std::thread& t : pool) t.join();
+}
+
+// One safetensors file of the directory: its entries added; a file that
+// cannot be used is a problem.
+void ReadFile(const DirListing& dir, FileTable& files, const Pending& p,
               const std::map<std::string, std::string>& weight_map, SafetensorsScan& scan, Checkpoint& out) {
   static const std::regex kShardName(R"(^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$)");
-  const std::string rel = JoinPath(dir.rel, name);
-  if (!dir.has_file(name)) return AddProblem(out, rel + ": listed in model.safetensors.index.json but missing", true);
-  auto id = files.Add(rel);
-  if (!id.ok()) return AddProblem(out, id.status().message(), true);
-  const SourceFile& sf = files.at(*id);
-  auto header = ReadHeader(files, *id, sf.size);
+  const std::string rel = JoinPath(dir.rel, p.name);
+  const SourceFile& sf = files.at(p.id);
+  const Result<SafetensorsHeader>& header = *p.header;
   if (!header.ok()) return AddProblem(out, rel + ": " + header.status().message(), true);
   Status size_ok = CheckSafetensorsFileSize(*header, sf.size);
   if (!size_ok.ok()) AddProblem(out, rel + ": " + size_ok.message(), false);
@@ -131,8 +181,8 @@ void ReadFile(const DirListing& dir, FileTable& files, const std::string& name,
   if (!info.ok()) return AddProblem(out, rel + ": " + info.status().message(), true);
   if (info->has_value()) scan.sharded = true;
   std::smatch m;
-  if (std::regex_match(name, m, kShardName)) scan.ranks.insert(std::stoull(m[1]));
-  AddEntries(rel, name, *id, sf.size, *header, *info, weight_map, scan, out);
+  if (std::regex_match(p.name, m, kShardName)) scan.ranks.insert(std::stoull(m[1]));
+  AddEntries(rel, p.name, p.id, sf.size, *header, *info, weight_map, scan, out);
 }
 
 void CheckShardRanks(const DirListing& dir, const std::set<uint64_t>& ranks, Checkpoint& out) {
@@ -211,7 +261,9 @@ class SafetensorsReader : public FormatReader {
         if (EndsWith(f, ".safetensors")) names.push_back(f);
     }
     SafetensorsScan scan;
-    for (const std::string& name : names) ReadFile(dir, files, name, weight_map, scan, out);
+    std::vector<Pending> pending = Register(dir, files, names, out);
+    ReadHeaders(files, pending);
+    for (const Pending& p : pending) ReadFile(dir, files, p, weight_map, scan, out);
     for (const auto& [fqn, file] : weight_map)
       if (!scan.tensors.count(fqn))
         AddProblem(out, JoinPath(dir.rel, file) + ": tensor '" + fqn + "' listed in the index is not in the file", true);

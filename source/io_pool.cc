@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <exception>
 
 namespace ckptfs {
 
@@ -10,9 +11,10 @@ struct IoPool::Batch {
   const std::function<Status(size_t)>* task = nullptr;  // valid until done == n
   std::vector<Status> results;
   std::atomic<size_t> next{0};  // first unclaimed index
-  std::mutex mu;                // guards done
+  std::mutex mu;                // guards done and error
   std::condition_variable cv;
   size_t done = 0;
+  std::exception_ptr error;  // the first task that threw (bad_alloc): rethrown by RunAll
 };
 
 IoPool::~IoPool() {
@@ -28,8 +30,16 @@ void IoPool::Drain(Batch& b) {
   for (;;) {
     const size_t i = b.next.fetch_add(1);
     if (i >= b.n) return;
-    b.results[i] = (*b.task)(i);
+    // A task that throws still counts as done: RunAll must not return (and
+    // free what the tasks use) while another thread runs one.
+    std::exception_ptr error;
+    try {
+      b.results[i] = (*b.task)(i);
+    } catch (...) {
+      error = std::current_exception();
+    }
     std::lock_guard<std::mutex> lock(b.mu);
+    if (error && !b.error) b.error = error;
     if (++b.done == b.n) b.cv.notify_all();
   }
 }
@@ -57,6 +67,7 @@ Status IoPool::RunAll(size_t n, const std::function<Status(size_t)>& task) {
   }
   // Tickets still queued find nothing left to claim; they hold `b` alive,
   // never `task`.
+  if (b->error) std::rethrow_exception(b->error);  // on the caller's thread (mount: ENOMEM)
   for (Status& s : b->results)
     if (!s.ok()) return s;
   return Status::OK();

@@ -53,7 +53,7 @@ void PartCache::Prefetch(const std::string& key, uint64_t size, uint64_t offset,
     PartKey k{key, i};
     if (parts_.count(k)) continue;
     const uint64_t at = i * part_size_, n = std::min(part_size_, size - at);
-    if (!MakeRoom(n)) return;  // the rest is fetched by its reader
+    if (!MakeRoom(n)) break;  // the rest is fetched by its reader; the parts queued still need a worker
     auto part = std::make_shared<Part>();
     part->key = key;
     part->index = i;

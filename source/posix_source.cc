@@ -118,121 +118,136 @@ Status PreadDirect(int dfd, int fd, char* base, uint64_t start, uint64_t from, u
   return Status::OK();
 }
 
+// A source file open for reading: buffered preads on `fd_`, and O_DIRECT
+// reads of cold ranges on a second descriptor opened on first use.
 class PosixObject : public SourceObject {
  public:
   PosixObject(int fd, std::string abs) : fd_(fd), abs_(std::move(abs)) {}
-  ~PosixObject() override {
-    ::close(fd_);
-    if (direct_fd_ >= 0) ::close(direct_fd_);
-  }
+  ~PosixObject() override;
 
-  Status ReadAt(uint64_t offset, uint64_t len, char* dst) const override {
-    return PreadFull(fd_, dst, len, offset, abs_);
-  }
-
-  Result<FilledRange> ReadFilled(uint64_t offset, uint64_t len, DirectIo* direct) const override {
-    if (!direct || len == 0 || DirectFd(*direct) < 0) return Buffered(offset, len, direct);
-    const AlignedSpan span = AlignSpan(offset, len);
-    std::optional<Buffer> pooled = direct->pool().TryTake(span.length);
-    if (!pooled) {
-      direct->stats().pool_full.fetch_add(1, std::memory_order_relaxed);
-      return Buffered(offset, len, direct);
-    }
-    FilledRange out;
-    out.buffer = std::move(*pooled);
-    char* at = out.buffer.data() + span.skip;
-    out.data = at;
-    const uint64_t cached = CachedPrefix(fd_, offset, len);
-    RETURN_IF_ERROR(PreadFull(fd_, at, cached, offset, abs_));
-    DirectStats& stats = direct->stats();
-    stats.cached_bytes.fetch_add(cached, std::memory_order_relaxed);
-    if (cached == len) return out;
-    RETURN_IF_ERROR(PreadDirect(direct_fd_, fd_, out.buffer.data(), span.start, offset + cached, offset + len, abs_));
-    stats.direct_reads.fetch_add(1, std::memory_order_relaxed);
-    stats.direct_bytes.fetch_add(len - cached, std::memory_order_relaxed);
-    return out;
-  }
-
-  Status ReadAtVia(uint64_t offset, uint64_t len, char* dst, DirectIo* direct) const override {
-    if (!direct || len == 0 || DirectFd(*direct) < 0) {
-      if (direct) direct->stats().buffered_bytes.fetch_add(len, std::memory_order_relaxed);
-      return ReadAt(offset, len, dst);
-    }
-    // Cached bytes go straight to `dst`; only the cold rest needs a buffer.
-    const uint64_t cached = CachedPrefix(fd_, offset, len);
-    RETURN_IF_ERROR(PreadFull(fd_, dst, cached, offset, abs_));
-    direct->stats().cached_bytes.fetch_add(cached, std::memory_order_relaxed);
-    if (cached == len) return Status::OK();
-    ASSIGN_OR_RETURN(FilledRange rest, ReadFilled(offset + cached, len - cached, direct));
-    std::memcpy(dst + cached, rest.data, len - cached);
-    return Status::OK();
-  }
-
-  Result<SourceFile> Identity() const override {
-    struct stat st;
-    if (::fstat(fd_, &st) != 0) return Status::IOError(abs_ + ": " + std::strerror(errno));
-    return IdentityOf(st, InodeStable(st.st_dev, [&](struct statfs* fs) { return ::fstatfs(fd_, fs); }));
-  }
-
-  void WillNeed(uint64_t offset, uint64_t len) const override {
-    ::posix_fadvise(fd_, off_t(offset), off_t(len), POSIX_FADV_WILLNEED);
-  }
-
-  // sendfile() into /dev/null: the kernel's own sequential read-ahead fills
-  // the page cache in large folios and nothing is copied. WILLNEED
-  // allocates the cache in 4 KiB folios and cost the daemon about twice the
-  // CPU per byte (docs/BENCHMARKS.md).
-  // /dev/null is opened per call (a few microseconds next to the I/O), so
-  // read-ahead holds no descriptor beyond its bound between calls.
-  void Prefetch(uint64_t offset, uint64_t len, const std::function<bool()>& go_on) const override {
-    ScopedFd null(::open("/dev/null", O_WRONLY | O_CLOEXEC));
-    if (null.get() < 0) return;
-    off_t at = off_t(offset);
-    const off_t end = off_t(offset + len);
-    while (at < end && go_on()) {
-      ssize_t n = ::sendfile(null.get(), fd_, &at, size_t(std::min<off_t>(end - at, kPrefetchStep)));
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) break;  // end of a truncated file, or an error the read will meet
-    }
-  }
-
-  // A second descriptor by path, refused unless it is the same file as
-  // this one (same device and, where stable, inode; same size and times).
-  Result<std::unique_ptr<SourceObject>> Reopen() const override {
-    int fd = ::open(abs_.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return Status::IOError(abs_ + ": " + std::strerror(errno));
-    auto second = std::make_unique<PosixObject>(fd, abs_);
-    struct stat a, b;
-    if (::fstat(fd_, &a) != 0 || ::fstat(fd, &b) != 0 || a.st_dev != b.st_dev)
-      return Status::Stale(abs_ + ": no longer the file that was opened");
-    ASSIGN_OR_RETURN(SourceFile mine, Identity());
-    ASSIGN_OR_RETURN(SourceFile theirs, second->Identity());
-    if (!ckptfs::DescribeChange(mine, theirs).empty())
-      return Status::Stale(abs_ + ": no longer the file that was opened");
-    return std::unique_ptr<SourceObject>(std::move(second));
-  }
+  Status ReadAt(uint64_t offset, uint64_t len, char* dst) const override;
+  Result<FilledRange> ReadFilled(uint64_t offset, uint64_t len, DirectIo* direct) const override;
+  Status ReadAtVia(uint64_t offset, uint64_t len, char* dst, DirectIo* direct) const override;
+  Result<SourceFile> Identity() const override;
+  void WillNeed(uint64_t offset, uint64_t len) const override;
+  void Prefetch(uint64_t offset, uint64_t len, const std::function<bool()>& go_on) const override;
+  Result<std::unique_ptr<SourceObject>> Reopen() const override;
 
  private:
   // The O_DIRECT descriptor, opened on first use (-1: this file is read
   // buffered; see OpenDirect).
-  int DirectFd(DirectIo& direct) const {
-    std::call_once(direct_once_, [&] {
-      direct_fd_ = OpenDirect(fd_);
-      if (direct_fd_ < 0) direct.stats().refused_files.fetch_add(1, std::memory_order_relaxed);
-    });
-    return direct_fd_;
-  }
-
-  Result<FilledRange> Buffered(uint64_t offset, uint64_t len, DirectIo* direct) const {
-    if (direct) direct->stats().buffered_bytes.fetch_add(len, std::memory_order_relaxed);
-    return SourceObject::ReadFilled(offset, len, direct);
-  }
+  int DirectFd(DirectIo& direct) const;
+  Result<FilledRange> Buffered(uint64_t offset, uint64_t len, DirectIo* direct) const;
 
   int fd_;
   std::string abs_;
   mutable std::once_flag direct_once_;
   mutable int direct_fd_ = -1;  // set once, under direct_once_
 };
+
+PosixObject::~PosixObject() {
+  ::close(fd_);
+  if (direct_fd_ >= 0) ::close(direct_fd_);
+}
+
+Status PosixObject::ReadAt(uint64_t offset, uint64_t len, char* dst) const {
+  return PreadFull(fd_, dst, len, offset, abs_);
+}
+
+Result<FilledRange> PosixObject::ReadFilled(uint64_t offset, uint64_t len, DirectIo* direct) const {
+  if (!direct || len == 0 || DirectFd(*direct) < 0) return Buffered(offset, len, direct);
+  const AlignedSpan span = AlignSpan(offset, len);
+  std::optional<Buffer> pooled = direct->pool().TryTake(span.length);
+  if (!pooled) {
+    direct->stats().pool_full.fetch_add(1, std::memory_order_relaxed);
+    return Buffered(offset, len, direct);
+  }
+  FilledRange out;
+  out.buffer = std::move(*pooled);
+  char* at = out.buffer.data() + span.skip;
+  out.data = at;
+  const uint64_t cached = CachedPrefix(fd_, offset, len);
+  RETURN_IF_ERROR(PreadFull(fd_, at, cached, offset, abs_));
+  DirectStats& stats = direct->stats();
+  stats.cached_bytes.fetch_add(cached, std::memory_order_relaxed);
+  if (cached == len) return out;
+  RETURN_IF_ERROR(PreadDirect(direct_fd_, fd_, out.buffer.data(), span.start, offset + cached, offset + len, abs_));
+  stats.direct_reads.fetch_add(1, std::memory_order_relaxed);
+  stats.direct_bytes.fetch_add(len - cached, std::memory_order_relaxed);
+  return out;
+}
+
+Status PosixObject::ReadAtVia(uint64_t offset, uint64_t len, char* dst, DirectIo* direct) const {
+  if (!direct || len == 0 || DirectFd(*direct) < 0) {
+    if (direct) direct->stats().buffered_bytes.fetch_add(len, std::memory_order_relaxed);
+    return ReadAt(offset, len, dst);
+  }
+  // Cached bytes go straight to `dst`; only the cold rest needs a buffer.
+  const uint64_t cached = CachedPrefix(fd_, offset, len);
+  RETURN_IF_ERROR(PreadFull(fd_, dst, cached, offset, abs_));
+  direct->stats().cached_bytes.fetch_add(cached, std::memory_order_relaxed);
+  if (cached == len) return Status::OK();
+  ASSIGN_OR_RETURN(FilledRange rest, ReadFilled(offset + cached, len - cached, direct));
+  std::memcpy(dst + cached, rest.data, len - cached);
+  return Status::OK();
+}
+
+Result<SourceFile> PosixObject::Identity() const {
+  struct stat st;
+  if (::fstat(fd_, &st) != 0) return Status::IOError(abs_ + ": " + std::strerror(errno));
+  return IdentityOf(st, InodeStable(st.st_dev, [&](struct statfs* fs) { return ::fstatfs(fd_, fs); }));
+}
+
+void PosixObject::WillNeed(uint64_t offset, uint64_t len) const {
+  ::posix_fadvise(fd_, off_t(offset), off_t(len), POSIX_FADV_WILLNEED);
+}
+
+// sendfile() into /dev/null: the kernel's own sequential read-ahead fills
+// the page cache in large folios and nothing is copied. WILLNEED
+// allocates the cache in 4 KiB folios and cost the daemon about twice the
+// CPU per byte (docs/BENCHMARKS.md).
+// /dev/null is opened per call (a few microseconds next to the I/O), so
+// read-ahead holds no descriptor beyond its bound between calls.
+void PosixObject::Prefetch(uint64_t offset, uint64_t len, const std::function<bool()>& go_on) const {
+  ScopedFd null(::open("/dev/null", O_WRONLY | O_CLOEXEC));
+  if (null.get() < 0) return;
+  off_t at = off_t(offset);
+  const off_t end = off_t(offset + len);
+  while (at < end && go_on()) {
+    ssize_t n = ::sendfile(null.get(), fd_, &at, size_t(std::min<off_t>(end - at, kPrefetchStep)));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;  // end of a truncated file, or an error the read will meet
+  }
+}
+
+// A second descriptor by path, refused unless it is the same file as
+// this one (same device and, where stable, inode; same size and times).
+Result<std::unique_ptr<SourceObject>> PosixObject::Reopen() const {
+  int fd = ::open(abs_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::IOError(abs_ + ": " + std::strerror(errno));
+  auto second = std::make_unique<PosixObject>(fd, abs_);
+  struct stat a, b;
+  if (::fstat(fd_, &a) != 0 || ::fstat(fd, &b) != 0 || a.st_dev != b.st_dev)
+    return Status::Stale(abs_ + ": no longer the file that was opened");
+  ASSIGN_OR_RETURN(SourceFile mine, Identity());
+  ASSIGN_OR_RETURN(SourceFile theirs, second->Identity());
+  if (!ckptfs::DescribeChange(mine, theirs).empty())
+    return Status::Stale(abs_ + ": no longer the file that was opened");
+  return std::unique_ptr<SourceObject>(std::move(second));
+}
+
+int PosixObject::DirectFd(DirectIo& direct) const {
+  std::call_once(direct_once_, [&] {
+    direct_fd_ = OpenDirect(fd_);
+    if (direct_fd_ < 0) direct.stats().refused_files.fetch_add(1, std::memory_order_relaxed);
+  });
+  return direct_fd_;
+}
+
+Result<FilledRange> PosixObject::Buffered(uint64_t offset, uint64_t len, DirectIo* direct) const {
+  if (direct) direct->stats().buffered_bytes.fetch_add(len, std::memory_order_relaxed);
+  return SourceObject::ReadFilled(offset, len, direct);
+}
 
 int64_t Ns(const struct timespec& t) { return int64_t(t.tv_sec) * 1'000'000'000 + t.tv_nsec; }
 

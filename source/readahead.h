@@ -6,7 +6,7 @@
 // each open file's requests are followed (ReadStream) and, while they are
 // sequential, the source ranges the next `readahead` bytes of the virtual file
 // will need are brought into the page cache by a background thread
-// (HintQueue; SourceReader::Prefetch reads them into /dev/null). Read-ahead
+// (HintQueue; SourcePrefetch reads them into /dev/null). Read-ahead
 // only fills the page cache: the bytes are still pread and identity-checked
 // by SourceReader when a request asks for them, so read-ahead can never
 // serve stale bytes. Its memory is the kernel's page cache (reclaimable):

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -16,49 +17,66 @@ SourceFile IdentityOf(const S3ObjectInfo& o) {
   return f;
 }
 
+// How one version of one object is fetched: from the server with If-Match
+// on its ETag, through the disk cache when there is one. Shared by an
+// object and the prefetches it queued, which may outlive it.
+struct PinnedObject {
+  std::shared_ptr<S3Client> client;
+  std::shared_ptr<DiskCache> cache;
+  S3ObjectInfo info;
+  std::string cache_id;  // DiskCacheIdentity, when cached
+
+  Status Get(uint64_t at, uint64_t n, char* out) const {
+    if (!cache) return client->Get(info.key, info.etag, at, n, out);
+    return cache->Read(cache_id, info.size, at, n, out,
+                       [this](uint64_t a, uint64_t m, char* o) { return client->Get(info.key, info.etag, a, m, o); });
+  }
+};
+
 // One object, pinned to the ETag it had when opened.
 class S3Object : public SourceObject {
  public:
-  S3Object(std::shared_ptr<S3Client> client, std::shared_ptr<PartCache> parts, S3ObjectInfo info)
-      : client_(std::move(client)), parts_(std::move(parts)), info_(std::move(info)) {}
+  S3Object(std::shared_ptr<const PinnedObject> pinned, std::shared_ptr<PartCache> parts)
+      : pinned_(std::move(pinned)), parts_(std::move(parts)) {}
 
   // Fetches of whole parts queued, not waited for: the reader's next
   // requests find them cached or in flight (PartCache::Copy).
   void Prefetch(uint64_t offset, uint64_t len, const std::function<bool()>& go_on) const override {
     if (!go_on()) return;
-    std::shared_ptr<S3Client> client = client_;
-    const std::string key = info_.key, etag = info_.etag;
-    parts_->Prefetch(Version(), info_.size, offset, len,
-                     [client, key, etag](const std::string&, uint64_t at, uint64_t n, char* out) {
-                       return client->Get(key, etag, at, n, out);
-                     });
+    std::shared_ptr<const PinnedObject> pinned = pinned_;
+    parts_->Prefetch(Version(), info().size, offset, len,
+                     [pinned](const std::string&, uint64_t at, uint64_t n, char* out) { return pinned->Get(at, n, out); });
   }
 
   Result<std::unique_ptr<SourceObject>> Reopen() const override {
-    return std::unique_ptr<SourceObject>(std::make_unique<S3Object>(client_, parts_, info_));
+    return std::unique_ptr<SourceObject>(std::make_unique<S3Object>(pinned_, parts_));
   }
 
   // Ranges longer than --part-size go out as parts, up to --max-threads
   // in flight; the first failure is the answer.
   Status ReadAt(uint64_t offset, uint64_t len, char* dst) const override {
-    if (offset > info_.size || len > info_.size - offset)
-      return Status::Corruption(client_->config().Root() + "/" + Rel() + ": unexpected end of file at byte " +
-                                std::to_string(std::min(info_.size, offset + len)));
+    if (offset > info().size || len > info().size - offset)
+      return Status::Corruption(config().Root() + "/" + Rel() + ": unexpected end of file at byte " +
+                                std::to_string(std::min(info().size, offset + len)));
     if (parts_->Copy(Version(), offset, len, dst)) return Status::OK();
-    const uint64_t part = client_->config().part_size;
-    const uint64_t parts = (len + part - 1) / part;
-    if (parts <= 1) return client_->Get(info_.key, info_.etag, offset, len, dst);
+    const std::vector<uint64_t> cuts = Cuts(offset, len);
+    const uint64_t parts = cuts.size() - 1;
+    if (parts <= 1) return pinned_->Get(offset, len, dst);
     std::atomic<uint64_t> next{0};
     std::vector<Status> errors(parts);
     auto work = [&] {
-      for (uint64_t p; (p = next.fetch_add(1)) < parts;) {
-        const uint64_t at = p * part, n = std::min(part, len - at);
-        errors[p] = client_->Get(info_.key, info_.etag, offset + at, n, dst + at);
-      }
+      for (uint64_t p; (p = next.fetch_add(1)) < parts;)
+        errors[p] = pinned_->Get(offset + cuts[p], cuts[p + 1] - cuts[p], dst + cuts[p]);
     };
-    const unsigned threads = unsigned(std::min<uint64_t>(parts, client_->config().max_threads));
+    const unsigned threads = unsigned(std::min<uint64_t>(parts, config().max_threads));
     std::vector<std::thread> pool;
-    for (unsigned t = 1; t < threads; ++t) pool.emplace_back(work);
+    for (unsigned t = 1; t < threads; ++t) {
+      try {
+        pool.emplace_back(work);
+      } catch (const std::system_error&) {
+        break;  // no thread to be had: the ones started and this one read every part
+      }
+    }
     work();
     for (auto& t : pool) t.join();
     for (const Status& s : errors)
@@ -66,16 +84,35 @@ class S3Object : public SourceObject {
     return Status::OK();
   }
 
-  Result<SourceFile> Identity() const override { return IdentityOf(info_); }
+  Result<SourceFile> Identity() const override { return IdentityOf(info()); }
 
  private:
-  std::string Rel() const { return info_.key.substr(client_->config().location.prefix.size()); }
+  const S3ObjectInfo& info() const { return pinned_->info; }
+  const S3Config& config() const { return pinned_->client->config(); }
+  std::string Rel() const { return info().key.substr(config().location.prefix.size()); }
   // Names this version of the object in the part cache.
-  std::string Version() const { return info_.key + '\0' + info_.etag; }
+  std::string Version() const { return info().key + '\0' + info().etag; }
 
-  std::shared_ptr<S3Client> client_;
+  // Where the parts of [offset, offset + len) begin, relative to offset,
+  // then len. With a disk cache parts begin at multiples of the part size
+  // (rounded up to whole cache blocks) in the object, so no two parts
+  // fetch the same block.
+  std::vector<uint64_t> Cuts(uint64_t offset, uint64_t len) const {
+    uint64_t step = config().part_size;
+    std::vector<uint64_t> cuts{0};
+    if (const DiskCache* cache = pinned_->cache.get()) {
+      const uint64_t block = cache->block_size();
+      step = (step + block - 1) / block * block;
+      for (uint64_t at = (offset / step + 1) * step; at < offset + len; at += step) cuts.push_back(at - offset);
+    } else {
+      for (uint64_t at = step; at < len; at += step) cuts.push_back(at);
+    }
+    cuts.push_back(len);
+    return cuts;
+  }
+
+  std::shared_ptr<const PinnedObject> pinned_;
   std::shared_ptr<PartCache> parts_;
-  S3ObjectInfo info_;
 };
 
 }  // namespace
@@ -87,10 +124,17 @@ uint64_t EtagIdentity(const std::string& etag) {
   return h ? h : 1;
 }
 
-S3Source::S3Source(S3Config config)
+std::string DiskCacheIdentity(const S3Config& config, const S3ObjectInfo& object) {
+  auto field = [](const std::string& s) { return std::to_string(s.size()) + ":" + s; };
+  return "s3 " + field(config.endpoint) + field(config.location.bucket) + field(object.key) + field(object.etag) +
+         std::to_string(object.size);
+}
+
+S3Source::S3Source(S3Config config, std::shared_ptr<DiskCache> cache)
     : client_(std::make_shared<S3Client>(std::move(config))),
       root_(client_->config().Root()),
-      parts_(std::make_shared<PartCache>(kReadAheadBytes, client_->config().part_size, client_->config().max_threads)) {}
+      parts_(std::make_shared<PartCache>(kReadAheadBytes, client_->config().part_size, client_->config().max_threads)),
+      cache_(std::move(cache)) {}
 
 Status S3Source::Probe() const {
   RETURN_IF_ERROR(client_->Probe(client_->config().location.prefix));
@@ -129,7 +173,12 @@ Result<SourceFile> S3Source::Identify(const std::string& rel) const {
 
 Result<std::unique_ptr<SourceObject>> S3Source::Open(const std::string& rel) const {
   ASSIGN_OR_RETURN(S3ObjectInfo o, client_->Head(Key(rel)));
-  return std::unique_ptr<SourceObject>(std::make_unique<S3Object>(client_, parts_, std::move(o)));
+  auto pinned = std::make_shared<PinnedObject>();
+  pinned->client = client_;
+  pinned->cache = cache_;
+  if (cache_) pinned->cache_id = DiskCacheIdentity(client_->config(), o);
+  pinned->info = std::move(o);
+  return std::unique_ptr<SourceObject>(std::make_unique<S3Object>(std::move(pinned), parts_));
 }
 
 std::string S3Source::DescribeChange(const SourceFile& a, const SourceFile& b) const {

@@ -13,11 +13,18 @@
 // --part-size parts --max-threads at a time, into memory (PartCache, keyed
 // by key and ETag, so a part is only ever served to readers of its version);
 // a read served from there waits for no round trip.
+//
+// Disk cache (--cache DIR): with one, every range fetched from the server
+// goes through a DiskCache (source/disk_cache.h) keyed by endpoint, bucket,
+// key, ETag and size, so a version's bytes fetched once, by this process or
+// another sharing DIR, are read from local disk afterwards; each cached
+// block is checked against its CRC32C and identity before it is served.
 #pragma once
 
 #include <memory>
 #include <string>
 
+#include "source/disk_cache.h"
 #include "source/part_cache.h"
 #include "source/s3_client.h"
 #include "source/source.h"
@@ -27,7 +34,8 @@ namespace ckptfs {
 class S3Source : public Source {
  public:
   // Resolves `config`'s client; Probe() says whether it can be reached.
-  explicit S3Source(S3Config config);
+  // Objects are read through `cache` when one is given.
+  explicit S3Source(S3Config config, std::shared_ptr<DiskCache> cache = nullptr);
 
   // One request, no retries: a wrong endpoint, secret or bucket fails here
   // at once with a message saying what to fix. An empty prefix (no object
@@ -46,6 +54,8 @@ class S3Source : public Source {
   bool ReadsArePinned() const override { return true; }
 
   const S3Config& config() const { return client_->config(); }
+  // The disk cache objects are read through, or null.
+  const std::shared_ptr<DiskCache>& disk_cache() const { return cache_; }
 
  private:
   std::string Key(const std::string& rel) const { return client_->config().location.prefix + rel; }
@@ -55,11 +65,17 @@ class S3Source : public Source {
   // Read-ahead of sequential readers (SourceObject::Prefetch): whole parts
   // fetched --max-threads at a time, at most kReadAheadBytes held.
   std::shared_ptr<PartCache> parts_;
+  std::shared_ptr<DiskCache> cache_;
 };
 
 inline constexpr uint64_t kReadAheadBytes = 256ull << 20;
 
 // The identity value kept in SourceFile::inode for an ETag.
 uint64_t EtagIdentity(const std::string& etag);
+
+// What names one version of one object in the disk cache: endpoint, bucket,
+// key, ETag and size, each field length-prefixed so that no two differ
+// only in where one field ends.
+std::string DiskCacheIdentity(const S3Config& config, const S3ObjectInfo& object);
 
 }  // namespace ckptfs

@@ -19,10 +19,6 @@ namespace {
 // less, part of each piece is not read ahead (a loss of speed only).
 constexpr uint64_t kHintChunk = 512 << 10;
 
-// Read-ahead is planned and hinted this much of the virtual file at a time,
-// in file order (one FUSE request's worth).
-constexpr uint64_t kHintSlice = 1 << 20;
-
 }  // namespace
 
 SourceReader::SourceReader(std::shared_ptr<const Source> source, const std::vector<SourceFile>* files,
@@ -34,21 +30,16 @@ SourceReader::SourceReader(std::shared_ptr<const Source> source, const std::vect
       stale_(files->size()),
       bytes_read_(std::make_unique<std::atomic<uint64_t>>(0)),
       any_stale_(std::make_unique<std::atomic<bool>>(false)),
-      decoded_budget_(decoded_cache_bytes),
-      read_(read) {}
+      decoded_(decoded_cache_bytes),
+      read_(read),
+      prefetch_(files, policy, [this](FileId id) { return Object(id); }) {}
 
 SourceReader::SourceReader(const std::string& root, const std::vector<SourceFile>* files, GroupPolicy policy,
                            uint64_t decoded_cache_bytes, ReadOptions read)
     : SourceReader(PosixSourceAt(root), files, policy, decoded_cache_bytes, read) {}
 
 Result<std::shared_ptr<const std::string>> SourceReader::Decoded(FileId id) {
-  {
-    std::lock_guard<std::mutex> lock(cache_mu_);
-    if (auto it = cache_.find(id); it != cache_.end()) {
-      lru_.splice(lru_.begin(), lru_, it->second.second);
-      return it->second.first;
-    }
-  }
+  if (auto kept = decoded_.Find(id)) return kept;
   const SourceFile& f = (*files_)[id];
   ASSIGN_OR_RETURN(const SourceObject* obj, Object(f.base));
   ASSIGN_OR_RETURN(std::string bytes, DecodeItem(f.transform, *obj, f.base_offset, f.base_length, f.size, f.path));
@@ -58,23 +49,11 @@ Result<std::shared_ptr<const std::string>> SourceReader::Decoded(FileId id) {
                          std::to_string(f.size) + "; run `ckptfs index` again");
   bytes_read_->fetch_add(f.base_length, std::memory_order_relaxed);
   auto value = std::make_shared<const std::string>(std::move(bytes));
-  std::lock_guard<std::mutex> lock(cache_mu_);
-  if (!cache_.count(id)) {
-    lru_.push_front(id);
-    cache_[id] = {value, lru_.begin()};
-    cached_bytes_ += value->size();
-    // Evict least recently used items, keeping at least the one just added.
-    while (cached_bytes_ > decoded_budget_ && lru_.size() > 1) {
-      FileId victim = lru_.back();
-      lru_.pop_back();
-      cached_bytes_ -= cache_[victim].first->size();
-      cache_.erase(victim);
-    }
-  }
+  decoded_.Add(id, value);
   return value;
 }
 
-SourceReader::~SourceReader() { hints_.Stop(); }
+SourceReader::~SourceReader() { prefetch_.Stop(); }
 
 uint64_t SourceReader::bytes_read() const { return bytes_read_->load(); }
 
@@ -170,58 +149,15 @@ void SourceReader::Hint(const std::vector<SourceRead>& reads, size_t first) {
   }
 }
 
-// Read-ahead reads the ranges on a second object of each source, so the
-// reads' objects keep their own read-ahead state (for POSIX, sendfile()
-// into /dev/null: source/posix_source.cc says why). The bytes are only
-// cached here; the request that needs them still reads and checks them.
-void SourceReader::Prefetch(const std::vector<SourceRead>& reads, const std::atomic<uint64_t>& generation,
-                            uint64_t want) {
-  auto go_on = [&] { return generation.load(std::memory_order_relaxed) == want; };
-  for (const SourceRead& r : reads) {
-    if ((*files_)[r.file].derived()) continue;
-    const SourceObject* obj = PrefetchObject(r.file);
-    if (!obj) continue;  // only speed is lost; the read reports any problem
-    obj->Prefetch(r.offset, r.length, go_on);
-  }
-}
 
-const SourceObject* SourceReader::PrefetchObject(FileId id) {
-  for (const auto& [open_id, obj] : prefetch_objects_)
-    if (open_id == id) return obj.get();
-  auto checked = Object(id);  // the second object must be this one's file
-  if (!checked.ok()) return nullptr;
-  if (prefetch_objects_.size() == kPrefetchFds)  // closed first: never one more than the bound
-    prefetch_objects_.erase(prefetch_objects_.begin());
-  auto second = (*checked)->Reopen();
-  if (!second.ok()) return nullptr;
-  prefetch_objects_.emplace_back(id, std::move(second).value());
-  return prefetch_objects_.back().second.get();
-}
 
 void SourceReader::ReadAhead(ReadStream& stream, const std::shared_ptr<const Layout>& layout, uint64_t offset,
                              uint64_t length) {
   ReadStream::Window w = stream.OnRead(offset, length, layout->size(), read_.readahead_bytes);
   if (w.length == 0) return;
-  auto generation = stream.generation();
-  const uint64_t want = generation->load();
-  // Planned on the hint thread: the request that got here is answered first.
-  hints_.Post([this, layout, w, generation, want] { HintWindow(*layout, w, generation.get(), want); });
+  prefetch_.Post(layout, w, stream.generation());
 }
 
-void SourceReader::HintWindow(const Layout& layout, ReadStream::Window w, const std::atomic<uint64_t>* generation,
-                              uint64_t want) {
-  // A slice at a time, in the virtual file's order. Grouped by source file
-  // over the whole window, the hints queued all of one file's pieces before
-  // the next file's: the reader's next request, which needs a piece of
-  // every file, waited behind most of the window's I/O.
-  const uint64_t end = w.offset + w.length;
-  for (uint64_t at = w.offset; at < end; at += kHintSlice) {
-    if (generation->load(std::memory_order_relaxed) != want) return;
-    auto plan = Plan(layout, at, std::min(kHintSlice, end - at));
-    if (!plan.ok()) return;  // the read of those bytes will say why
-    Prefetch(GroupReads(plan->copies, policy_), *generation, want);
-  }
-}
 
 void SourceReader::SetChecksumGate(std::unique_ptr<ChecksumGate> gate) { gate_ = std::move(gate); }
 

@@ -18,14 +18,12 @@
 // ExecuteScatter hands to the reply without copying; without it, they are
 // hinted to the kernel together before they are read one by one, so their
 // disk I/O overlaps. ReadAhead() brings the sources of what a sequential
-// reader will ask for next into the page cache (source/readahead.h). None
+// reader will ask for next into the page cache (source/source_prefetch.h). None
 // of this replaces the checked reads.
 #pragma once
 
 #include <atomic>
 #include <functional>
-#include <list>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -40,6 +38,8 @@
 #include "source/readahead.h"
 #include "source/scatter_reply.h"
 #include "source/source.h"
+#include "source/source_prefetch.h"
+#include "source/transform.h"
 
 namespace ckptfs {
 
@@ -59,9 +59,10 @@ struct ReadOptions {
   std::shared_ptr<DirectIo> direct;
 };
 
-// Derived sources (decoded transformed items) are decoded on first read and
-// kept in an LRU cache bounded by `decoded_cache_bytes`.
 class ChecksumGate;
+
+// Derived sources (decoded transformed items) are decoded on first read and
+// kept in an LRU cache bounded by `decoded_cache_bytes` (DecodedCache).
 
 class SourceReader {
  public:
@@ -100,7 +101,7 @@ class SourceReader {
 
   // Read-ahead keeps at most this many objects (descriptors) open besides
   // the one per source file the reads use.
-  static constexpr size_t kPrefetchFds = 32;
+  static constexpr size_t kPrefetchFds = SourcePrefetch::kMaxObjects;
 
   // Bytes read from source files so far (for benchmarks).
   uint64_t bytes_read() const;
@@ -137,18 +138,6 @@ class SourceReader {
   // WillNeed of the ranges of reads[first..]: starts their I/O at once
   // without waiting for it.
   void Hint(const std::vector<SourceRead>& reads, size_t first);
-  // Brings the ranges of `reads` into the cache, waiting for the I/O,
-  // while `generation` still equals `want` (see Prefetch in the .cc).
-  void Prefetch(const std::vector<SourceRead>& reads, const std::atomic<uint64_t>& generation, uint64_t want);
-  // Prefetches the sources of window `w` of the virtual file laid out by
-  // `layout`, in the file's order (see kHintSlice), while `generation`
-  // still equals `want`.
-  void HintWindow(const Layout& layout, ReadStream::Window w, const std::atomic<uint64_t>* generation,
-                  uint64_t want);
-  // A second object of source `id` for Prefetch (its own read-ahead
-  // state), or null when there is none to have (kPrefetchFds at most
-  // are kept open, oldest closed first).
-  const SourceObject* PrefetchObject(FileId id);
   Status ReadOne(const SourceRead& r, char* dst, char* converted, std::vector<char>& scratch);
   const std::string& PathOf(FileId id) const { return (*files_)[id].path; }
   // The decoded bytes of derived source `id`, from the cache or decoded now.
@@ -159,21 +148,15 @@ class SourceReader {
   GroupPolicy policy_;
   std::mutex mu_;  // guards objects_ and stale_; never held during I/O
   std::vector<std::unique_ptr<SourceObject>> objects_;  // null until opened, then never replaced
-  // The hint thread's own objects (Prefetch), oldest first:
-  std::vector<std::pair<FileId, std::unique_ptr<SourceObject>>> prefetch_objects_;
   std::vector<std::string> stale_;  // non-empty: why file i may no longer be read
   std::unique_ptr<std::atomic<uint64_t>> bytes_read_;
   std::unique_ptr<std::atomic<bool>> any_stale_;
 
-  uint64_t decoded_budget_;
-  std::mutex cache_mu_;  // guards the cache; decoding happens outside it
-  std::list<FileId> lru_;  // most recent first
-  std::map<FileId, std::pair<std::shared_ptr<const std::string>, std::list<FileId>::iterator>> cache_;
-  uint64_t cached_bytes_ = 0;
+  DecodedCache decoded_;
 
   ReadOptions read_;
   std::unique_ptr<ChecksumGate> gate_;
-  HintQueue hints_;  // stopped first by the destructor: its jobs use the objects
+  SourcePrefetch prefetch_;  // stopped first by the destructor: its jobs use the objects
 };
 
 }  // namespace ckptfs

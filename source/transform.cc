@@ -41,4 +41,27 @@ Result<std::string> DecodeItem(const std::string& transform, const SourceObject&
   return out;
 }
 
+std::shared_ptr<const std::string> DecodedCache::Find(FileId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = cache_.find(id);
+  if (it == cache_.end()) return nullptr;
+  lru_.splice(lru_.begin(), lru_, it->second.second);
+  return it->second.first;
+}
+
+void DecodedCache::Add(FileId id, std::shared_ptr<const std::string> value) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (cache_.count(id)) return;
+  lru_.push_front(id);
+  cached_bytes_ += value->size();
+  cache_[id] = {std::move(value), lru_.begin()};
+  // Evict least recently used items, keeping at least the one just added.
+  while (cached_bytes_ > budget_ && lru_.size() > 1) {
+    FileId victim = lru_.back();
+    lru_.pop_back();
+    cached_bytes_ -= cache_[victim].first->size();
+    cache_.erase(victim);
+  }
+}
+
 }  // namespace ckptfs

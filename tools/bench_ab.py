@@ -14,9 +14,16 @@ time on a shared 2-core machine.
 
 A configuration is NAME=BINARY[,MOUNT_ARG...]. `--pattern` picks sequential
 1 MiB read() calls (default) or safe_open + get_tensor of every tensor.
+`--file` repeated reads several virtual files at once, one thread each (the
+rank files of `mesh/tp4/`, as four ranks of an inference engine load them).
+`--reference` adds a configuration "real": the same bytes as real files on
+the source's filesystem, read the same way and cold, and prints each
+configuration's speed as a ratio of theirs.
 """
 import argparse
+import concurrent.futures
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -40,29 +47,64 @@ def parse_config(text: str) -> tuple[str, str, list[str]]:
     return name, os.path.abspath(binary), extra
 
 
-def one_pass(mount: bench.Mounted, rel: str, pattern: str) -> tuple[float, float, int]:
-    path = os.path.join(mount.mnt, rel)
-    how = bench.make_cold([path])
+def one_pass(mount: bench.Mounted, rels: list[str], pattern: str) -> tuple[float, float, int]:
+    paths = [os.path.join(mount.mnt, rel) for rel in rels]
+    how = bench.make_cold(paths)
     if how != "drop_caches":
         raise SystemExit("bench_ab needs root to drop the page cache (cold passes)")
     cpu0 = daemon_cpu_seconds(mount.proc.pid)
-    t0 = time.monotonic()
-    n = bench.read_pass([path]) if pattern == "read" else bench.safe_open_pass([path])
-    wall = time.monotonic() - t0
+    wall, n = timed_read(paths, pattern)
     return wall, daemon_cpu_seconds(mount.proc.pid) - cpu0, n
+
+
+def timed_read(paths: list[str], pattern: str) -> tuple[float, int]:
+    """Reads every path, one reader thread per path (one file: the calling
+    thread), and returns (wall seconds, bytes)."""
+    fn = bench.read_pass if pattern == "read" else bench.safe_open_pass
+    t0 = time.monotonic()
+    if len(paths) == 1:
+        n = fn(paths)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(len(paths)) as pool:
+            n = sum(pool.map(lambda p: fn([p]), paths))
+    return time.monotonic() - t0, n
+
+
+def reference_pass(paths: list[str], pattern: str) -> tuple[float, float, int]:
+    """The same read of real files holding the same bytes, cold."""
+    if bench.make_cold(paths) != "drop_caches":
+        raise SystemExit("bench_ab needs root to drop the page cache (cold passes)")
+    wall, n = timed_read(paths, pattern)
+    return wall, 0.0, n
+
+
+def export_reference(mount: bench.Mounted, rels: list[str], out: str) -> list[str]:
+    """Copies each virtual file to a real file under `out` (same bytes)."""
+    paths = []
+    for i, rel in enumerate(rels):
+        dst = os.path.join(out, f"{i:02d}-" + os.path.basename(rel))
+        shutil.copyfile(os.path.join(mount.mnt, rel), dst)
+        paths.append(dst)
+    return paths
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--root", required=True, help="the checkpoint tree to mount (e.g. bench.py's --dir/checkpoint)")
-    ap.add_argument("--file", default="consolidated/model.safetensors", help="virtual file to read (relative)")
+    ap.add_argument("--file", action="append",
+                    help="virtual file to read (relative; default consolidated/model.safetensors); "
+                         "repeat it for concurrent readers, one thread per file")
+    ap.add_argument("--reference", action="store_true",
+                    help="also read real files of the same bytes (copied from the first mount) in "
+                         "every pass, and report each configuration's speed as a ratio of theirs")
     ap.add_argument("--config", type=parse_config, action="append", required=True,
                     help="NAME=BINARY[,MOUNT_ARG...] (repeat for each side)")
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--pattern", choices=["read", "safe_open"], default="read")
     args = ap.parse_args(argv)
 
-    work = tempfile.mkdtemp(prefix="ckptfs-ab-")
+    files = args.file or ["consolidated/model.safetensors"]
+    work = tempfile.mkdtemp(prefix="ckptfs-ab-", dir=os.path.dirname(os.path.abspath(args.root)))
     mounts = {}
     try:
         for name, binary, extra in args.config:
@@ -72,29 +114,44 @@ def main(argv=None) -> int:
                               os.path.join(d, "mount.log"), extra)
             m.start()
             mounts[name] = m
+        runs = {name: (lambda m=m: one_pass(m, files, args.pattern)) for name, m in mounts.items()}
+        if args.reference:
+            ref = export_reference(next(iter(mounts.values())), files, work)
+            runs["real"] = lambda: reference_pass(ref, args.pattern)
         print(f"load average {os.getloadavg()[0]:.2f} at start; {args.passes} cold passes of "
-              f"{args.file} ({args.pattern})", flush=True)
-        results = {name: [] for name in mounts}
+              f"{', '.join(files)} ({args.pattern}, {len(files)} reader(s))", flush=True)
+        results = {name: [] for name in runs}
         sizes = set()
         for i in range(args.passes):
-            order = list(mounts) if i % 2 == 0 else list(reversed(mounts))
+            order = list(runs) if i % 2 == 0 else list(reversed(runs))
             for name in order:
-                wall, cpu, n = one_pass(mounts[name], args.file, args.pattern)
+                wall, cpu, n = runs[name]()
                 sizes.add(n)
                 results[name].append((wall, cpu))
                 print(f"  pass {i + 1} {name:>10}: {wall:6.3f} s, daemon CPU {cpu:6.3f} s", flush=True)
         if len(sizes) != 1:
             raise SystemExit(f"configurations read different byte counts: {sorted(sizes)}")
         print(f"load average {os.getloadavg()[0]:.2f} at end")
-        print(f"{'config':>10}  {'wall best':>9}  {'median':>7}  {'daemon CPU best':>15}  {'median':>7}")
-        for name, rows in results.items():
-            walls, cpus = [w for w, _ in rows], [c for _, c in rows]
-            print(f"{name:>10}  {min(walls):8.3f}s  {statistics.median(walls):6.3f}s  "
-                  f"{min(cpus):14.3f}s  {statistics.median(cpus):6.3f}s")
+        report(results, sizes.pop(), args.reference)
     finally:
         for m in mounts.values():
             m.stop()
+        shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+def report(results: dict, nbytes: int, with_reference: bool) -> None:
+    gb = nbytes / 1e9
+    print(f"{'config':>10}  {'wall best':>9}  {'median':>7}  {'GB/s':>5}  {'daemon CPU best':>15}  "
+          f"{'median':>7}  {'CPU s/GB':>8}" + ("  speed vs real (best)" if with_reference else ""))
+    ref_best = min(w for w, _ in results["real"]) if with_reference else None
+    for name, rows in results.items():
+        walls, cpus = [w for w, _ in rows], [c for _, c in rows]
+        line = (f"{name:>10}  {min(walls):8.3f}s  {statistics.median(walls):6.3f}s  {gb / min(walls):5.2f}  "
+                f"{min(cpus):14.3f}s  {statistics.median(cpus):6.3f}s  {min(cpus) / gb:8.3f}")
+        if ref_best is not None:
+            line += f"  {ref_best / min(walls):.2f}x"
+        print(line)
 
 
 if __name__ == "__main__":

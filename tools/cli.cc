@@ -38,7 +38,7 @@ namespace ckptfs {
 
 void Error(const std::string& msg) { std::fprintf(stderr, "ckptfs: error: %s\n", msg.c_str()); }
 
-// "5GB" -> 5e9, "512MiB" -> 512*2^20, "1000" -> 1000.
+// "5GB" -> 5e9, "512MiB" and "512M" -> 512*2^20, "1000" -> 1000.
 std::optional<uint64_t> ParseSize(const std::string& s) {
   size_t pos = 0;
   double v;
@@ -51,7 +51,9 @@ std::optional<uint64_t> ParseSize(const std::string& s) {
   for (auto& c : unit) c = std::toupper(c);
   static const std::pair<const char*, double> kUnits[] = {
       {"", 1}, {"B", 1}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"TB", 1e12},
-      {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0}};
+      {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0},
+      // One letter, as du and sort -S read them: binary.
+      {"K", 1024.0}, {"M", 1048576.0}, {"G", 1073741824.0}, {"T", 1099511627776.0}};
   for (const auto& [name, mult] : kUnits)
     if (unit == name && v > 0) return uint64_t(v * mult);
   return std::nullopt;
@@ -83,6 +85,29 @@ std::string IndexPath(const Common& c) {
   return c.index.empty() ? DefaultIndexPath(StoreKey(c)) : c.index;
 }
 
+int ResolveCacheFlags(Common& c) {
+  if (c.cache_dir.empty()) {
+    if (c.max_cache_size.empty()) return kExitOk;
+    Error("--max-cache-size needs --cache DIR: the directory the cache lives in");
+    return kExitUsage;
+  }
+  if (!IsS3Url(c.root)) {
+    Error("--cache caches the bytes of s3:// roots; " + c.root +
+          " is read from the local filesystem (and its page cache): drop --cache");
+    return kExitUsage;
+  }
+  if (c.max_cache_size.empty()) {
+    c.max_cache_bytes = DiskCache::kDefaultMaxBytes;
+  } else if (auto size = ParseSize(c.max_cache_size)) {
+    c.max_cache_bytes = *size;
+  } else {
+    Error("--max-cache-size: cannot read '" + c.max_cache_size + "' as a size (try 10G or 512MiB)");
+    return kExitUsage;
+  }
+  c.cache_dir = std::filesystem::absolute(c.cache_dir).lexically_normal().string();
+  return kExitOk;
+}
+
 static std::shared_ptr<const Source> OpenS3Root(const Common& c, int* exit_code) {
   S3Flags flags = c.s3;
   auto part = ParseSize(c.part_size);
@@ -98,7 +123,17 @@ static std::shared_ptr<const Source> OpenS3Root(const Common& c, int* exit_code)
     *exit_code = config.status().code() == Status::Code::kInvalidArgument ? kExitUsage : kExitNoSource;
     return nullptr;
   }
-  auto source = std::make_shared<S3Source>(*config);
+  std::shared_ptr<DiskCache> cache;
+  if (!c.cache_dir.empty()) {
+    auto opened = DiskCache::Open(c.cache_dir, c.max_cache_bytes);
+    if (!opened.ok()) {
+      Error("--cache " + c.cache_dir + ": " + opened.status().message());
+      *exit_code = kExitUsage;
+      return nullptr;
+    }
+    cache = *opened;
+  }
+  auto source = std::make_shared<S3Source>(*config, std::move(cache));
   if (Status st = source->Probe(); !st.ok()) {
     Error(st.message() + " [" + config->Describe() + "]");
     *exit_code = kExitNoSource;

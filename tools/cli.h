@@ -46,14 +46,21 @@ struct Common {
   size_t max_loaded = 0;  // mount --max-loaded (FsOptions::max_loaded)
   S3Flags s3;             // an s3:// root: --endpoint-url, --region, ...
   std::string part_size = "8MiB";  // --part-size, parsed into s3.part_size
+  std::string cache_dir;           // --cache DIR (s3:// roots), made absolute by ResolveCacheFlags
+  std::string max_cache_size;      // --max-cache-size, parsed into max_cache_bytes
+  uint64_t max_cache_bytes = 0;
   std::string keep_dtype;  // --keep-dtype REGEX (FsOptions::keep_dtype)
   uint64_t compute_cache_mib = 512;  // mount --compute-cache-mib
 };
 
 
 void Error(const std::string& msg);
-// "5GB" -> 5e9, "512MiB" -> 512*2^20, "1000" -> 1000.
+// "5GB" -> 5e9, "512MiB" and "512M" -> 512*2^20, "1000" -> 1000.
 std::optional<uint64_t> ParseSize(const std::string& s);
+// Checks --cache and --max-cache-size (the size needs the directory, the
+// directory an s3:// root), fills max_cache_bytes and makes cache_dir
+// absolute (a background mount runs in /). Returns an exit code.
+int ResolveCacheFlags(Common& c);
 std::string AbsRoot(const std::string& root);
 
 // The source of c.root: a local directory, or an s3:// root (reached once

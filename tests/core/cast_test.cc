@@ -79,6 +79,25 @@ TEST(Cast, F32ToBF16RoundsToNearestEven) {
   }
 }
 
+// The bulk fp32 -> bf16 loop (vectorized) against the same reference, with
+// lengths and source alignments that leave vector remainders.
+TEST(Cast, CastElementsF32ToBF16MatchesTheReferenceAtEveryLengthAndAlignment) {
+  const std::vector<uint32_t> in = SampleFloats();
+  std::vector<uint8_t> src(in.size() * 4 + 3);
+  for (size_t shift : {0, 1, 3}) {
+    std::memcpy(src.data() + shift, in.data(), in.size() * 4);
+    for (size_t count : {size_t(0), size_t(1), size_t(7), size_t(33), in.size()}) {
+      std::vector<uint16_t> out(count + 1, 0xABCD);
+      CastElements(DType::kF32, DType::kBF16, src.data() + shift, count, reinterpret_cast<uint8_t*>(out.data()));
+      for (size_t k = 0; k < count; ++k) {
+        const uint16_t want = std::isnan(F(in[k])) ? 0xFFFF : ReferenceBF16(in[k]);
+        ASSERT_EQ(out[k], want) << "element " << k << " of " << count << ", shift " << shift;
+      }
+      EXPECT_EQ(out[count], 0xABCD) << "wrote past the end";
+    }
+  }
+}
+
 TEST(Cast, F16ToF32IsExactForEveryValue) {
   for (uint32_t b = 0; b < 65536; ++b) {
     _Float16 h;

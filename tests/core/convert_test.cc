@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <vector>
 
 namespace ckptfs {
 namespace {
@@ -19,6 +21,38 @@ float One(DType t, std::vector<uint8_t> bytes, uint64_t k = 0) {
 TEST(Convert, BFloat16IsTheHighHalfOfFloat32) {
   EXPECT_EQ(One(DType::kBF16, {0x80, 0x3f}), 1.0f);
   EXPECT_EQ(One(DType::kBF16, {0xc0, 0xc0}), -6.0f);
+}
+
+// Every bfloat16 code, decoded in bulk from an odd first element, against
+// its value by definition: (-1)^s x 2^(e-127) x 1.m (subnormals 2^-126 x 0.m).
+TEST(Convert, EveryBFloat16CodeDecodesToItsValueInBulk) {
+  std::vector<uint8_t> src(2 * 65537);
+  for (uint32_t h = 0; h < 65536; ++h) {
+    src[2 * (h + 1)] = uint8_t(h);
+    src[2 * (h + 1) + 1] = uint8_t(h >> 8);
+  }
+  std::vector<float> out(65536);
+  DecodeToFloat32(DType::kBF16, src.data(), 1, 65536, out.data());
+  for (uint32_t h = 0; h < 65536; ++h) {
+    const uint32_t e = (h >> 7) & 0xFF, m = h & 0x7F;
+    const double sign = (h & 0x8000) ? -1.0 : 1.0;
+    if (e == 0xFF) {
+      EXPECT_TRUE(m ? std::isnan(out[h]) : out[h] == float(sign * INFINITY)) << std::hex << h;
+      continue;
+    }
+    const double want = e ? sign * std::ldexp(1.0 + m / 128.0, int(e) - 127) : sign * std::ldexp(m / 128.0, -126);
+    ASSERT_EQ(double(out[h]), want) << std::hex << h;
+    ASSERT_EQ(std::signbit(out[h]), bool(h & 0x8000)) << std::hex << h;
+  }
+}
+
+TEST(Convert, Float32DecodesInBulkToItself) {
+  const std::vector<float> in = {0.0f, -0.0f, 1.5f, -3.25e-39f, 3.4e38f, INFINITY, -INFINITY, 1e-45f};
+  std::vector<uint8_t> src(4 * (in.size() + 2));
+  std::memcpy(src.data() + 8, in.data(), 4 * in.size());
+  std::vector<float> out(in.size());
+  DecodeToFloat32(DType::kF32, src.data(), 2, in.size(), out.data());
+  EXPECT_EQ(0, std::memcmp(out.data(), in.data(), 4 * in.size()));
 }
 
 TEST(Convert, Float8E4M3FnHasNoInfinity) {

@@ -304,5 +304,23 @@ TEST(MergedViewTest, ARankOtherThanTheConfigsIsRefused) {
   EXPECT_NE(files.status().message().find("has rank 2"), std::string::npos) << files.status().message();
 }
 
+// What ZeRO-3 or FSDP saves from parameters it did not gather: empty
+// placeholders, or one rank's flat slice.
+TEST(MergedViewTest, AnUngatheredFactorIsNamedAsSuch) {
+  for (const Shape& saved : {Shape{0}, Shape{4}, Shape{0, 4}}) {
+    Pair p = SmallPair();
+    p.adapter.tensors[1] = Meta("base_model.model.q.lora_A.weight", saved);
+    LoraConfig config;
+    config.r = 2;
+    auto files = MergedView(JoinAdapter(p.adapter, p.base, config), {});
+    ASSERT_FALSE(files.ok());
+    EXPECT_NE(files.status().message().find("'base_model.model.q.lora_A.weight' is " + ShapeToString(saved) +
+                                            ", not a 2-d LoRA factor: the adapter was saved from parameters FSDP "
+                                            "or DeepSpeed ZeRO-3 had not gathered"),
+              std::string::npos)
+        << files.status().message();
+  }
+}
+
 }  // namespace
 }  // namespace ckptfs

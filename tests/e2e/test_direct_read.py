@@ -163,7 +163,9 @@ def drop_cache(path: str, start: int = 0) -> None:
 
 def mount(synth: np_ckpt.Synth, base: str) -> harness.Mounted:
     # Read-ahead off: it would bring the cold ranges into the page cache.
-    return harness.Mounted(synth.path, "--readahead-mib", "0", base_dir=base, index_dir=os.path.join(base, "index"))
+    # Direct reads on (they are off by default).
+    return harness.Mounted(synth.path, "--readahead-mib", "0", "--direct-pool-mib", "64", base_dir=base,
+                           index_dir=os.path.join(base, "index"))
 
 
 def direct_read(path: str, off: int, n: int) -> bytes:

@@ -1,26 +1,37 @@
 """merged/ and merged.<dtype>/: PEFT LoRA adapters merged into their base on read.
 
 Oracles: peft's own `PeftModel.from_pretrained(base).merge_and_unload()` (every
-tensor, fp32), the unmerged PeftModel's forward (logits of transformers on
-merged/), and torch's `.to(bfloat16)` of peft's merge. The models and adapters
-are made by transformers and peft (lora_gen.py), never by ckptfs.
+tensor, fp32; bit for bit where the adapter's factors make the merge exact),
+the unmerged PeftModel's forward (logits of transformers on merged/), and
+torch's `.to(bfloat16)` of peft's merge. The models and adapters are made by
+transformers, peft and torch's FSDP2 + DCP (lora_gen.py, fsdp_lora_gen.py),
+never by ckptfs.
 """
 
 from __future__ import annotations
 
 import glob
+import json
+import math
 import mmap
 import os
 import random
+import sys
 import threading
 import time
+from pathlib import Path
 
+import peft
 import pytest
 import torch
-from safetensors.torch import load, load_file
+from safetensors.torch import load, load_file, save
 from transformers import AutoModelForCausalLM
 
+import fsdp_lora_gen
 import lora_gen
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+from bench_churn import daemon_pid  # noqa: E402
 
 IDS = torch.tensor([[1, 5, 9, 13, 2, 40, 77, 96]])
 
@@ -108,7 +119,6 @@ def test_merged_bf16_view_of_an_fp32_base(lora_root, lora_mount):
     assert set(got) == base_names(base_dir)
     for name, t in got.items():
         assert_within_bf16_ulp(t, want[name].to(torch.bfloat16), name)
-    import json
     with open(os.path.join(view, "config.json")) as f:
         assert json.load(f)["dtype"] == "bfloat16"
 
@@ -127,6 +137,47 @@ def test_dcp_base(lora_root, lora_mount):
     with torch.no_grad():
         ref = lora_gen.peft_unmerged("llama", hf_base, adapter)
         torch.testing.assert_close(merged(IDS).logits, ref(IDS).logits, atol=1e-4, rtol=0)
+
+
+@pytest.fixture(scope="module")
+def fsdp_root(tmp_path_factory):
+    """(root, reference): fsdp_lora_gen's step and adapter, and the step's weights unsharded."""
+    root = str(tmp_path_factory.mktemp("fsdp-lora"))
+    reference = str(tmp_path_factory.mktemp("fsdp-reference"))
+    fsdp_lora_gen.make(root, reference)
+    return root, reference
+
+
+def test_an_fsdp2_finetune_over_a_dcp_step(fsdp_root, mount_factory):
+    """An adapter saved from an FSDP2 fine-tune (the full state dict gathered
+    to rank 0, saved by PeftModel.save_pretrained) whose base is the DCP
+    step an FSDP2 run saved: merged/ is peft's merge into the unsharded base."""
+    root, reference = fsdp_root
+    adapter = os.path.join(root, fsdp_lora_gen.ADAPTER)
+    factors = load_file(os.path.join(adapter, "adapter_model.safetensors"))
+    lora_b = {n: t for n, t in factors.items() if ".lora_B." in n}
+    assert len(lora_b) == 2 * len(fsdp_lora_gen.LORA["target_modules"])  # both decoder layers
+    assert all(t.abs().max() > 0 for t in lora_b.values()), "lora_B is still zero: not trained"
+    ref_base = load_folder(reference)
+    with mount_factory(root) as m:
+        # The step in the mount is the reference the oracles read.
+        consolidated = load_folder(m.p(fsdp_lora_gen.BASE, "consolidated"))
+        assert set(consolidated) == set(ref_base)
+        for name, t in consolidated.items():
+            assert torch.equal(t, ref_base[name]), name
+        view = m.p(fsdp_lora_gen.ADAPTER, "merged")
+        got = load_folder(view)
+        assert set(got) == set(ref_base), sorted(set(got) ^ set(ref_base))
+        want = lora_gen.peft_merged("llama", reference, adapter).state_dict()
+        changed = 0
+        for name, t in got.items():
+            assert_close_rel(t, want[name], name)
+            changed += not torch.equal(t, ref_base[name])
+        assert changed == len(lora_b), changed
+        merged = AutoModelForCausalLM.from_pretrained(view, dtype=torch.float32).eval()
+        with torch.no_grad():
+            ref = lora_gen.peft_unmerged("llama", reference, adapter)
+            torch.testing.assert_close(merged(IDS).logits, ref(IDS).logits, atol=1e-4, rtol=0)
 
 
 def test_sidecars_come_from_the_adapter_else_the_base(lora_root, lora_mount):
@@ -157,45 +208,174 @@ def test_adapters_that_cannot_be_merged_get_no_merged_and_say_why(lora_root, lor
     assert "llama_plain:" not in out + err
 
 
-def read_all(path: str, order: list[int], chunk: int) -> bytes:
-    buf = bytearray(os.path.getsize(path))
-    with open(path, "rb", buffering=0) as f:
-        for i in order:
-            f.seek(i * chunk)
-            data = f.read(chunk)
-            buf[i * chunk:i * chunk + len(data)] = data
-    return bytes(buf)
-
-
-def mmap_all(path: str, order: list[int], chunk: int) -> bytes:
-    buf = bytearray(os.path.getsize(path))
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        for i in order:
-            buf[i * chunk:i * chunk + chunk] = m[i * chunk:i * chunk + chunk]
-    return bytes(buf)
-
-
-def test_eight_concurrent_readers_get_exact_bytes(tmp_path, mount_factory):
-    """Tensors of several compute blocks, more than the cache keeps, read by 4
-    mmap and 4 read() readers at once in random page orders on a fresh mount,
-    equal peft's merge."""
+def test_an_adapter_saved_from_ungathered_shards_is_refused_saying_so(tmp_path, mount_factory, ckptfs):
+    """DeepSpeed ZeRO-3 (and FSDP outside summon_full_params) leaves each
+    parameter an empty placeholder between steps: peft's save_pretrained
+    then writes empty factors (and warns). merged/ is refused naming the
+    tensor and the save that went wrong, not the base."""
     root = str(tmp_path)
-    base_dir, adapter = os.path.join(root, "base"), os.path.join(root, "adapter")
-    lora_gen.llama(hidden=256, intermediate=4608).save_pretrained(base_dir)
-    lora_gen.save_adapter(lora_gen.llama(hidden=256, intermediate=4608), adapter,
-                          dict(r=8, lora_alpha=16, target_modules=lora_gen.ATTN + lora_gen.MLP))
+    adapter = os.path.join(root, "adapter")
+    lora_gen.llama().save_pretrained(os.path.join(root, "base"))
+    pm = peft.get_peft_model(lora_gen.llama(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    for name, p in pm.named_parameters():
+        if "lora_" in name:
+            p.data = torch.empty(0)  # what ZeRO-3's partitioning leaves on a module
+    with pytest.warns(peft.utils.warning.PeftWarning, match="not gathered"):  # peft's own check agrees
+        pm.save_pretrained(adapter)
     lora_gen.point_at_base(adapter, "../base")
-    with mount_factory(root, "--compute-cache-mib", "8") as m:  # fewer than the file's ~12 blocks are kept
+    why = ("adapter tensor 'base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight' is [0], not a 2-d "
+           "LoRA factor: the adapter was saved from parameters FSDP or DeepSpeed ZeRO-3 had not gathered")
+    with mount_factory(root) as m:
+        assert not os.path.exists(m.p("adapter", "merged"))
+        assert "adapter/merged/: not created: " + why in m.log(), m.log()
+    r = ckptfs("check", root)
+    assert r.returncode == 5 and why in r.stdout.decode(), r.stdout.decode() + r.stderr.decode()
+
+
+MIB = 1 << 20
+
+
+def dyadic_adapter(model, adapter_dir: str, lora_kwargs: dict, seed: int = 1) -> None:
+    """An adapter whose factors are multiples of 1/8 in [-1, 1], with a
+    scaling that is a power of two: every sum of B @ A is exact in float32
+    in any order (multiples of 1/64 no larger than r), so W + scaling * B @ A is
+    one rounding and peft's merge and any correct merge agree bit for bit."""
+    assert math.frexp(lora_kwargs["lora_alpha"] / lora_kwargs["r"])[0] == 0.5, "scaling must be a power of two"
+    pm = peft.get_peft_model(model, peft.LoraConfig(init_lora_weights=False, **lora_kwargs))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_A" in name or "lora_B" in name:
+                p.copy_(torch.randint(-8, 9, p.shape, generator=g).float() / 8)
+    pm.save_pretrained(adapter_dir)
+
+
+def safetensors_entries(data: bytes) -> tuple[int, dict]:
+    """(where the data starts, {name: (dtype, shape, begin, end)}), by the format's definition."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header.pop("__metadata__", None)
+    return 8 + n, {k: (v["dtype"], v["shape"], *v["data_offsets"]) for k, v in header.items()}
+
+
+def expected_bytes(served_header: bytes, reference: bytes) -> bytes:
+    """The served file as it must be, byte for byte: its header (checked
+    here to list the reference's tensors, dtypes and shapes, tiling the data
+    without gaps), then each tensor's bytes as safetensors wrote them in
+    `reference`."""
+    start, got = safetensors_entries(served_header)
+    ref_start, want = safetensors_entries(reference)
+    assert {k: v[:2] for k, v in got.items()} == {k: v[:2] for k, v in want.items()}
+    out, at = bytearray(served_header[:start]), 0
+    for name, (_, _, begin, end) in sorted(got.items(), key=lambda kv: kv[1][2]):
+        assert begin == at, f"{name} starts at {begin}, not {at}"
+        _, _, rb, re_ = want[name]
+        assert end - begin == re_ - rb, name
+        out += reference[ref_start + rb:ref_start + re_]
+        at = end
+    return bytes(out)
+
+
+def first_difference(got: bytes, want: bytes, at: int) -> str | None:
+    if got == want:
+        return None
+    i = next((i for i in range(min(len(got), len(want))) if got[i] != want[i]), min(len(got), len(want)))
+    return f"byte {at + i}: {got[i:i + 8].hex() or 'end of data'}, not {want[i:i + 8].hex()}"
+
+
+def mmap_pages(path: str, want: bytes, seed: int) -> list[str]:
+    """Faults every 4 KiB page of the file through a mapping, in random
+    order; the pages that differ from `want`."""
+    order = list(range((len(want) + 4095) // 4096))
+    random.Random(seed).shuffle(order)
+    wrong = []
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        assert len(m) == len(want)
+        for i in order:
+            at = i * 4096
+            if (d := first_difference(m[at:at + 4096], want[at:at + 4096], at)):
+                wrong.append(d)
+    return wrong
+
+
+def pread_ranges(path: str, want: bytes, seed: int) -> list[str]:
+    """Reads the file with read() in ranges of 0.5 to 1.5 MiB at unaligned
+    offsets, in random order; the ranges that differ from `want`."""
+    rng = random.Random(seed)
+    ranges, at = [], 0
+    while at < len(want):
+        n = min(rng.randint(MIB // 2, 3 * MIB // 2) + rng.randint(1, 4095), len(want) - at)
+        ranges.append((at, n))
+        at += n
+    rng.shuffle(ranges)
+    wrong = []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for at, n in ranges:
+            data = b""
+            while len(data) < n and (more := os.pread(fd, n - len(data), at + len(data))):
+                data += more
+            if (d := first_difference(data, want[at:at + n], at)):
+                wrong.append(d)
+    finally:
+        os.close(fd)
+    return wrong
+
+
+def vm_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+HIDDEN, INTERMEDIATE = 256, 16384  # ~100 MiB of float32 weights, most in 4 MiB blocks
+CACHE_MIB = 8
+# Two FUSE threads: blocks are computed side by side and readers wait on
+# each other's computations, while the working set of the threads (below)
+# stays small beside a cache that kept every block.
+THREADS = 2
+# What one FUSE thread computing a block holds besides the cache: the
+# block's source rows, their float32 copy, B @ A and the output, each about
+# one block (core/compute.h: 4 MiB), plus its request and reply buffers
+# (fs/mount.cc: 1 MiB each).
+PER_THREAD_MIB = 4 * 4 + 2
+SLACK_MIB = 16  # the allocator's arenas and rounding (measured peaks: 43 to 47 MiB above `before`)
+
+
+def test_eight_readers_by_mmap_and_read_get_exact_bytes_in_bounded_memory(tmp_path, mount_factory):
+    """4 readers mapping merged/'s file and faulting its pages in random
+    order and 4 reading random ~1 MiB ranges, at once on a fresh mount, each
+    get every byte of peft's merge as safetensors writes it; the merged
+    tensors are many times the compute cache, and the daemon's peak RSS stays
+    within the cache, a block's working set per FUSE thread and some slack above its
+    RSS before the first read."""
+    root = str(tmp_path / "root")
+    base_dir, adapter = os.path.join(root, "base"), os.path.join(root, "adapter")
+    lora_gen.llama(hidden=HIDDEN, intermediate=INTERMEDIATE).save_pretrained(base_dir)
+    dyadic_adapter(lora_gen.llama(hidden=HIDDEN, intermediate=INTERMEDIATE), adapter,
+                   dict(r=8, lora_alpha=16, target_modules=lora_gen.ATTN + lora_gen.MLP))
+    lora_gen.point_at_base(adapter, "../base")
+    reference = save(lora_gen.peft_merged("llama", base_dir, adapter).state_dict())
+    # A cache that kept every block would hold more than the bound allows.
+    assert len(reference) > (CACHE_MIB + THREADS * PER_THREAD_MIB + SLACK_MIB) * MIB
+    with mount_factory(root, "--compute-cache-mib", str(CACHE_MIB), "--threads", str(THREADS)) as m:
         path = m.p("adapter", "merged", "model.safetensors")
-        chunk = 4096
-        pages = (os.path.getsize(path) + chunk - 1) // chunk
-        results, errors = [None] * 8, []
+        size = os.path.getsize(path)  # the view is built: its layouts, no tensor read
+        pid = daemon_pid(m.path)
+        before = vm_kib(pid, "VmRSS") * 1024
+        with open(path, "rb") as f:
+            header = f.read(8)
+            header += f.read(int.from_bytes(header, "little"))
+        want = expected_bytes(header, reference)
+        del reference
+        assert size == len(want)
+        wrong, errors = [[] for _ in range(8)], []
 
         def run(k):
             try:
-                order = list(range(pages))
-                random.Random(k).shuffle(order)
-                results[k] = (mmap_all if k % 2 else read_all)(path, order, chunk)
+                wrong[k] = (mmap_pages if k % 2 else pread_ranges)(path, want, k)
             except Exception as e:  # noqa: BLE001 - reported below
                 errors.append(e)
 
@@ -204,14 +384,15 @@ def test_eight_concurrent_readers_get_exact_bytes(tmp_path, mount_factory):
             t.start()
         for t in threads:
             t.join()
-        assert not errors, errors
-        assert all(r == results[0] for r in results)
-        got = load(results[0])
-    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    import peft
-    want = peft.PeftModel.from_pretrained(base, adapter).merge_and_unload().state_dict()
-    for name, t in got.items():
-        assert_close_rel(t, want[name], name)
+        peak = vm_kib(pid, "VmHWM") * 1024
+    assert not errors, errors
+    for k, w in enumerate(wrong):
+        assert not w, f"reader {k} ({'mmap' if k % 2 else 'read()'}): {len(w)} wrong, e.g. {w[:3]}"
+    bound = before + (CACHE_MIB + THREADS * PER_THREAD_MIB + SLACK_MIB) * MIB
+    print(f"daemon RSS {before / MIB:.1f} MiB before, peak {peak / MIB:.1f} MiB (bound {bound / MIB:.1f}) "
+          f"reading {len(want) / MIB:.1f} MiB of merged/")
+    assert peak <= bound, (f"daemon peak RSS {peak / MIB:.1f} MiB > {bound / MIB:.1f} MiB "
+                           f"({before / MIB:.1f} MiB before reading {len(want) / MIB:.1f} MiB of merged/)")
 
 
 @pytest.mark.parametrize("changed", ["base/model.safetensors", "adapter/adapter_model.safetensors"])

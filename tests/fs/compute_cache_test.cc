@@ -4,6 +4,8 @@
 #include "fs/compute_cache.h"
 
 #include <gtest/gtest.h>
+
+#include <new>
 #include <unistd.h>
 
 #include <algorithm>
@@ -33,9 +35,14 @@ class Counting : public Computation {
   std::vector<ComputeInput> InputsOf(uint64_t b) const override { return inner_->InputsOf(b); }
   Result<std::string> Compute(uint64_t b, const std::vector<std::string>& in) const override {
     ++calls;
+    if (throws > 0) {
+      --throws;
+      throw std::bad_alloc();
+    }
     return inner_->Compute(b, in);
   }
   mutable std::atomic<int> calls{0};
+  mutable std::atomic<int> throws{0};  // the next this many computations throw
 
  private:
   std::shared_ptr<const Computation> inner_;
@@ -153,6 +160,19 @@ TEST_F(ComputeCacheTest, SourceChangedAfterComputeIsStaleNotOldBytes) {
   fs::last_write_time(dir_ / "model.safetensors", fs::file_time_type::clock::now() + std::chrono::seconds(5));
   Status st = ReadPage(cache, 0, page.size(), page.data());
   EXPECT_EQ(st.code(), Status::Code::kStale) << st.ToString();
+}
+
+// A computation that throws (bad_alloc) reaches its reader as the exception
+// (the mount answers ENOMEM) and leaves no slot behind: the next read
+// computes the block and gets its bytes.
+TEST_F(ComputeCacheTest, AComputationThatThrowsIsComputedAgainByTheNextRead) {
+  ComputeCache cache(64ull << 20);
+  std::string page(4096, '\0');
+  cast_->throws = 1;
+  EXPECT_THROW((void)ReadPage(cache, 0, page.size(), page.data()), std::bad_alloc);
+  ASSERT_TRUE(ReadPage(cache, 0, page.size(), page.data()).ok());
+  EXPECT_EQ(page, Expected().substr(0, page.size()));
+  EXPECT_EQ(cast_->calls, 2);
 }
 
 TEST_F(ComputeCacheTest, DropForgetsTheOwnersBlocks) {

@@ -5,11 +5,16 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <thread>
 
 #include "core/safetensors.h"
 #include "indexer/scan.h"
+#include "source/posix_source.h"
 
 namespace ckptfs {
 namespace {
@@ -38,6 +43,56 @@ class IndexTest : public ::testing::Test {
 
   fs::path dir_;
 };
+
+// A directory whose objects answer each read after `delay`, counting the
+// reads in flight at once (object storage: each header is two round trips).
+class SlowSource : public PosixSource {
+ public:
+  explicit SlowSource(std::string root) : PosixSource(std::move(root)) {}
+  Result<std::unique_ptr<SourceObject>> Open(const std::string& rel) const override {
+    ASSIGN_OR_RETURN(std::unique_ptr<SourceObject> inner, PosixSource::Open(rel));
+    return std::unique_ptr<SourceObject>(new Slow(std::move(inner), this));
+  }
+  mutable std::atomic<int> in_flight{0}, most{0};
+
+ private:
+  class Slow : public SourceObject {
+   public:
+    Slow(std::unique_ptr<SourceObject> inner, const SlowSource* s) : inner_(std::move(inner)), s_(s) {}
+    Status ReadAt(uint64_t offset, uint64_t len, char* dst) const override {
+      const int now = ++s_->in_flight;
+      for (int m = s_->most; now > m && !s_->most.compare_exchange_weak(m, now);) {}
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      --s_->in_flight;
+      return inner_->ReadAt(offset, len, dst);
+    }
+    Result<SourceFile> Identity() const override { return inner_->Identity(); }
+
+   private:
+    std::unique_ptr<SourceObject> inner_;
+    const SlowSource* s_;
+  };
+};
+
+TEST_F(IndexTest, HeadersOfAStepsFilesAreReadSideBySide) {
+  constexpr int kFiles = 16;
+  for (int r = 0; r < kFiles; ++r) {
+    char name[64];
+    std::snprintf(name, sizeof name, "shard-%05d-model-00001-of-00001.safetensors", r + 1);
+    WriteSafetensors(name, {{"w", DType::kF32, {1, 3}, 0, 12}},
+                     {{"DCP_SHARDING_INFO", R"({"w": {"saved_offsets": [)" + std::to_string(r) + R"(, 0]}})"}});
+  }
+  SlowSource source(fs::canonical(dir_ / "ckpt").string());
+  auto catalog = ScanSource(source);
+  ASSERT_TRUE(catalog.ok()) << catalog.status().ToString();
+  ASSERT_EQ(catalog->checkpoints.size(), 1u);
+  const Checkpoint& ck = catalog->checkpoints[0];
+  EXPECT_TRUE(ck.problems.empty());
+  ASSERT_EQ(ck.tensors.size(), 1u);
+  EXPECT_EQ(ck.tensors[0]->shape, (Shape{kFiles, 3}));
+  EXPECT_EQ(ck.tensors[0]->chunks.size(), size_t(kFiles));
+  EXPECT_GE(source.most.load(), 4) << "headers were read one file at a time";
+}
 
 TEST_F(IndexTest, ScanWriteLoadRoundTrip) {
   WriteSafetensors("shard-00001-model-00001-of-00001.safetensors", {{"w", DType::kF32, {2, 3}, 0, 24}},

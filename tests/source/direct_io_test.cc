@@ -6,6 +6,8 @@
 
 #include <fcntl.h>
 #include <gtest/gtest.h>
+
+#include <new>
 #include <linux/magic.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -149,6 +151,29 @@ TEST(IoPool, ReturnsTheFailureOfTheLowestIndex) {
   EXPECT_EQ(st.code(), Status::Code::kCorruption);
   EXPECT_EQ(st.message(), "seventeen");
   EXPECT_TRUE(io.RunAll(0, [](size_t) { return Status::IOError("never run"); }).ok());
+}
+
+// A task that throws (bad_alloc under memory pressure), on the caller's
+// thread or a pool thread: RunAll waits for every other task, which may
+// still use what the caller owns, then rethrows on the caller's thread.
+TEST(IoPool, ATaskThatThrowsIsRethrownAfterEveryTaskHasFinished) {
+  IoPool io(3);
+  for (int round = 0; round < 20; ++round) {
+    auto finished = std::make_shared<std::atomic<int>>(0);
+    bool threw = false;
+    try {
+      (void)io.RunAll(40, [&, finished](size_t i) -> Status {
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+        if (i % 13 == 5) throw std::bad_alloc();
+        finished->fetch_add(1);
+        return Status::OK();
+      });
+    } catch (const std::bad_alloc&) {
+      threw = true;
+    }
+    EXPECT_TRUE(threw);
+    EXPECT_EQ(finished->load(), 40 - 3) << "RunAll returned while tasks were still running";
+  }
 }
 
 // More callers than pool threads, each waiting on its own batch: every batch

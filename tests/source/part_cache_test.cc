@@ -4,6 +4,9 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -41,6 +44,34 @@ TEST(PartCache, ServesPrefetchedRangesAcrossPartsAndTheShortLastPart) {
     EXPECT_EQ(got, obj.Expected(at, n)) << at;
   }
   EXPECT_EQ(obj.fetches.load(), 16);  // ceil(1000 / 64), each part once
+}
+
+// Parts larger than half the capacity: a prefetch queues the first part and
+// finds no room for the second. The part it queued is still fetched, and its
+// reader gets it (it once waited forever: no worker had been woken).
+TEST(PartCache, APrefetchThatRunsOutOfRoomStillFetchesWhatItQueued) {
+  FakeObject obj{1000};
+  PartCache cache(100, 60, 1);
+  // A first part, fetched and read: the worker is started and now waits.
+  cache.Prefetch("k", obj.size, 960, 40, obj.fetch());
+  std::string last(40, '\0');
+  ASSERT_TRUE(cache.Copy("k", 960, 40, last.data()));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  cache.Prefetch("k", obj.size, 0, 120, obj.fetch());
+  auto done = std::make_shared<std::atomic<bool>>(false);
+  std::string got(60, '\0');
+  std::thread reader([&] {
+    EXPECT_TRUE(cache.Copy("k", 0, 60, got.data()));
+    *done = true;
+  });
+  for (int i = 0; i < 500 && !*done; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  if (!*done) {
+    ADD_FAILURE() << "the reader of a queued part still waits after 5 s";
+    std::fflush(nullptr);
+    std::_Exit(1);  // the waiting reader cannot be woken: end here rather than hang
+  }
+  reader.join();
+  EXPECT_EQ(got, obj.Expected(0, 60));
 }
 
 TEST(PartCache, AnotherVersionsKeyNeverMeetsTheseParts) {

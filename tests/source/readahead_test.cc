@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
 #include <stdlib.h>
 
 #include <atomic>
@@ -13,6 +16,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/compute.h"
 #include "core/layout.h"
 #include "core/planner.h"
 #include "source/posix_source.h"
@@ -202,6 +206,70 @@ TEST(SourceReaderReadAhead, KeepsAtMostKPrefetchFdsDescriptors) {
   }
   EXPECT_EQ(OpenDescriptors(), before) << "descriptors left open after the reader is gone";
   std::filesystem::remove_all(m.dir);
+}
+
+// Pages of `path` in [offset, offset + length) that are in the page cache.
+uint64_t ResidentPages(const std::filesystem::path& path, uint64_t offset, uint64_t length) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  void* p = ::mmap(nullptr, offset + length, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  const uint64_t page = ::sysconf(_SC_PAGESIZE), first = offset / page, pages = (offset + length) / page - first;
+  std::vector<unsigned char> vec(first + pages);
+  ::mincore(p, offset + length, vec.data());
+  ::munmap(p, offset + length);
+  uint64_t n = 0;
+  for (uint64_t i = first; i < first + pages; ++i) n += vec[i] & 1;
+  return n;
+}
+
+// A sequential reader of a computed tensor (here a bf16 cast of an fp32
+// one) reads ahead the inputs of the blocks it is about to be served: the
+// source ranges behind them reach the page cache before they are asked for.
+TEST(SourceReaderReadAhead, ReadsAheadTheInputsOfComputedTensors) {
+  constexpr uint64_t kRows = 64, kCols = 64 << 10;  // 16 MiB of fp32, 8 MiB once cast
+  char tmpl[] = "/tmp/ckptfs-readahead-XXXXXX";
+  const std::filesystem::path dir = ::mkdtemp(tmpl);
+  {
+    std::ofstream out(dir / "w.bin", std::ios::binary);
+    std::vector<float> row(kCols, 1.5f);
+    for (uint64_t r = 0; r < kRows; ++r) out.write(reinterpret_cast<const char*>(row.data()), kCols * 4);
+  }
+  std::vector<SourceFile> files{*StatSource((dir / "w.bin").string())};
+  files[0].path = "w.bin";
+  auto tensor = std::make_shared<TensorMeta>();
+  tensor->fqn = "w";
+  tensor->dtype = DType::kF32;
+  tensor->shape = {kRows, kCols};
+  Chunk c;
+  c.set_box(Box::Whole(tensor->shape));
+  c.set_dtype(DType::kF32);
+  c.set_bytes({FileId(0), 0, kRows * kCols * 4});
+  tensor->chunks.push_back(c);
+  auto layout = std::make_shared<Layout>();
+  layout->AddComputed(MakeCast(tensor, Box::Whole(tensor->shape), DType::kBF16));
+  {
+    const int fd = ::open((dir / "w.bin").c_str(), O_RDONLY);
+    ::fdatasync(fd);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
+  ReadOptions ro;
+  ro.readahead_bytes = 4 * kMiB;
+  SourceReader reader(dir.string(), &files, {}, 0, ro);
+  ReadStream stream;
+  // Two sequential 1 MiB requests at the start of the cast tensor.
+  for (uint64_t at = 0; at < 2 * kMiB; at += kMiB) reader.ReadAhead(stream, layout, at, kMiB);
+  // The window ahead, [2, 6) MiB of bf16, holds the start of the second
+  // block (4 MiB of output: rows 32 to 63), whose input is fp32 bytes
+  // [8, 16) MiB of the source.
+  const uint64_t want = 8 * kMiB / ::sysconf(_SC_PAGESIZE);
+  uint64_t got = 0;
+  for (auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+       got < want && std::chrono::steady_clock::now() < deadline;
+       std::this_thread::sleep_for(std::chrono::milliseconds(10)))
+    got = ResidentPages(dir / "w.bin", 8 * kMiB, 8 * kMiB);
+  EXPECT_EQ(got, want) << "the inputs of the next blocks were not read ahead";
+  std::filesystem::remove_all(dir);
 }
 
 TEST(HintQueue, StoppedQueueRefusesJobs) {
