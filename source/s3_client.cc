@@ -22,6 +22,8 @@ constexpr long kConnectTimeoutMs = 5000;
 // is well under it).
 constexpr size_t kMaxBody = 16 << 20;
 constexpr int64_t kBackoffBaseMs = 100, kBackoffCapMs = 5000;
+// The last attempt gets at least this long, whatever is left of the budget.
+constexpr int64_t kMinAttemptMs = 1000;
 
 struct CurlInit {
   CurlInit() { curl_global_init(CURL_GLOBAL_DEFAULT); }
@@ -86,6 +88,13 @@ std::vector<std::string> XmlAll(const std::string& xml, const std::string& tag, 
 std::string XmlFirst(const std::string& xml, const std::string& tag, size_t from = 0, size_t to = std::string::npos) {
   auto all = XmlAll(xml, tag, from, to);
   return all.empty() ? "" : all[0];
+}
+
+// An ETag without its quotes and weak marker: servers differ in both.
+std::string BareEtag(std::string e) {
+  if (e.starts_with("W/")) e.erase(0, 2);
+  std::erase(e, '"');
+  return e;
 }
 
 int64_t ParseIsoTime(const std::string& s) {
@@ -230,7 +239,7 @@ static size_t OnHeader(char* data, size_t size, size_t n, void* user) {
   return size * n;
 }
 
-S3Client::Response S3Client::Perform(const Request& r) const {
+S3Client::Response S3Client::Perform(const Request& r, int64_t timeout_ms) const {
   Response resp;
   auto h = Borrow();
   CURL* c = h->curl;
@@ -241,6 +250,9 @@ S3Client::Response S3Client::Perform(const Request& r) const {
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, kConnectTimeoutMs);
   curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
   curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, kStallSeconds);
+  // A server trickling bytes never trips the stall check: the whole
+  // attempt ends with the retry budget.
+  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, long(timeout_ms));
   curl_easy_setopt(c, CURLOPT_TCP_KEEPALIVE, 1L);
   if (r.head) curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
   struct curl_slist* headers = nullptr;
@@ -317,7 +329,9 @@ S3Client::Response S3Client::PerformWithRetries(const Request& r, int max_attemp
   const auto start = std::chrono::steady_clock::now();
   std::string cause;
   for (int attempt = 1;; ++attempt) {
-    Response resp = Perform(r);
+    const int64_t spent_before =
+        std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
+    Response resp = Perform(r, std::max<int64_t>(kRetryBudgetMs - spent_before, kMinAttemptMs));
     resp.attempts = attempt;
     resp.last_retry_cause = cause;
     cause = RetryCause(resp, r);
@@ -416,12 +430,16 @@ Result<S3ListPage> S3Client::List(const std::string& prefix) const {
 Status S3Client::Probe(const std::string& prefix) const {
   Request r;
   r.listing = true;
-  r.query = "delimiter=%2F&list-type=2&max-keys=1&prefix=" + Encode(prefix, false);
+  // No delimiter: the first key anywhere below the prefix, read next.
+  r.query = "list-type=2&max-keys=1&prefix=" + Encode(prefix, false);
   // Answers of a server that is there are retried as always; no server
   // at all fails at once.
   Response resp = PerformWithRetries(r, kMaxAttempts, /*retry_connect=*/false);
-  if (resp.curl == CURLE_OK && resp.http == 200 && resp.last_retry_cause.empty()) return Status::OK();
-  return Explain(r, resp);
+  if (resp.curl != CURLE_OK || resp.http != 200 || !resp.last_retry_cause.empty()) return Explain(r, resp);
+  // Credentials may list a bucket without reading it (S3's ListBucket
+  // without GetObject): then every read would fail, so say so now.
+  const std::string key = XmlFirst(resp.body, "Key");
+  return key.empty() ? Status::OK() : Head(key).status();
 }
 
 Result<S3ObjectInfo> S3Client::Head(const std::string& key) const {
@@ -438,6 +456,16 @@ Result<S3ObjectInfo> S3Client::Head(const std::string& key) const {
   return o;
 }
 
+// A server that ignores If-Match still names the version it sent: bytes of
+// another version than the indexed one are never served.
+Status S3Client::CheckEtag(const Request& r, const Response& resp) const {
+  auto it = resp.headers.find("etag");
+  if (r.if_match.empty() || it == resp.headers.end() || BareEtag(it->second) == BareEtag(r.if_match))
+    return Status::OK();
+  return Status::Stale(r.What() + " (s3://" + config_.location.bucket + "): changed since indexing (the server sent "
+                       "ETag " + it->second + ", not " + r.if_match + ", and ignored If-Match); run `ckptfs index` again");
+}
+
 Status S3Client::Get(const std::string& key, const std::string& etag, uint64_t offset, uint64_t len, char* dst) const {
   if (len == 0) return Status::OK();
   Request r;
@@ -449,7 +477,7 @@ Status S3Client::Get(const std::string& key, const std::string& etag, uint64_t o
   r.dst = dst;
   Response resp = PerformWithRetries(r, kMaxAttempts);
   if (resp.curl == CURLE_OK && (resp.http == 206 || resp.http == 200) && resp.received == len && !resp.overflow)
-    return Status::OK();
+    return CheckEtag(r, resp);
   if (resp.curl == CURLE_OK && resp.http == 416)
     return Status::Corruption(r.What() + ": unexpected end of object (HTTP 416)");
   return Explain(r, resp);

@@ -8,10 +8,13 @@
 // Failures that may pass (HTTP 5xx, 429 and SlowDown, timeouts, stalls,
 // connection resets, bodies shorter than announced) are retried with
 // exponential backoff and full jitter, at most kMaxAttempts times and for at
-// most kRetryBudgetMs in all; then the request fails with IOError naming
-// the key, the byte range and the cause. Others are answered at once:
+// most kRetryBudgetMs in all, the attempt in flight included (a stall is no
+// byte for 15 s; a server trickling bytes is cut off when the budget ends);
+// then the request fails with IOError naming the key, the byte range and
+// the cause. Others are answered at once:
 // 403 → PermissionDenied (the message names the credentials' source),
-// 404 → NotFound, 412 → Stale (the object changed since it was indexed),
+// 404 → NotFound, 412 → Stale (the object changed since it was indexed;
+// also a GET answered with another ETag, from a server ignoring If-Match),
 // 301 with another region → retried once in that region.
 #pragma once
 
@@ -58,8 +61,9 @@ class S3Client {
   // (none when empty).
   Status Get(const std::string& key, const std::string& etag, uint64_t offset, uint64_t len, char* dst) const;
 
-  // What a mount checks first: a wrong endpoint, secret or bucket fails at
-  // once (no server at all is not retried; a busy one is).
+  // What a mount checks first: a wrong endpoint, secret or bucket, or
+  // credentials that may list but not read, fail at once (no server at all
+  // is not retried; a busy one is). Lists the prefix and HEADs its first key.
   Status Probe(const std::string& prefix) const;
 
   static constexpr int kMaxAttempts = 8;
@@ -75,12 +79,13 @@ class S3Client {
 
  private:
   struct Handle;
-  Response Perform(const Request& r) const;
+  Response Perform(const Request& r, int64_t timeout_ms) const;
   Response PerformWithRetries(const Request& r, int max_attempts, bool retry_connect = true) const;
   std::string Url(const std::string& key, const std::string& query) const;
   std::unique_ptr<Handle> Borrow() const;
   void Return(std::unique_ptr<Handle> h) const;
   Status Explain(const Request& r, const Response& resp) const;
+  Status CheckEtag(const Request& r, const Response& resp) const;
 
   S3Config config_;
   mutable std::mutex mu_;  // guards pool_

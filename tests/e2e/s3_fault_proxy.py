@@ -1,9 +1,33 @@
 """An HTTP proxy for tests, between ckptfs and a local S3 server, that
-injects the failures object storage shows: 503 SlowDown, connections reset
-in the middle of a body, and bodies cut short with a matching
-Content-Length (only a client that checks the length it asked for sees
-them). The request bytes go upstream unchanged (Host included), so SigV4
-signatures still verify. One request per connection; 127.0.0.1 only.
+injects the failures object storage shows:
+
+- ``slowdown``: 503 SlowDown;
+- ``reset``: the connection reset in the middle of a body;
+- ``truncate``: a body cut short with a matching Content-Length (only a
+  client that checks the length it asked for sees it);
+- ``stall_headers``: status and headers sent, then not one byte of the body;
+- ``stall_silent``: the request read, then no answer at all;
+- ``trickle``: status and headers, then one byte of the body every half
+  second (never slow enough for a check of bytes per second to call it a
+  stall).
+
+A stall holds the connection for ``stall_s`` seconds (longer than the
+client's timeout), then closes it; a trickle goes on until the body is sent
+or the proxy is closed. The request bytes go upstream unchanged
+(Host included), so SigV4 signatures still verify. Connections are kept
+alive both ways, as S3's are, so a run of 10^5 requests does not cost 10^5
+connects; a faulted connection is closed. 127.0.0.1 only.
+
+Faults are drawn per request with the probabilities given (``set_faults``
+changes them while running), or taken in order from ``script``
+({substring of the request line: [kinds]}) first; with ``ranged_only`` only
+GETs with a Range header are faulted, so a mount can list and open its
+objects and only the reads of bytes fail.
+
+``unconditional(key, range) -> (etag, content_range, body) | None`` makes
+the proxy a server that ignores If-Match: a ranged GET the server refused
+with 412 is answered 206 with what it returns (the test fetches the range
+of the current version with its own client).
 """
 
 from __future__ import annotations
@@ -11,13 +35,17 @@ from __future__ import annotations
 import random
 import socket
 import threading
+import urllib.parse
+
+KINDS = ("slowdown", "reset", "truncate", "stall_headers", "stall_silent", "trickle")
 
 SLOWDOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code>"
             b"<Message>Please reduce your request rate.</Message></Error>")
 
 
-def _read_head(sock: socket.socket) -> tuple[bytes, bytes]:
-    data = b""
+def _read_head(sock: socket.socket, buffered: bytes = b"") -> tuple[bytes, bytes]:
+    """(head, bytes after it); (b"", b"") when the peer closed first."""
+    data = buffered
     while b"\r\n\r\n" not in data:
         chunk = sock.recv(65536)
         if not chunk:
@@ -29,41 +57,122 @@ def _read_head(sock: socket.socket) -> tuple[bytes, bytes]:
     return head, rest
 
 
-def _content_length(head: bytes) -> int:
+def _content_length(head: bytes) -> int | None:
     for line in head.split(b"\r\n")[1:]:
         name, _, value = line.partition(b":")
         if name.strip().lower() == b"content-length":
             return int(value.strip())
-    return 0
+    return None
+
+
+def _without(head: bytes, *names: bytes) -> list[bytes]:
+    return [l for l in head.split(b"\r\n") if l.partition(b":")[0].strip().lower() not in names]
+
+
+def _header(head: bytes, name: bytes) -> str | None:
+    for line in head.split(b"\r\n")[1:]:
+        n, _, value = line.partition(b":")
+        if n.strip().lower() == name:
+            return value.strip().decode()
+    return None
+
+
+class _Upstream:
+    """One kept-alive connection to the server, opened again when it broke."""
+
+    def __init__(self, port: int):
+        self.port = port
+        self.sock: socket.socket | None = None
+
+    def exchange(self, request: bytes, is_head: bool) -> tuple[bytes, bytes]:
+        """(status line and headers, without Connection, and without
+        Content-Length but for a HEAD; the body)."""
+        for attempt in (1, 2):
+            if self.sock is None:
+                self.sock = socket.create_connection(("127.0.0.1", self.port), timeout=60)
+            try:
+                self.sock.sendall(request)
+                rhead, body = _read_head(self.sock)
+                if not rhead:
+                    raise ConnectionError("upstream closed")
+                n = 0 if is_head else _content_length(rhead)
+                keep = n is not None and b"connection: close" not in rhead.lower()
+                while n is None or len(body) < n:
+                    chunk = self.sock.recv(1 << 20)
+                    if not chunk:
+                        break
+                    body += chunk
+                if not keep:
+                    self.close()
+                drop = (b"connection",) if is_head else (b"connection", b"content-length")
+                return b"\r\n".join(_without(rhead, *drop)), body[:n]
+            except (OSError, ConnectionError):
+                self.close()
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
 class FaultProxy:
-    def __init__(self, upstream_port: int, seed: int, p_slowdown=0.1, p_reset=0.1, p_truncate=0.1):
+    def __init__(self, upstream_port: int, seed: int, p_slowdown=0.1, p_reset=0.1, p_truncate=0.1,
+                 p_stall_headers=0.0, p_stall_silent=0.0, stall_s: float = 60, ranged_only=False,
+                 script: dict[str, list[str]] | None = None, unconditional=None):
         self.upstream_port = upstream_port
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
-        self.p = (p_slowdown, p_reset, p_truncate)
-        self.counts = {"slowdown": 0, "reset": 0, "truncate": 0, "passed": 0}
+        self.set_faults(p_slowdown, p_reset, p_truncate, p_stall_headers, p_stall_silent)
+        self.stall_s = stall_s
+        self.ranged_only = ranged_only
+        self.script = {k: list(v) for k, v in (script or {}).items()}
+        self.unconditional = unconditional
+        self.ignored_if_match = 0  # 412s answered with the current version
+        self.counts = {k: 0 for k in (*KINDS, "passed")}
         self.ranged_gets = 0  # GETs with a Range header, faulted or not
         self.server = socket.socket()
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.server.bind(("127.0.0.1", 0))
-        self.server.listen(64)
+        self.server.listen(128)
         self.port = self.server.getsockname()[1]
-        self.stopped = False
+        self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._accept, daemon=True)
         self.thread.start()
 
-    def _choose(self) -> str:
+    def set_faults(self, p_slowdown=0.0, p_reset=0.0, p_truncate=0.0, p_stall_headers=0.0, p_stall_silent=0.0,
+                   p_trickle=0.0):
         with self.lock:
-            x = self.rng.random()
-            ps, pr, pt = self.p
-            kind = "slowdown" if x < ps else "reset" if x < ps + pr else "truncate" if x < ps + pr + pt else "passed"
+            self.p = dict(zip(KINDS, (p_slowdown, p_reset, p_truncate, p_stall_headers, p_stall_silent, p_trickle)))
+
+    def set_script(self, script: dict[str, list[str]]) -> None:
+        with self.lock:
+            self.script = {k: list(v) for k, v in script.items()}
+
+    def _choose(self, line: bytes, faultable: bool, has_body: bool) -> str:
+        """The fault for one request, counted; a fault that needs a body
+        (reset, truncate, stall_headers) passes a request without one."""
+        with self.lock:
+            kind = "passed"
+            scripted = next((v for k, v in self.script.items() if k.encode() in line and v), None)
+            if faultable and scripted:
+                kind = scripted.pop(0)
+            elif faultable:
+                x, acc = self.rng.random(), 0.0
+                for k in KINDS:
+                    acc += self.p[k]
+                    if x < acc:
+                        kind = k
+                        break
+            if kind in ("reset", "truncate", "stall_headers", "trickle") and not has_body:
+                kind = "passed"
             self.counts[kind] += 1
             return kind
 
     def _accept(self) -> None:
-        while not self.stopped:
+        while not self.stopped.is_set():
             try:
                 conn, _ = self.server.accept()
             except OSError:
@@ -71,51 +180,90 @@ class FaultProxy:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        upstream = _Upstream(self.upstream_port)
         with conn:
-            conn.settimeout(30)
+            conn.settimeout(120)
             try:
-                head, rest = _read_head(conn)
-                if not head:
-                    return
-                if head.startswith(b"GET ") and b"\r\nrange:" in head.lower():
-                    with self.lock:
-                        self.ranged_gets += 1
-                kind = self._choose()
-                if kind == "slowdown":
-                    conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
-                                 + str(len(SLOWDOWN)).encode() + b"\r\nConnection: close\r\n\r\n" + SLOWDOWN)
-                    return
-                status, body = self._forward(head + b"\r\n\r\n" + rest)
-                is_head = head.startswith(b"HEAD ")
-                if kind == "passed" or is_head or len(body) < 2:
-                    conn.sendall(status + body)
-                elif kind == "reset":
-                    conn.sendall(status + body[: len(body) // 2])
-                    conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                else:  # truncate, consistently: Content-Length says the short length
-                    short = body[: len(body) // 2]
-                    lines = [l for l in status.split(b"\r\n") if l and not l.lower().startswith(b"content-length")]
-                    conn.sendall(b"\r\n".join(lines) + b"\r\nContent-Length: " + str(len(short)).encode()
-                                 + b"\r\n\r\n" + short)
-            except (OSError, ValueError):
+                rest = b""
+                while not self.stopped.is_set():
+                    head, rest = _read_head(conn, rest)
+                    if not head:
+                        return
+                    body_len = _content_length(head) or 0
+                    while len(rest) < body_len:
+                        chunk = conn.recv(65536)
+                        if not chunk:
+                            return
+                        rest += chunk
+                    body, rest = rest[:body_len], rest[body_len:]
+                    if not self._answer(conn, upstream, head, body):
+                        return
+            except (OSError, ValueError, ConnectionError):
                 return
+            finally:
+                upstream.close()
 
-    def _forward(self, request: bytes) -> tuple[bytes, bytes]:
-        with socket.create_connection(("127.0.0.1", self.upstream_port), timeout=30) as up:
-            # One request per connection, both ways.
-            head, _, rest = request.partition(b"\r\n\r\n")
-            lines = [l for l in head.split(b"\r\n") if not l.lower().startswith(b"connection:")]
-            up.sendall(b"\r\n".join(lines) + b"\r\nConnection: close\r\n\r\n" + rest)
-            rhead, body = _read_head(up)
-            n = 0 if request.startswith(b"HEAD ") else _content_length(rhead)
-            while len(body) < n:
-                chunk = up.recv(1 << 20)
-                if not chunk:
+    def _answer(self, conn: socket.socket, upstream: _Upstream, head: bytes, body: bytes) -> bool:
+        """Answers one request; False when the connection is to be closed."""
+        ranged = head.startswith(b"GET ") and b"\r\nrange:" in head.lower()
+        if ranged:
+            with self.lock:
+                self.ranged_gets += 1
+        is_head = head.startswith(b"HEAD ")
+        # Whether the answer will have a body of 2 bytes or more is known
+        # only from upstream; a fault drawn for one without passes it.
+        line = head.partition(b"\r\n")[0]
+        kind = self._choose(line, ranged or not self.ranged_only, has_body=not is_head)
+        if kind == "slowdown":
+            conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
+                         + str(len(SLOWDOWN)).encode() + b"\r\nConnection: close\r\n\r\n" + SLOWDOWN)
+            return False
+        if kind == "stall_silent":
+            self.stopped.wait(self.stall_s)
+            return False
+        request = b"\r\n".join(_without(head, b"connection")) + b"\r\n\r\n" + body
+        status, rbody = upstream.exchange(request, is_head)
+        if ranged and self.unconditional and status.startswith((b"HTTP/1.1 412", b"HTTP/1.0 412")):
+            status, rbody = self._ignore_if_match(line, head, status, rbody)
+        length = b"" if is_head else b"\r\nContent-Length: " + str(len(rbody)).encode()
+        if kind != "passed" and len(rbody) < 2:
+            with self.lock:  # nothing to cut: passed after all
+                self.counts[kind] -= 1
+                self.counts["passed"] += 1
+            kind = "passed"
+        if kind == "passed":
+            conn.sendall(status + length + b"\r\n\r\n" + rbody)
+            return True
+        if kind == "stall_headers":
+            conn.sendall(status + length + b"\r\n\r\n")
+            self.stopped.wait(self.stall_s)
+        elif kind == "trickle":
+            conn.sendall(status + length + b"\r\n\r\n")
+            for i in range(len(rbody)):
+                if self.stopped.wait(0.5):
                     break
-                body += chunk
-            lines = [l for l in rhead.split(b"\r\n") if not l.lower().startswith(b"connection:")]
-            return b"\r\n".join(lines) + b"\r\nConnection: close\r\n\r\n", body[:n]
+                conn.sendall(rbody[i:i + 1])
+        elif kind == "reset":
+            conn.sendall(status + length + b"\r\n\r\n" + rbody[: len(rbody) // 2])
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        else:  # truncate, consistently: Content-Length says the short length
+            short = rbody[: len(rbody) // 2]
+            conn.sendall(status + b"\r\nContent-Length: " + str(len(short)).encode() + b"\r\nConnection: close"
+                         + b"\r\n\r\n" + short)
+        return False
+
+    def _ignore_if_match(self, line: bytes, head: bytes, status: bytes, body: bytes) -> tuple[bytes, bytes]:
+        path = urllib.parse.unquote(line.split(b" ")[1].split(b"?")[0].decode())
+        key = path.lstrip("/").partition("/")[2]  # path style: /BUCKET/KEY
+        got = self.unconditional(key, _header(head, b"range"))
+        if got is None:
+            return status, body
+        etag, content_range, data = got
+        with self.lock:
+            self.ignored_if_match += 1
+        return (f"HTTP/1.1 206 Partial Content\r\nETag: {etag}\r\nContent-Range: {content_range}\r\n"
+                "Content-Type: application/octet-stream").encode(), data
 
     def close(self) -> None:
-        self.stopped = True
+        self.stopped.set()
         self.server.close()

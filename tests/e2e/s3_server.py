@@ -24,6 +24,12 @@ from botocore.config import Config
 ACCESS_KEY = "AKIDCKPTFSTEST"
 SECRET_KEY = "s3cr3t/with+odd=chars"
 BUCKET = "ckpts"
+# Identities known to the server with fewer rights on BUCKET: none at all,
+# and listing without reading (S3's ListBucket without GetObject).
+OUTSIDER_KEY = "AKIDCKPTFSOUTSIDER"
+OUTSIDER_SECRET = "outsider-secret"
+LISTER_KEY = "AKIDCKPTFSLISTER"
+LISTER_SECRET = "lister-secret"
 
 
 def _free_ports(n: int) -> list[int]:
@@ -56,7 +62,13 @@ class Server:
         config.write_text(json.dumps({"identities": [{
             "name": "tester",
             "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
-            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}]}))
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"]}, {
+            "name": "outsider",
+            "credentials": [{"accessKey": OUTSIDER_KEY, "secretKey": OUTSIDER_SECRET}],
+            "actions": ["Read:elsewhere", "List:elsewhere"]}, {
+            "name": "lister",
+            "credentials": [{"accessKey": LISTER_KEY, "secretKey": LISTER_SECRET}],
+            "actions": ["List:" + BUCKET]}]}))
         (master, master_g, volume, volume_g, filer, filer_g, s3, s3_g) = _free_ports(8)
         args = [weed, "server", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-master.port={master}", f"-master.port.grpc={master_g}",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -210,6 +211,47 @@ def test_mount_with_a_wrong_secret_fails_at_once_and_names_credentials(s3_env, b
     assert not os.path.ismount(mnt)
 
 
+def test_mount_fails_at_once_with_exit_3_and_says_what_to_fix(s3_env, bucket_root, ckptfs, tmp_path, monkeypatch):
+    """docs/CLI.md: an s3:// root that cannot be reached (unknown bucket,
+    empty prefix, no permission: none at all, or to list but not to read,
+    endpoint down) is exit 3, before anything is mounted, with a message
+    naming what to fix."""
+    import s3_server as s3
+    from s3_server import _free_ports
+
+    (down,) = _free_ports(1)
+    cases = {
+        "unknown bucket": (["s3://no-such-bucket/runs"], {}, [b"bucket 'no-such-bucket' does not exist",
+                                                                b"check the bucket name"]),
+        "empty prefix": ([f"s3://{BUCKET}/nothing-here"], {}, [b"no object under this prefix",
+                                                                 b"check the prefix"]),
+        "no permission": ([bucket_root], {"AWS_ACCESS_KEY_ID": s3.OUTSIDER_KEY,
+                                          "AWS_SECRET_ACCESS_KEY": s3.OUTSIDER_SECRET},
+                          [b"access denied", b"check the credentials", b"may read the bucket"]),
+        "list but no read": ([bucket_root], {"AWS_ACCESS_KEY_ID": s3.LISTER_KEY,
+                                             "AWS_SECRET_ACCESS_KEY": s3.LISTER_SECRET},
+                             [b"access denied", b"check the credentials", b"may read the bucket"]),
+        "endpoint down": ([bucket_root, "--endpoint-url", f"http://127.0.0.1:{down}"], {},
+                          [b"is the endpoint right", f"127.0.0.1:{down}".encode()]),
+    }
+    for case, (args, env, says) in cases.items():
+        with monkeypatch.context() as mp:
+            for k, v in env.items():
+                mp.setenv(k, v)
+            mnt = tmp_path / case.replace(" ", "-")
+            mnt.mkdir()
+            t0 = time.monotonic()
+            r = ckptfs("mount", args[0], str(mnt), *args[1:], timeout=60)
+            took = time.monotonic() - t0
+        assert r.returncode == 3, (case, r.returncode, r.stderr.decode())
+        assert took < 20, (case, took)
+        for words in says:
+            assert words in r.stderr, (case, words, r.stderr.decode())
+        for secret in (s3.SECRET_KEY, s3.OUTSIDER_SECRET, s3.LISTER_SECRET):
+            assert secret.encode() not in r.stderr, case
+        assert not os.path.ismount(mnt), case
+
+
 def test_a_sequential_reader_is_served_from_parts_fetched_ahead(s3_server, s3_env, mount_factory, tmp_path):
     # One 24 MiB tensor in an HF folder; read front to back through a proxy
     # that counts ranged GETs. The kernel asks in requests of at most 1 MiB,
@@ -240,61 +282,228 @@ def test_a_sequential_reader_is_served_from_parts_fetched_ahead(s3_server, s3_en
     assert gets <= 12, f"{gets} ranged GETs for a 24 MiB sequential read in 4 MiB parts"
 
 
-def test_random_range_reads_through_a_faulty_network_are_exact_or_eio(s3_server, s3_env, main_ckpt, mount_factory):
-    """Random ranges of consolidated/ read with O_DIRECT (each one reaches
-    the daemon) through a proxy that answers 503 SlowDown, resets
-    connections mid-body and cuts bodies short. The reference bytes are the
-    file read without faults, checked tensor by tensor against the saved
-    tensors first; every read must give them or fail with EIO."""
-    import random
-    from concurrent.futures import ThreadPoolExecutor
+def _explained_failures(log: str) -> dict:
+    """Failed reads the log accounts for, by virtual path: a line is one; a
+    line the log limiter ends with "(and N more like this in the last S s)"
+    is 1 + N."""
+    import collections
 
-    from safetensors.torch import load as st_load
+    out = collections.Counter()
+    for line in log.splitlines():
+        m = re.search(r"(\S+): read of \d+ bytes at \d+ failed \(Input/output error\)", line)
+        if m:
+            more = re.search(r"\(and (\d+) more like this in the last \d+ s\)$", line)
+            out[m.group(1)] += 1 + (int(more.group(1)) if more else 0)
+    return out
+
+
+READS = 100_000
+
+
+def test_1e5_random_range_reads_through_faults_and_an_overwrite_are_exact_or_explained_eio(
+        s3_server, s3_env, main_ckpt, mount_factory):
+    """10^5 random ranges of consolidated/ read with O_DIRECT (each one
+    reaches the daemon) by 16 threads, through a proxy that answers 1 % of
+    requests each with 503 SlowDown, a connection reset mid-body and a body
+    cut short. Three copies of a checkpoint: `main/` is only read; in
+    `other/` and `ignored/` a shard is overwritten (same size, every byte
+    changed) by a thread of the test after 30 % of the reads; for
+    `ignored/` the proxy plays a server that ignores If-Match (a 412 is
+    answered with the new version's bytes and ETag). Every read gives the
+    bytes of the version indexed (checked tensor by tensor against the
+    saved tensors first) or fails with EIO; every EIO is accounted for in
+    the log, with key, range and cause."""
+    import itertools
+    import random
+    import threading
+
     from s3_fault_proxy import FaultProxy
 
-    upload_tree(s3_server["client"], main_ckpt["out_dir"], "faults/main/")
+    client = s3_server["client"]
+    names = ("main", "other", "ignored")
+    for name in names:
+        upload_tree(client, main_ckpt["out_dir"], f"faults/{name}/")
+    shard = next(k for k in sorted(os.listdir(main_ckpt["out_dir"])) if k.endswith(".safetensors"))
     with mount_factory(f"s3://{BUCKET}/faults") as clean:
-        ref = Path(clean.p("main", "consolidated", "model.safetensors")).read_bytes()
-    loaded = st_load(ref)
-    for k, want in main_ckpt["expected"].items():
-        assert torch.equal(loaded[k], want), k
-    proxy = FaultProxy(s3_server["port"], seed=23, p_slowdown=0.05, p_reset=0.05, p_truncate=0.05)
-    reads, wrong, eio = 3000, [], []
+        ref = _reference_consolidated(clean, "main", main_ckpt["expected"])
+        for name in names[1:]:
+            assert Path(clean.p(name, "consolidated", "model.safetensors")).read_bytes() == ref, name
+
+    def unconditional(key: str, rng: str):
+        if not key.startswith("faults/ignored/"):
+            return None
+        got = client.get_object(Bucket=BUCKET, Key=key, Range=rng)
+        return got["ETag"], got["ContentRange"], got["Body"].read()
+
+    proxy = FaultProxy(s3_server["port"], seed=23, p_slowdown=0.01, p_reset=0.01, p_truncate=0.01,
+                       unconditional=unconditional)
+    new_bytes = bytes(b ^ 0xFF for b in (Path(main_ckpt["out_dir"]) / shard).read_bytes())
+    counter, lock = itertools.count(), threading.Lock()
+    wrong, eio, reads = [], {name: 0 for name in names}, {name: 0 for name in names}
+    overwritten = threading.Event()
+
+    def overwrite() -> None:
+        for name in names[1:]:
+            client.put_object(Bucket=BUCKET, Key=f"faults/{name}/{shard}", Body=new_bytes)
+        overwritten.set()
+
+    t0 = time.monotonic()
     try:
+        # No listing while mounted: the reads alone must see the change.
         with mount_factory(f"s3://{BUCKET}/faults", "--endpoint-url", f"http://127.0.0.1:{proxy.port}",
-                           "--readahead-mib", "0") as m:
-            path = m.p("main", "consolidated", "model.safetensors")
+                           "--readahead-mib", "0", "--rescan-ms", "0") as m:
+            fds = {name: os.open(m.p(name, "consolidated", "model.safetensors"), os.O_RDONLY | os.O_DIRECT)
+                   for name in names}
 
             def worker(seed: int) -> None:
                 rng = random.Random(seed)
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-                try:
-                    for _ in range(reads // 4):
-                        off = rng.randrange(0, len(ref))
-                        n = rng.choice([1, 7, 512, 4096, 65536])
-                        try:
-                            got = os.pread(fd, n, off)
-                        except OSError as e:
-                            (eio if e.errno == errno.EIO else wrong).append((off, n, e))
-                            continue
-                        if got != ref[off:off + n]:
-                            wrong.append((off, n))
-                finally:
-                    os.close(fd)
+                while (i := next(counter)) < READS:
+                    if i == READS * 3 // 10:
+                        threading.Thread(target=overwrite, daemon=True).start()
+                    # Most reads go to main/: the overwritten copies read as
+                    # EIO without a request once the change is seen.
+                    name = rng.choices(names, weights=(8, 1, 1))[0]
+                    off = rng.randrange(0, len(ref))
+                    n = rng.choice([1, 7, 512, 4096, 65536])
+                    try:
+                        got = os.pread(fds[name], n, off)
+                        ok = got == ref[off:off + n]
+                    except OSError as e:
+                        got, ok = e, e.errno == errno.EIO
+                    with lock:
+                        reads[name] += 1
+                        if isinstance(got, OSError) and ok:
+                            eio[name] += 1
+                        elif not ok:
+                            wrong.append((name, off, n, got if isinstance(got, OSError) else "other bytes"))
 
-            with ThreadPoolExecutor(4) as ex:
-                list(ex.map(worker, range(4)))
-            log = m.log()
+            threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(16)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert overwritten.wait(60)
+            # The overwritten copies read as EIO from now on (the read of
+            # the whole file touches the shard).
+            for name in names[1:]:
+                with pytest.raises(OSError) as e:
+                    os.pread(fds[name], len(ref), 0)
+                assert e.value.errno == errno.EIO, name
+                eio[name] += 1
+            for fd in fds.values():
+                os.close(fd)
+        seconds = time.monotonic() - t0
     finally:
         proxy.close()
+    print(f"{READS} reads in {seconds:.0f} s: {reads}, EIO {eio}, proxy {proxy.counts}, "
+          f"412s answered with the new version {proxy.ignored_if_match}")
     assert wrong == [], wrong[:5]
+    assert sum(reads.values()) == READS
     for kind in ("slowdown", "reset", "truncate"):
-        assert proxy.counts[kind] > 0, proxy.counts
-    # Faults are retried: a read fails only after its retries ran out, and
-    # then the log names the key, the range and the cause.
-    assert len(eio) <= reads // 100, (len(eio), log[-2000:])
-    if eio:
-        assert "bytes=" in log or "range" in log, log[-2000:]
+        assert proxy.counts[kind] >= 100, proxy.counts
+    assert proxy.ignored_if_match > 0, "the server ignoring If-Match was never asked"
+    # The log: the daemon's last lines (the limiter's counts) come when it
+    # exits, after the unmount.
+    deadline = time.monotonic() + 20
+    while True:
+        log = Path(m.log_path).read_text(errors="replace")
+        explained = _explained_failures(log)
+        if all(explained[f"{name}/consolidated/model.safetensors"] >= eio[name] for name in names):
+            break
+        assert time.monotonic() < deadline, (eio, dict(explained), log[-3000:])
+    for name in names[1:]:
+        assert f"GET faults/{name}/{shard}" in log and "changed since indexing" in log, log[-3000:]
+    assert "ignored If-Match" in log, log[-3000:]
+    # Faults of main/ are retried: a read fails only after its retries ran
+    # out, and then the log names the key, the range and the cause.
+    for line in log.splitlines():
+        if "main/consolidated/model.safetensors: read of" in line:
+            assert re.search(r"GET faults/main/\S+ bytes \[\d+, \d+\).*after \d+ attempts", line), line
+
+
+def _reference_consolidated(m, rel: str, expected: dict) -> bytes:
+    """consolidated/model.safetensors of checkpoint `rel`, read without
+    faults and checked tensor by tensor against the saved tensors."""
+    from safetensors.torch import load as st_load
+
+    ref = Path(m.p(rel, "consolidated", "model.safetensors")).read_bytes()
+    loaded = st_load(ref)
+    assert set(loaded) == set(expected)
+    for k, want in expected.items():
+        assert torch.equal(loaded[k], want), k
+    return ref
+
+
+def _timed_pread(fd: int, n: int, off: int, out: dict) -> None:
+    """One pread; its bytes or its exception, and how long it took, go
+    into `out`."""
+    t0 = time.monotonic()
+    try:
+        out["data"] = os.pread(fd, n, off)
+    except OSError as e:
+        out["error"] = e
+    finally:
+        out["seconds"] = time.monotonic() - t0
+
+
+def test_stalled_and_trickling_gets_are_abandoned_retried_then_eio_in_bounded_time(
+        s3_server, s3_env, main_ckpt, mount_factory):
+    """Three copies of a checkpoint behind a proxy that, once the mount is
+    up, answers ranged GETs of `once/` with one stall of each kind (headers
+    then no body; no answer at all) and then normally, of `always/` with
+    stalls only, and of `trickle/` with a body trickling at 2 bytes/s (never
+    slow enough for curl's bytes-per-second check). A stall is abandoned
+    after 15 s and retried; every GET of an object ends within the 60 s
+    retry budget: then EIO, with a log line naming key, range and cause."""
+    import threading
+
+    from s3_fault_proxy import FaultProxy
+
+    for name in ("once", "always", "trickle"):
+        upload_tree(s3_server["client"], main_ckpt["out_dir"], f"stalls/{name}/")
+    proxy = FaultProxy(s3_server["port"], seed=3, p_slowdown=0, p_reset=0, p_truncate=0, stall_s=300)
+    try:
+        with mount_factory(f"s3://{BUCKET}/stalls", "--endpoint-url", f"http://127.0.0.1:{proxy.port}",
+                           "--readahead-mib", "0", "--rescan-ms", "0") as m:
+            ref = _reference_consolidated(m, "once", main_ckpt["expected"])
+            # Opened (and so loaded: its sidecars are read) before the faults,
+            # with O_DIRECT: each read reaches the daemon.
+            fds = {name: os.open(m.p(name, "consolidated", "model.safetensors"), os.O_RDONLY | os.O_DIRECT)
+                   for name in ("once", "always", "trickle")}
+            for name, fd in fds.items():
+                assert os.pread(fd, len(ref), 0) == ref, name
+            proxy.set_script({"/stalls/once/": ["stall_headers", "stall_silent"],
+                              "/stalls/always/": ["stall_headers", "stall_silent"] * 20,
+                              "/stalls/trickle/": ["trickle"] * 20})
+            off, n = len(ref) // 2, 4096
+            results = {name: {} for name in ("once", "always", "trickle")}
+            threads = [threading.Thread(target=_timed_pread, daemon=True,
+                                        args=(fds[name], n, off, out))
+                       for name, out in results.items()]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(timeout=150)
+            log = m.log()
+            assert not any(t.is_alive() for t in threads), (
+                {k: v for k, v in results.items()}, "a read still waits after 150 s", log[-3000:])
+            for fd in fds.values():
+                os.close(fd)
+    finally:
+        proxy.close()
+    once, always, trickle = results["once"], results["always"], results["trickle"]
+    # Two stalls of 15 s each, then the bytes (a range over both shards
+    # stalls the two GETs side by side: one stall's time).
+    assert once.get("data") == ref[off:off + n], once
+    assert 14 < once["seconds"] < 45, once["seconds"]
+    for name, r in (("always", always), ("trickle", trickle)):
+        assert "error" in r and r["error"].errno == errno.EIO, (name, r)
+        assert 45 < r["seconds"] < 80, (name, r["seconds"])
+        lines = [line for line in log.splitlines() if f"GET stalls/{name}/" in line and "failed" in line]
+        assert lines, (name, log[-3000:])
+        assert "bytes [" in lines[0] and "timeout or stall" in lines[0], lines[0]
+    assert proxy.counts["stall_headers"] >= 2 and proxy.counts["stall_silent"] >= 2, proxy.counts
+    assert proxy.counts["trickle"] >= 1, proxy.counts
 
 
 @pytest.fixture
