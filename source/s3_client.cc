@@ -452,6 +452,10 @@ Result<S3ObjectInfo> S3Client::Head(const std::string& key) const {
   o.key = key;
   o.size = std::strtoull(resp.headers["content-length"].c_str(), nullptr, 10);
   o.etag = resp.headers["etag"];
+  if (o.etag.empty())  // reads are pinned by If-Match on it: without one, versions could mix
+    return Status::NotSupported(r.What() + ": the server sent no ETag, so ckptfs cannot tell one version of the "
+                                "object from the next; it reads only objects with an ETag (AWS S3, MinIO, "
+                                "SeaweedFS, Ceph RGW send one; check proxies or gateways that strip it)");
   o.last_modified_ns = ParseHttpTime(resp.headers["last-modified"]);
   return o;
 }

@@ -121,7 +121,7 @@ class _Upstream:
 class FaultProxy:
     def __init__(self, upstream_port: int, seed: int, p_slowdown=0.1, p_reset=0.1, p_truncate=0.1,
                  p_stall_headers=0.0, p_stall_silent=0.0, stall_s: float = 60, ranged_only=False,
-                 script: dict[str, list[str]] | None = None, unconditional=None):
+                 script: dict[str, list[str]] | None = None, unconditional=None, strip_etag=False):
         self.upstream_port = upstream_port
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
@@ -130,6 +130,7 @@ class FaultProxy:
         self.ranged_only = ranged_only
         self.script = {k: list(v) for k, v in (script or {}).items()}
         self.unconditional = unconditional
+        self.strip_etag = strip_etag  # a gateway that drops the ETag header of every answer
         self.ignored_if_match = 0  # 412s answered with the current version
         self.counts = {k: 0 for k in (*KINDS, "passed")}
         self.ranged_gets = 0  # GETs with a Range header, faulted or not
@@ -225,6 +226,8 @@ class FaultProxy:
         status, rbody = upstream.exchange(request, is_head)
         if ranged and self.unconditional and status.startswith((b"HTTP/1.1 412", b"HTTP/1.0 412")):
             status, rbody = self._ignore_if_match(line, head, status, rbody)
+        if self.strip_etag:
+            status = b"\r\n".join(_without(status, b"etag"))
         length = b"" if is_head else b"\r\nContent-Length: " + str(len(rbody)).encode()
         if kind != "passed" and len(rbody) < 2:
             with self.lock:  # nothing to cut: passed after all

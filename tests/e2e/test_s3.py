@@ -163,3 +163,23 @@ def test_index_and_check_through_a_faulty_network_give_the_same_answer(main_ckpt
 
     # Every tensor row and every file identity (size, ETag) as without faults.
     assert rows(dumped.stdout) == rows(clean.stdout)
+
+
+def test_an_object_served_without_an_etag_is_refused_not_read(main_ckpt, s3_env, ckptfs):
+    """Reads are pinned to a version by If-Match on the ETag. Behind a gateway
+    that drops the header, two versions could mix: ckptfs refuses to read
+    and says why."""
+    from s3_fault_proxy import FaultProxy
+
+    prefix = "no-etag/"
+    upload_tree(s3_env["client"], main_ckpt["out_dir"], prefix + "step 1/")
+    url = f"s3://{BUCKET}/{prefix}"
+    proxy = FaultProxy(s3_env["port"], seed=3, p_slowdown=0, p_reset=0, p_truncate=0, strip_etag=True)
+    try:
+        via = ["--endpoint-url", f"http://127.0.0.1:{proxy.port}"]
+        r = ckptfs("cat", *via, url, "step 1/consolidated/model.safetensors", timeout=300)
+    finally:
+        proxy.close()
+    assert r.returncode != 0
+    assert len(r.stdout) == 0, "bytes were served without a version to pin them"
+    assert b"sent no ETag" in r.stderr, r.stderr.decode()
