@@ -10,13 +10,6 @@ namespace {
 
 std::atomic<uint64_t> next_id{1};
 
-uint64_t RowBytes(const Computation& c) {
-  const Shape& s = c.shape();
-  uint64_t n = 1;
-  for (size_t d = 1; d < s.size(); ++d) n *= s[d];
-  return ByteSize(c.dtype(), n).value_or(0);
-}
-
 class Cast : public Computation {
  public:
   Cast(std::shared_ptr<const TensorMeta> t, const Box& box, DType to)
@@ -29,11 +22,10 @@ class Cast : public Computation {
 
   std::vector<ComputeInput> InputsOf(uint64_t b) const override {
     Box in = box_;
-    if (in.rank() > 0) {
-      uint64_t first, count;
-      BlockRows(b, &first, &count);
-      in.offsets[0] += first;
-      in.lengths[0] = count;
+    const Box out = BlockBox(b);
+    for (size_t d = 0; d < in.rank(); ++d) {
+      in.offsets[d] += out.offsets[d];
+      in.lengths[d] = out.lengths[d];
     }
     return {{tensor_, std::move(in)}};
   }
@@ -65,34 +57,80 @@ uint64_t Computation::nbytes() const {
   return ByteSize(dtype(), n).value_or(0);
 }
 
-uint64_t Computation::block_rows() const {
+// How the output is cut: the dims before `dim` one index per block, `per`
+// indices of `dim` per block, the dims after it whole (`inner` bytes for one
+// index of `dim`).
+struct Computation::Blocking {
+  size_t dim = 0;
+  uint64_t per = 1;
+  uint64_t inner = 0;
+  uint64_t span = 1;       // indices of `dim`
+  uint64_t per_group = 1;  // blocks per index of the dims before `dim`
+  uint64_t groups = 1;
+};
+
+Computation::Blocking Computation::blocking() const {
   const Shape& s = shape();
-  if (s.empty()) return 1;
-  const uint64_t row = RowBytes(*this);
-  if (row == 0) return std::max<uint64_t>(s[0], 1);
-  return std::clamp<uint64_t>(kComputeBlockBytes / row, 1, std::max<uint64_t>(s[0], 1));
+  Blocking k;
+  if (s.empty() || nbytes() == 0) {
+    k.span = k.per = s.empty() ? 1 : std::max<uint64_t>(s[0], 1);
+    k.inner = 0;
+    return k;
+  }
+  uint64_t inner_elements = 1;
+  for (size_t d = 1; d < s.size(); ++d) inner_elements *= s[d];
+  const size_t last = KeepsRowsWhole() ? 0 : s.size() - 1;
+  // The first dim one index of which fits a block. Sub-byte dtypes cut rows only.
+  while (k.dim < last) {
+    auto bytes = ByteSize(dtype(), inner_elements);
+    if (!bytes || *bytes <= kComputeBlockBytes) break;
+    k.groups *= s[k.dim];
+    ++k.dim;
+    inner_elements /= s[k.dim];
+  }
+  k.inner = ByteSize(dtype(), inner_elements).value_or(0);
+  k.span = s[k.dim];
+  k.per = std::clamp<uint64_t>(k.inner ? kComputeBlockBytes / k.inner : k.span, 1, k.span);
+  k.per_group = (k.span + k.per - 1) / k.per;
+  return k;
 }
 
 uint64_t Computation::block_count() const {
-  const Shape& s = shape();
-  if (s.empty()) return 1;
-  return std::max<uint64_t>((s[0] + block_rows() - 1) / block_rows(), 1);
-}
-
-void Computation::BlockRows(uint64_t b, uint64_t* first, uint64_t* count) const {
-  const uint64_t rows = shape().empty() ? 1 : shape()[0];
-  *first = std::min(b * block_rows(), rows);
-  *count = std::min(block_rows(), rows - *first);
+  const Blocking k = blocking();
+  return k.groups * k.per_group;
 }
 
 uint64_t Computation::block_begin(uint64_t b) const {
-  if (shape().empty()) return 0;
-  return std::min(b * block_rows(), shape()[0]) * RowBytes(*this);
+  const Blocking k = blocking();
+  return (b / k.per_group) * k.span * k.inner + std::min((b % k.per_group) * k.per, k.span) * k.inner;
 }
 
 uint64_t Computation::block_end(uint64_t b) const {
   if (shape().empty()) return nbytes();
-  return std::min((b + 1) * block_rows(), shape()[0]) * RowBytes(*this);
+  return block_begin(b) + BlockBox(b).lengths[blocking().dim] * blocking().inner;
+}
+
+uint64_t Computation::BlockAt(uint64_t offset) const {
+  const Blocking k = blocking();
+  if (k.inner == 0) return 0;
+  const uint64_t group_bytes = k.span * k.inner;
+  return offset / group_bytes * k.per_group + offset % group_bytes / (k.per * k.inner);
+}
+
+Box Computation::BlockBox(uint64_t b) const {
+  const Shape& s = shape();
+  Box box = Box::Whole(s);
+  if (s.empty() || nbytes() == 0) return box;
+  const Blocking k = blocking();
+  uint64_t group = b / k.per_group;
+  for (size_t d = k.dim; d-- > 0;) {
+    box.offsets[d] = group % s[d];
+    box.lengths[d] = 1;
+    group /= s[d];
+  }
+  box.offsets[k.dim] = std::min((b % k.per_group) * k.per, k.span);
+  box.lengths[k.dim] = std::min(k.per, k.span - box.offsets[k.dim]);
+  return box;
 }
 
 std::shared_ptr<const Computation> MakeCast(std::shared_ptr<const TensorMeta> tensor, const Box& box, DType to) {

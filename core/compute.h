@@ -3,14 +3,18 @@
 // copied (dtype casts; LoRA merges).
 //
 // A Computation describes one output tensor region. Its output is cut into
-// blocks of whole rows (dim 0 of the output) of about kComputeBlockBytes, each
-// computed on its own from the regions of source tensors it needs
-// (InputsOf): a reader of a few pages pays for one block, never for a whole
-// embedding matrix, and a block is the unit fs/ caches (fs/compute_cache.h)
-// so readers faulting pages in any order compute it once. Planning stays
-// pure: the planner emits ComputeOps (core/planner.h) naming the block
-// ranges; the executor reads the inputs through the ordinary planner and
-// calls Compute().
+// blocks of about kComputeBlockBytes, each computed on its own from the
+// regions of source tensors it needs (InputsOf): a reader of a few pages
+// pays for one block, never for a whole embedding matrix, and a block is the
+// unit fs/ caches (fs/compute_cache.h) so readers faulting pages in any order
+// compute it once. A block is a box of the output whose bytes are contiguous:
+// whole rows (dim 0) when a row fits in kComputeBlockBytes; else one index of
+// dim 0 and a range of dim 1 (and so on down the dims), so a [1, 10^9] tensor
+// is as bounded as any other. A computation that needs whole rows (a merge
+// normalising each row) says so (KeepsRowsWhole) and bounds its rows itself.
+// Planning stays pure: the planner emits ComputeOps (core/planner.h) naming
+// the block ranges; the executor reads the inputs through the ordinary
+// planner and calls Compute().
 //
 // Computations are immutable and shared between threads. Each has an id
 // unique for the life of the process: cache entries are keyed by it, so a
@@ -55,23 +59,26 @@ class Computation {
   virtual std::string what() const = 0;
 
   uint64_t nbytes() const;
-  // Rows of dim 0 per block (every row for a 0-d or 1-row tensor).
-  uint64_t block_rows() const;
   uint64_t block_count() const;
   // Output bytes [begin, end) of block `b`.
   uint64_t block_begin(uint64_t b) const;
   uint64_t block_end(uint64_t b) const;
+  // The block holding output byte `offset` (< nbytes()).
+  uint64_t BlockAt(uint64_t offset) const;
+  // Block `b` as a box of the output (rank 0: the empty box).
+  Box BlockBox(uint64_t b) const;
+  // True when blocks must be whole rows of dim 0 (see above).
+  virtual bool KeepsRowsWhole() const { return false; }
 
   // The source regions block `b` needs, in the order Compute() takes them.
   virtual std::vector<ComputeInput> InputsOf(uint64_t b) const = 0;
   // Block `b`'s output bytes from its inputs' row-major bytes.
   virtual Result<std::string> Compute(uint64_t b, const std::vector<std::string>& inputs) const = 0;
 
- protected:
-  // Rows [first, first + count) of block `b` (dim 0 of the output).
-  void BlockRows(uint64_t b, uint64_t* first, uint64_t* count) const;
-
  private:
+  struct Blocking;
+  Blocking blocking() const;
+
   uint64_t id_;
 };
 

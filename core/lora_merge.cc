@@ -14,6 +14,9 @@ namespace {
 
 using Matrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
+// What one block of a merge may need, in fp32 (see CheckShapes).
+constexpr uint64_t kMaxMergeRowBytes = 256ull << 20;
+
 std::string ShapeText(const Shape& s) {
   std::string out = "[";
   for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
@@ -39,9 +42,12 @@ class LoraMerge : public Computation {
     return "LoRA merge of '" + t_.base->fqn + "' with '" + t_.b->fqn + "'";
   }
 
+  // DoRA normalises whole rows; CheckShapes bounds a row's inputs.
+  bool KeepsRowsWhole() const override { return true; }
+
   std::vector<ComputeInput> InputsOf(uint64_t blk) const override {
     uint64_t first, count;
-    BlockRows(blk, &first, &count);
+    Rows(blk, &first, &count);
     std::vector<ComputeInput> in;
     if (!t_.a) {  // a bias: base + scaling * lora_B.bias
       in.push_back({t_.base, Box{{first}, {count}}});
@@ -63,7 +69,7 @@ class LoraMerge : public Computation {
 
   Result<std::string> Compute(uint64_t blk, const std::vector<std::string>& inputs) const override {
     uint64_t first, count;
-    BlockRows(blk, &first, &count);
+    Rows(blk, &first, &count);
     const size_t want = t_.a ? (t_.magnitude ? 4 : 3) : 2;
     if (inputs.size() != want) return Status::Corruption(what() + ": block got " + std::to_string(inputs.size()) +
                                                          " inputs, wants " + std::to_string(want));
@@ -90,6 +96,13 @@ class LoraMerge : public Computation {
   }
 
  private:
+  // Rows [first, first + count) of the output make block `blk`.
+  void Rows(uint64_t blk, uint64_t* first, uint64_t* count) const {
+    const Box box = BlockBox(blk);
+    *first = box.offsets[0];
+    *count = box.lengths[0];
+  }
+
   std::string Encode(const Matrix& w) const {
     const uint64_t n = uint64_t(w.size());
     std::string out(ByteSize(to_, n).value_or(0), '\0');
@@ -128,6 +141,14 @@ Status CheckShapes(const LoraTerm& t) {
   const uint64_t in = t.transposed ? w[0] : w[1], out = t.transposed ? w[1] : w[0];
   if (a.size() != 2 || b.size() != 2 || a[1] != in || b[0] != out || b[1] != a[0])
     return refuse("A is " + ShapeText(a) + ", B is " + ShapeText(b) + (t.transposed ? " (transposed: ΔW = (B @ A)^T)" : ""));
+  // A block is at least one whole row, and needs all of A (or, transposed,
+  // B): rank + 1 rows of fp32 the width of W's rows.
+  const uint64_t one_row = 4 * w[1] * (a[0] + 1);
+  if (one_row > kMaxMergeRowBytes)
+    return Status::NotSupported("LoRA merge of '" + t.base->fqn + "' " + ShapeText(w) + " with rank " +
+                                std::to_string(a[0]) + " needs " + std::to_string(one_row >> 20) +
+                                " MiB for one row of output, more than the " + std::to_string(kMaxMergeRowBytes >> 20) +
+                                " MiB merged on read; merge it with peft's PeftModel.merge_and_unload()");
   if (t.magnitude) {
     if (t.transposed)
       return Status::NotSupported("DoRA on '" + t.base->fqn + "' (fan_in_fan_out or embedding) is not merged on read; "

@@ -11,9 +11,7 @@ namespace ckptfs {
 Status ComputeCache::Fill(const std::vector<ComputeOp>& ops, char* dst, SourceReader& reader, int owner) {
   for (const ComputeOp& op : ops) {
     const Computation& c = *op.computed;
-    // Blocks are whole rows, so the first block is found by division.
-    uint64_t b = 0;
-    if (c.block_end(0) > 0) b = op.offset / c.block_end(0);
+    uint64_t b = c.BlockAt(op.offset);
     for (uint64_t done = 0; done < op.length; ++b) {
       const uint64_t at = op.offset + done;
       const uint64_t begin = c.block_begin(b), end = c.block_end(b);

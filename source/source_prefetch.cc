@@ -19,7 +19,7 @@ std::vector<CopyOp> InputCopies(const ComputeOp& op) {
   std::vector<CopyOp> out;
   const Computation& c = *op.computed;
   const uint64_t end = op.offset + op.length;
-  uint64_t b = c.block_end(0) > 0 ? op.offset / c.block_end(0) : 0;
+  uint64_t b = c.BlockAt(op.offset);
   for (; b < c.block_count() && c.block_begin(b) < end; ++b) {
     if (c.block_begin(b) < op.offset) continue;
     for (const ComputeInput& in : c.InputsOf(b)) {

@@ -187,6 +187,23 @@ TEST(LoraMerge, ShapesThatDoNotFitAreRefusedWithTheTensorNamed) {
       << merge.status().message();
 }
 
+// A merge block is at least one whole row and needs all of A: a row so wide
+// that this passes 256 MiB is refused with the tensor named, not computed
+// with unbounded memory. One just under the bound is merged in row blocks.
+TEST(LoraMerge, RowsTooWideToMergeOnReadAreRefused) {
+  const uint64_t wide = (256ull << 20) / 4 / 17 + 1;  // rank 16: 17 fp32 rows of this width pass 256 MiB
+  auto merge = MakeLoraMerge({Meta("w", {2, wide}), Meta("a", {16, wide}), Meta("b", {2, 16}), nullptr, 1.0, false},
+                             DType::kBF16);
+  ASSERT_FALSE(merge.ok());
+  EXPECT_EQ(merge.status().code(), Status::Code::kNotSupported);
+  EXPECT_NE(merge.status().message().find("LoRA merge of 'w'"), std::string::npos) << merge.status().message();
+  auto fits = MakeLoraMerge({Meta("w", {2, wide - 1}), Meta("a", {16, wide - 1}), Meta("b", {2, 16}), nullptr, 1.0,
+                             false}, DType::kBF16);
+  ASSERT_TRUE(fits.ok()) << fits.status().ToString();
+  EXPECT_EQ((*fits)->block_count(), 2u);  // rows stay whole, wider than a block
+  EXPECT_EQ((*fits)->BlockBox(1), (Box{{1, 0}, {1, wide - 1}}));
+}
+
 TEST(LoraConfigTest, OtherAdapterKindsAndVariantsAreNotSupported) {
   auto loha = ParseLoraConfig(R"({"peft_type": "LOHA", "r": 4})");
   ASSERT_EQ(loha.status().code(), Status::Code::kNotSupported);

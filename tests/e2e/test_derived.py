@@ -48,6 +48,10 @@ def special_state() -> dict[str, torch.Tensor]:
         "model.ids": torch.arange(50, dtype=torch.int64),
         "model.mask": torch.tensor([True, False, True]),
         "model.scalar": torch.tensor(2.5),
+        # Rows wider than a compute block (4 MiB of output): cut within the
+        # row, and in a 3-d tensor within the last dim.
+        "model.wide": torch.randn(1, 2_300_000, generator=g) * 3,
+        "model.wide3": torch.randn(1, 2, 1_100_000, generator=g).to(torch.bfloat16),
     }
 
 
