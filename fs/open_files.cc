@@ -79,7 +79,14 @@ FsResult<uint64_t> OpenFiles::Open(uint64_t ino, int flags) {
 FsResult<size_t> OpenFiles::Read(uint64_t handle, char* buf, size_t size, uint64_t offset) {
   const Handle* h = reinterpret_cast<const Handle*>(handle);
   const FsNode& n = *h->node;
-  if (n.kind == NodeKind::kSourceFile) return h->file->Read(buf, size, offset);
+  if (n.kind == NodeKind::kSourceFile) {
+    FsResult<size_t> got = h->file->Read(buf, size, offset);
+    if (!got.ok())  // no checkpoint to name: keyed by the file
+      limiter_.Log(n.rel + '\0' + std::to_string(got.status().err()),
+                   n.rel + ": read of " + std::to_string(size) + " bytes at " + std::to_string(offset) + " failed (" +
+                       std::strerror(got.status().err()) + "): " + got.status().message());
+    return got;
+  }
   ASSIGN_OR_RETURN(ReadPlan plan, PlanRead(*h, size, offset));
   SourceReader* reader = ReaderOf(*h);
   Status st = reader->Execute(plan, buf);

@@ -152,15 +152,25 @@ def test_an_object_overwritten_while_mounted_reads_eio(s3_server, s3_env, main_c
         shard = next(k for k in sorted(os.listdir(main_ckpt["out_dir"])) if k.endswith(".safetensors"))
         data = bytearray((Path(main_ckpt["out_dir"]) / shard).read_bytes())
         data[-1] ^= 0xFF  # same size: only the ETag tells
+        # A plain file passed through, opened before it changes.
+        plain = "notes/deep/data.bin"
+        plain_fd = os.open(m.p("main", plain), os.O_RDONLY | os.O_DIRECT)
         client.put_object(Bucket=BUCKET, Key=f"changing/main/{shard}", Body=bytes(data))
+        client.put_object(Bucket=BUCKET, Key=f"changing/main/{plain}", Body=b"another version\n" * 800)
         fd = os.open(cons, os.O_RDONLY | os.O_DIRECT)
         try:
             with pytest.raises(OSError) as e:
                 os.pread(fd, len(before) + 4096, 0)
             assert e.value.errno == errno.EIO
+            with pytest.raises(OSError) as e:
+                os.pread(plain_fd, 4096, 0)
+            assert e.value.errno == errno.EIO
         finally:
             os.close(fd)
+            os.close(plain_fd)
         assert "ETag" in m.log() or "changed" in m.log(), m.log()[-2000:]
+        plain_lines = [line for line in m.log().splitlines() if plain in line]
+        assert plain_lines and "failed (Input/output error)" in plain_lines[-1], m.log()[-2000:]
 
 
 def test_a_step_uploaded_to_a_mounted_prefix_appears_and_a_deleted_one_vanishes(
