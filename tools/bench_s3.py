@@ -170,17 +170,34 @@ def read_folder(folder: str) -> int:
     return bench.read_pass(safetensors_in(folder))
 
 
-def one_pass(b: Bench, s3fs: S3fs) -> dict:
+MEASUREMENTS = ("download", "mount_read", "s3fs_read", "over_s3fs_read", "convert_load", "mount_load",
+                "local_read", "cache_read")
+
+
+def one_pass(b: Bench, s3fs: S3fs, only: set[str]) -> dict:
+    steps = {
+        "download": b.download_pass,
+        "mount_read": lambda: b.run_mounted(b.root, "s3", read_folder),
+        "s3fs_read": lambda: b.timed(lambda: bench.read_pass(sorted(os.path.join(s3fs.mnt, os.path.basename(k))
+                                                                    for k in b.keys))),
+        "over_s3fs_read": lambda: b.run_mounted(s3fs.mnt, "over-s3fs", read_folder),
+        "convert_load": b.convert_pass,
+        "mount_load": lambda: b.run_mounted(b.root, "s3", bench.from_pretrained_pass),
+        "local_read": lambda: b.run_mounted(b.ckpt, "local", read_folder),
+        "cache_read": b.cached_pass,
+    }
     r = {}
-    r["download"] = b.download_pass()
-    r["mount_read"] = b.run_mounted(b.root, "s3", read_folder)
-    r["s3fs_read"] = b.timed(lambda: bench.read_pass(sorted(os.path.join(s3fs.mnt, os.path.basename(k))
-                                                            for k in b.keys)))
-    r["over_s3fs_read"] = b.run_mounted(s3fs.mnt, "over-s3fs", read_folder)
-    r["convert_load"] = b.convert_pass()
-    r["mount_load"] = b.run_mounted(b.root, "s3", bench.from_pretrained_pass)
-    r["local_read"] = b.run_mounted(b.ckpt, "local", read_folder)
-    r["cache_read"] = b.cached_pass()
+    for k in MEASUREMENTS:
+        if k not in only:
+            continue
+        r[k] = steps[k]()
+        if b.args.bin_old and k in ("mount_read", "mount_load"):
+            # The same measurement with the other build, in the same pass.
+            new_bin, b.args.bin = b.args.bin, b.args.bin_old
+            try:
+                r[k + "_old"] = steps[k]()
+            finally:
+                b.args.bin = new_bin
     return r
 
 
@@ -191,15 +208,21 @@ def report(passes: list[dict], rss: list[int], load: tuple[float, float]) -> Non
     def speed(k):
         return nbytes[k] / best[k] / 1e6
     print(f"\nload average {load[0]:.2f} at start, {load[1]:.2f} at end; best of {len(passes)} cold passes")
-    for k in ("download", "mount_read", "s3fs_read", "over_s3fs_read"):
-        print(f"  {k:<15} {best[k]:7.2f} s  {nbytes[k] / 1e9:5.2f} GB  {speed(k):7.0f} MB/s  "
-              f"{speed(k) / speed('download'):.2f}x of the download")
-    print(f"  from_pretrained: mount {best['mount_load']:.2f} s vs download + consolidate + load "
-          f"{best['convert_load']:.2f} s: {best['mount_load'] / best['convert_load']:.2f}x the time")
-    print(f"  daemon peak RSS (VmHWM): {max(rss) / 2**20:.0f} MiB")
-    print(f"  second pass with --cache {best['cache_read']:.2f} s ({speed('cache_read'):.0f} MB/s) vs the "
-          f"checkpoint on local disk {best['local_read']:.2f} s ({speed('local_read'):.0f} MB/s): "
-          f"{speed('cache_read') / speed('local_read'):.2f}x the local speed")
+    for k in ("download", "mount_read", "mount_read_old", "s3fs_read", "over_s3fs_read"):
+        if k in best:
+            ratio = f"{speed(k) / speed('download'):.2f}x of the download" if "download" in best else ""
+            print(f"  {k:<15} {best[k]:7.2f} s  {nbytes[k] / 1e9:5.2f} GB  {speed(k):7.0f} MB/s  {ratio}")
+    if "convert_load" in best:
+        for k in ("mount_load", "mount_load_old"):
+            if k in best:
+                print(f"  from_pretrained: {k} {best[k]:.2f} s vs download + consolidate + load "
+                      f"{best['convert_load']:.2f} s: {best[k] / best['convert_load']:.2f}x the time")
+    if rss:
+        print(f"  daemon peak RSS (VmHWM): {max(rss) / 2**20:.0f} MiB")
+    if "cache_read" in best and "local_read" in best:
+        print(f"  second pass with --cache {best['cache_read']:.2f} s ({speed('cache_read'):.0f} MB/s) vs the "
+              f"checkpoint on local disk {best['local_read']:.2f} s ({speed('local_read'):.0f} MB/s): "
+              f"{speed('cache_read') / speed('local_read'):.2f}x the local speed")
 
 
 def main() -> int:
@@ -209,8 +232,16 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--bin", default=os.environ.get("CKPTFS_BIN", os.path.join(HERE, "..", "build", "ckptfs")))
+    ap.add_argument("--bin-old", help="another build: mount_read and mount_load are also timed with it, "
+                    "in the same passes (reported as *_old)")
+    ap.add_argument("--only", default=",".join(MEASUREMENTS),
+                    help="comma-separated measurements to run (default: all): " + ", ".join(MEASUREMENTS))
     args = ap.parse_args()
     args.bin = os.path.abspath(args.bin)
+    args.bin_old = args.bin_old and os.path.abspath(args.bin_old)
+    only = set(args.only.split(","))
+    if only - set(MEASUREMENTS):
+        ap.error("unknown measurement: " + ", ".join(sorted(only - set(MEASUREMENTS))))
     top = os.path.abspath(args.dir)
     ckpt = os.path.join(top, "checkpoint")
     manifest = bench.ensure_checkpoint(ckpt, args.size_gib, args.ranks, 0, print)
@@ -232,11 +263,11 @@ def main() -> int:
         os.environ.update(AWS_ACCESS_KEY_ID=s3_server.ACCESS_KEY, AWS_SECRET_ACCESS_KEY=s3_server.SECRET_KEY,
                           AWS_ENDPOINT_URL=server.endpoint, AWS_REGION="us-east-1")
         b = Bench(args, top, server, keys, ckpt)
-        s3fs = S3fs(server.endpoint, top)
+        s3fs = S3fs(server.endpoint, top) if only & {"s3fs_read", "over_s3fs_read"} else None
         load0 = os.getloadavg()[0]
         passes = []
         for i in range(args.passes):
-            passes.append(one_pass(b, s3fs))
+            passes.append(one_pass(b, s3fs, only))
             print(f"pass {i + 1}: " + ", ".join(f"{k} {v[0]:.2f} s" for k, v in passes[-1].items()), flush=True)
         report(passes, b.rss, (load0, os.getloadavg()[0]))
     finally:
