@@ -91,6 +91,18 @@ Result<DTypeView> ViewBuilder::DTypeViewFor(const Checkpoint& ckpt, const std::s
   return view;
 }
 
+FsResult<ViewBuilder::BuildTurn> ViewBuilder::TakeBuildTurn(int i, FsNode* dir, const std::string& name) {
+  Served* served = ckpts_.ServedAt(i);
+  if (Status st = ckpts_.EnsureLoaded(i); !st.ok()) return CheckpointSet::LoadFailure(st);
+  if (served->removed) return FsError(ESTALE, JoinRel(served->dir, "") + ": replaced or removed; look it up again");
+  BuildTurn turn{std::unique_lock<std::mutex>(served->load_mu)};
+  std::shared_lock lock(nodes_.mu());
+  if (auto it = dir->children.find(name);
+      it != dir->children.end() && nodes_.NodeLocked(it->second) && nodes_.NodeLocked(it->second)->built)
+    turn.built = it->second;
+  return turn;
+}
+
 // Builds consolidated.<dtype>/ on first lookup; ENOENT, with a log line,
 // for a name that is no dtype view.
 FsResult<uint64_t> ViewBuilder::OpenDTypeView(FsNode* dir, const std::string& name) {
@@ -100,16 +112,9 @@ FsResult<uint64_t> ViewBuilder::OpenDTypeView(FsNode* dir, const std::string& na
     i = dir->ckpt;
   }
   if (i < 0) return FsError(ENOENT, JoinRel(dir->rel, name) + ": no checkpoint here now");
-  Served* served = ckpts_.ServedAt(i);
-  if (Status st = ckpts_.EnsureLoaded(i); !st.ok()) return CheckpointSet::LoadFailure(st);  // the caller holds a pin
-  if (served->removed) return FsError(ESTALE, JoinRel(served->dir, "") + ": replaced or removed; look it up again");
-  std::lock_guard<std::mutex> load(served->load_mu);  // one build at a time
-  {
-    std::shared_lock lock(nodes_.mu());
-    if (auto it = dir->children.find(name); it != dir->children.end() && nodes_.NodeLocked(it->second) &&
-                                            nodes_.NodeLocked(it->second)->built)
-      return it->second;  // built by another thread meanwhile
-  }
+  ASSIGN_OR_RETURN(BuildTurn turn, TakeBuildTurn(i, dir, name));  // the caller holds a pin
+  if (turn.built) return turn.built;
+  const Served* served = ckpts_.ServedAt(i);
   const Checkpoint& ckpt = served->ckpt;
   const std::string where = JoinRel(ckpt.dir, name);
   auto fail = [&](const std::string& why) {
@@ -209,17 +214,9 @@ Result<ShardingRules> ViewBuilder::RulesFor(const Checkpoint& ckpt) const {
 // saying why, for a spec that is malformed or impossible for the checkpoint.
 // REQUIRES: its checkpoint pinned.
 FsResult<uint64_t> ViewBuilder::OpenMesh(FsNode* mesh_dir, const std::string& name) {
-  Served* served = ckpts_.ServedAt(mesh_dir->ckpt);
-  if (Status st = ckpts_.EnsureLoaded(mesh_dir->ckpt); !st.ok()) return CheckpointSet::LoadFailure(st);
-  if (served->removed) return FsError(ESTALE, JoinRel(served->dir, "") + ": replaced or removed; look it up again");
-  std::lock_guard<std::mutex> load(served->load_mu);  // one build at a time
-  {
-    std::shared_lock lock(nodes_.mu());
-    if (auto it = mesh_dir->children.find(name); it != mesh_dir->children.end() && nodes_.NodeLocked(it->second) &&
-                                                 nodes_.NodeLocked(it->second)->built)
-      return it->second;  // built by another thread meanwhile
-  }
-  const Checkpoint& ckpt = served->ckpt;
+  ASSIGN_OR_RETURN(BuildTurn turn, TakeBuildTurn(mesh_dir->ckpt, mesh_dir, name));
+  if (turn.built) return turn.built;
+  const Checkpoint& ckpt = ckpts_.ServedAt(mesh_dir->ckpt)->ckpt;
   const std::string where = JoinRel(ckpt.dir, "mesh/" + name);
   auto fail = [&](const std::string& why) {
     options_.Log(where + ": " + why);

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <string>
 
 #include "core/meta.h"
@@ -46,6 +47,13 @@ class ViewBuilder {
   FsError EnsureLayout(FsNode* file, const Served& served);
 
  private:
+  // Holds checkpoint `ckpt`'s build lock (one build at a time), loaded;
+  // `built` is entry `name` of `dir` when another thread built it first.
+  struct BuildTurn {
+    std::unique_lock<std::mutex> lock;
+    uint64_t built = 0;
+  };
+  FsResult<BuildTurn> TakeBuildTurn(int ckpt, FsNode* dir, const std::string& name);
   // mesh/<spec>/rank-NNNNN/, made on first lookup; ENOENT, with a log line
   // saying why, for a spec malformed or impossible for the checkpoint.
   FsResult<uint64_t> OpenMesh(FsNode* mesh_dir, const std::string& spec_name);
