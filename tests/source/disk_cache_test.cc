@@ -15,6 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "tests/source/fake_bytes.h"
+
 namespace ckptfs {
 namespace {
 
@@ -22,7 +24,7 @@ namespace fs = std::filesystem;
 
 constexpr uint64_t kBlock = 4096;
 
-// An object whose byte i is (i * 7 + version) & 0xff; fetches recorded.
+// An object of FakeBytes; fetches recorded.
 struct FakeObject {
   FakeObject(std::string identity_, uint64_t size_, int version_ = 0)
       : identity(std::move(identity_)), size(size_), version(version_) {}
@@ -38,15 +40,11 @@ struct FakeObject {
       std::lock_guard<std::mutex> lock(mu);
       fetches.emplace_back(at, n);
       if (fail) return Status::IOError("connection reset");
-      for (uint64_t i = 0; i < n; ++i) out[i] = char(((at + i) * 7 + version) & 0xff);
+      FillFakeBytes(at, n, version, out);
       return Status::OK();
     };
   }
-  std::string Expected(uint64_t at, uint64_t n) const {
-    std::string s(n, '\0');
-    for (uint64_t i = 0; i < n; ++i) s[i] = char(((at + i) * 7 + version) & 0xff);
-    return s;
-  }
+  std::string Expected(uint64_t at, uint64_t n) const { return FakeBytes(at, n, version); }
   std::string Read(DiskCache& cache, uint64_t at, uint64_t n) {
     std::string got(n, '\0');
     Status st = cache.Read(identity, size, at, n, got.data(), fetch());

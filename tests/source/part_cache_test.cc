@@ -10,10 +10,12 @@
 #include <string>
 #include <thread>
 
+#include "tests/source/fake_bytes.h"
+
 namespace ckptfs {
 namespace {
 
-// An object whose byte i is (i * 7 + version) & 0xff; fetches counted.
+// An object of FakeBytes; fetches counted.
 struct FakeObject {
   uint64_t size;
   int version = 0;
@@ -23,15 +25,11 @@ struct FakeObject {
     return [this](const std::string&, uint64_t at, uint64_t n, char* out) {
       ++fetches;
       if (fail) return Status::IOError("reset");
-      for (uint64_t i = 0; i < n; ++i) out[i] = char(((at + i) * 7 + version) & 0xff);
+      FillFakeBytes(at, n, version, out);
       return Status::OK();
     };
   }
-  std::string Expected(uint64_t at, uint64_t n) const {
-    std::string s(n, '\0');
-    for (uint64_t i = 0; i < n; ++i) s[i] = char(((at + i) * 7 + version) & 0xff);
-    return s;
-  }
+  std::string Expected(uint64_t at, uint64_t n) const { return FakeBytes(at, n, version); }
 };
 
 TEST(PartCache, ServesPrefetchedRangesAcrossPartsAndTheShortLastPart) {
