@@ -30,11 +30,11 @@ class Cast : public Computation {
     return {{tensor_, std::move(in)}};
   }
 
-  Result<std::string> Compute(uint64_t b, const std::vector<std::string>& inputs) const override {
+  Result<BlockBytes> Compute(uint64_t b, const std::vector<BlockBytes>& inputs) const override {
     const uint64_t n = (block_end(b) - block_begin(b)) * 8 / DTypeBits(to_);
     if (inputs.size() != 1 || inputs[0].size() != ByteSize(tensor_->dtype, n).value_or(~0ull))
       return Status::Corruption(what() + ": block " + std::to_string(b) + " got inputs of the wrong size");
-    std::string out(n * DTypeBits(to_) / 8, '\0');
+    BlockBytes out(n * DTypeBits(to_) / 8);
     CastElements(tensor_->dtype, to_, reinterpret_cast<const uint8_t*>(inputs[0].data()), n,
                  reinterpret_cast<uint8_t*>(out.data()));
     return out;

@@ -23,7 +23,7 @@ std::string ShapeText(const Shape& s) {
   return out + "]";
 }
 
-Matrix Decode(const TensorMeta& t, const std::string& bytes, uint64_t rows, uint64_t cols) {
+Matrix Decode(const TensorMeta& t, const BlockBytes& bytes, uint64_t rows, uint64_t cols) {
   Matrix m(rows, cols);
   DecodeToFloat32(t.dtype, reinterpret_cast<const uint8_t*>(bytes.data()), 0, rows * cols, m.data());
   return m;
@@ -67,7 +67,7 @@ class LoraMerge : public Computation {
     return in;
   }
 
-  Result<std::string> Compute(uint64_t blk, const std::vector<std::string>& inputs) const override {
+  Result<BlockBytes> Compute(uint64_t blk, const std::vector<BlockBytes>& inputs) const override {
     uint64_t first, count;
     Rows(blk, &first, &count);
     const size_t want = t_.a ? (t_.magnitude ? 4 : 3) : 2;
@@ -103,9 +103,9 @@ class LoraMerge : public Computation {
     *count = box.lengths[0];
   }
 
-  std::string Encode(const Matrix& w) const {
+  BlockBytes Encode(const Matrix& w) const {
     const uint64_t n = uint64_t(w.size());
-    std::string out(ByteSize(to_, n).value_or(0), '\0');
+    BlockBytes out(ByteSize(to_, n).value_or(0));
     if (to_ == DType::kF32) {
       std::memcpy(out.data(), w.data(), out.size());
     } else {

@@ -80,12 +80,12 @@ Result<ComputeCache::Block> ComputeCache::Get(const Computation& c, uint64_t b, 
 
 Result<ComputeCache::Block> ComputeCache::ComputeBlock(const Computation& c, uint64_t b, SourceReader& reader) {
   Block block;
-  std::vector<std::string> inputs;
+  std::vector<BlockBytes> inputs;
   for (const ComputeInput& in : c.InputsOf(b)) {
     Layout layout;
     RETURN_IF_ERROR(layout.AddTensor(in.tensor, in.box));
     ASSIGN_OR_RETURN(ReadPlan plan, Plan(layout, 0, layout.size()));
-    std::string bytes(layout.size(), '\0');
+    BlockBytes bytes(layout.size());
     Status st = reader.Execute(plan, bytes.data());
     if (!st.ok()) return st.WithContext(c.what());
     for (const CopyOp& op : plan.copies) block.files.push_back(op.file);
@@ -93,8 +93,8 @@ Result<ComputeCache::Block> ComputeCache::ComputeBlock(const Computation& c, uin
   }
   std::sort(block.files.begin(), block.files.end());
   block.files.erase(std::unique(block.files.begin(), block.files.end()), block.files.end());
-  ASSIGN_OR_RETURN(std::string out, c.Compute(b, inputs));
-  block.bytes = std::make_shared<const std::string>(std::move(out));
+  ASSIGN_OR_RETURN(BlockBytes out, c.Compute(b, inputs));
+  block.bytes = std::make_shared<const BlockBytes>(std::move(out));
   return block;
 }
 

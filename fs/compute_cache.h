@@ -61,7 +61,7 @@ class ComputeCache {
 
  private:
   struct Block {
-    std::shared_ptr<const std::string> bytes;
+    std::shared_ptr<const BlockBytes> bytes;
     std::vector<FileId> files;  // the sources it was computed from
   };
   using Key = std::pair<uint64_t, uint64_t>;  // (Computation id, block)

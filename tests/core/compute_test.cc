@@ -104,7 +104,7 @@ TEST(ComputeBlocks, AWideRowIsCastBlockByBlockFromItsOwnColumns) {
     ASSERT_EQ(in.size(), 1u);
     const uint64_t first = cast->block_begin(b) / 4, count = (cast->block_end(b) - cast->block_begin(b)) / 4;
     EXPECT_EQ(in[0].box, (Box{{1, 5 + first}, {1, count}})) << b;
-    std::string bytes(count * 2, '\0');
+    BlockBytes bytes(count * 2);
     std::memcpy(bytes.data(), row.data() + first, count * 2);
     auto out = cast->Compute(b, {bytes});
     ASSERT_TRUE(out.ok()) << out.status().ToString();

@@ -63,8 +63,11 @@ std::string Cut(const Array& a, const Box& box) {
 std::vector<uint8_t> RunAll(const Computation& c, const std::map<std::string, const Array*>& arrays) {
   std::vector<uint8_t> out;
   for (uint64_t b = 0; b < c.block_count(); ++b) {
-    std::vector<std::string> inputs;
-    for (const ComputeInput& in : c.InputsOf(b)) inputs.push_back(Cut(*arrays.at(in.tensor->fqn), in.box));
+    std::vector<BlockBytes> inputs;
+    for (const ComputeInput& in : c.InputsOf(b)) {
+      const std::string cut = Cut(*arrays.at(in.tensor->fqn), in.box);
+      inputs.emplace_back(cut.begin(), cut.end());
+    }
     auto bytes = c.Compute(b, inputs);
     EXPECT_TRUE(bytes.ok()) << bytes.status().ToString();
     EXPECT_EQ(bytes->size(), c.block_end(b) - c.block_begin(b));

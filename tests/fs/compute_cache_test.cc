@@ -33,7 +33,7 @@ class Counting : public Computation {
   const Shape& shape() const override { return inner_->shape(); }
   std::string what() const override { return inner_->what(); }
   std::vector<ComputeInput> InputsOf(uint64_t b) const override { return inner_->InputsOf(b); }
-  Result<std::string> Compute(uint64_t b, const std::vector<std::string>& in) const override {
+  Result<BlockBytes> Compute(uint64_t b, const std::vector<BlockBytes>& in) const override {
     ++calls;
     if (throws > 0) {
       --throws;
