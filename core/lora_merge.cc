@@ -77,16 +77,15 @@ class LoraMerge : public Computation {
     Matrix w = Decode(*t_.base, inputs[0], count, cols_);
     if (!t_.a) {
       w += s * Decode(*t_.b, inputs[1], count, 1);
-    } else if (t_.transposed) {
+    } else if (t_.transposed) {  // W += s (B A)^T = s A^T B^T
       Matrix a = Decode(*t_.a, inputs[1], rank_, count);
       Matrix b = Decode(*t_.b, inputs[2], cols_, rank_);
-      Matrix delta = (b * a).transpose();
-      w += s * delta;
+      w.noalias() += s * a.transpose() * b.transpose();
     } else {
+      // Accumulated into W by the product itself: no block-sized temporary.
       Matrix a = Decode(*t_.a, inputs[1], rank_, cols_);
       Matrix b = Decode(*t_.b, inputs[2], count, rank_);
-      Matrix delta = b * a;
-      w += s * delta;
+      w.noalias() += s * b * a;
     }
     if (t_.magnitude) {
       Matrix m = Decode(*t_.magnitude, inputs[3], count, 1);
