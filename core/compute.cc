@@ -107,7 +107,9 @@ uint64_t Computation::block_begin(uint64_t b) const {
 
 uint64_t Computation::block_end(uint64_t b) const {
   if (shape().empty()) return nbytes();
-  return block_begin(b) + BlockBox(b).lengths[blocking().dim] * blocking().inner;
+  const Blocking k = blocking();
+  const uint64_t first = std::min((b % k.per_group) * k.per, k.span);
+  return (b / k.per_group) * k.span * k.inner + std::min(first + k.per, k.span) * k.inner;
 }
 
 uint64_t Computation::BlockAt(uint64_t offset) const {
