@@ -33,6 +33,7 @@
 #include "core/dtype.h"
 #include "core/meta.h"
 #include "core/status.h"
+#include "core/uninitialized.h"
 
 namespace ckptfs {
 
@@ -44,25 +45,7 @@ inline constexpr uint64_t kComputeBlockBytes = 4ull << 20;
 // The bytes of a block's input or output. Sized without being zero-filled:
 // each is written whole by the read or the computation that fills it, and
 // zeroing 4 MiB blocks cost 8-9 % of the daemon's CPU on a cast view.
-template <class T>
-struct UninitializedAllocator : std::allocator<T> {
-  template <class U>
-  struct rebind {
-    using other = UninitializedAllocator<U>;
-  };
-  UninitializedAllocator() = default;
-  template <class U>
-  UninitializedAllocator(const UninitializedAllocator<U>&) {}  // NOLINT: as std::allocator
-  template <class U, class... Args>
-  void construct(U* p, Args&&... args) {
-    if constexpr (sizeof...(Args) == 0) {
-      ::new (static_cast<void*>(p)) U;  // default-initialized: no zeros
-    } else {
-      ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
-    }
-  }
-};
-using BlockBytes = std::vector<char, UninitializedAllocator<char>>;
+using BlockBytes = UninitializedBytes;
 
 // A region of a source tensor a block needs, read row-major.
 struct ComputeInput {

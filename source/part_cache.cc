@@ -3,13 +3,15 @@
 #include <algorithm>
 #include <cstring>
 
+#include "core/uninitialized.h"
+
 namespace ckptfs {
 
 struct PartCache::Part {
   std::string key;
   uint64_t index = 0;
   uint64_t offset = 0;  // in the object
-  std::string bytes;    // filled once done && ok
+  UninitializedBytes bytes;  // filled once done && ok
   bool done = false;
   bool ok = false;
   std::list<PartKey>::iterator lru;  // valid once done && ok
