@@ -110,6 +110,8 @@ class Bench:
         self.work = os.path.join(top, "work")
         self.root = f"s3://{s3_server.BUCKET}/{PREFIX.rstrip('/')}"
         self.rss: list[int] = []
+        self.cpu: dict[str, list[float]] = {}  # measurement -> daemon CPU seconds per pass
+        self.last_cpu: float | None = None
 
     def mount(self, root: str, name: str, extra: list[str] = ()) -> bench.Mounted:
         d = os.path.join(self.work, name)
@@ -134,6 +136,7 @@ class Bench:
             n = client(os.path.join(m.mnt, "consolidated"))
             secs = time.monotonic() - t0
             self.rss.append(bench.vm_field(m.proc.pid, "VmHWM") or 0)
+            self.last_cpu = daemon_cpu(m.proc.pid)
             return secs, n
         finally:
             m.stop()
@@ -166,6 +169,16 @@ class Bench:
         return self.timed(go)
 
 
+def daemon_cpu(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` so far."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def read_folder(folder: str) -> int:
     return bench.read_pass(safetensors_in(folder))
 
@@ -174,7 +187,7 @@ MEASUREMENTS = ("download", "mount_read", "s3fs_read", "over_s3fs_read", "conver
                 "local_read", "cache_read")
 
 
-def one_pass(b: Bench, s3fs: S3fs, only: set[str]) -> dict:
+def one_pass(b: Bench, s3fs: S3fs, only: set[str], index: int) -> dict:
     steps = {
         "download": b.download_pass,
         "mount_read": lambda: b.run_mounted(b.root, "s3", read_folder),
@@ -190,18 +203,33 @@ def one_pass(b: Bench, s3fs: S3fs, only: set[str]) -> dict:
     for k in MEASUREMENTS:
         if k not in only:
             continue
-        r[k] = steps[k]()
-        if b.args.bin_old and k in ("mount_read", "mount_load"):
-            # The same measurement with the other build, in the same pass.
-            new_bin, b.args.bin = b.args.bin, b.args.bin_old
-            try:
-                r[k + "_old"] = steps[k]()
-            finally:
-                b.args.bin = new_bin
-    return r
+        if not (b.args.bin_old and k in ("mount_read", "mount_load")):
+            r[k] = measure(b, k, steps[k])
+            continue
+        # The same measurement with the other build, in the same pass; which
+        # goes first alternates, as the first after another step may pay
+        # for what that step left behind.
+        builds = [(k, b.args.bin), (k + "_old", b.args.bin_old)]
+        new_bin = b.args.bin
+        try:
+            for name, path in builds[::-1] if index % 2 else builds:
+                b.args.bin = path
+                r[name] = measure(b, name, steps[k])
+        finally:
+            b.args.bin = new_bin
+    return dict(sorted(r.items(), key=lambda kv: MEASUREMENTS.index(kv[0].removesuffix("_old"))))
 
 
-def report(passes: list[dict], rss: list[int], load: tuple[float, float]) -> None:
+def measure(b: Bench, name: str, step) -> tuple[float, int]:
+    """step(), keeping the CPU time of the mount daemon it ran, if any."""
+    b.last_cpu = None
+    result = step()
+    if b.last_cpu is not None:
+        b.cpu.setdefault(name, []).append(b.last_cpu)
+    return result
+
+
+def report(passes: list[dict], rss: list[int], cpu: dict[str, list[float]], load: tuple[float, float]) -> None:
     best = {k: min(p[k][0] for p in passes) for k in passes[0]}
     nbytes = {k: passes[0][k][1] for k in passes[0]}
 
@@ -219,6 +247,8 @@ def report(passes: list[dict], rss: list[int], load: tuple[float, float]) -> Non
                       f"{best['convert_load']:.2f} s: {best[k] / best['convert_load']:.2f}x the time")
     if rss:
         print(f"  daemon peak RSS (VmHWM): {max(rss) / 2**20:.0f} MiB")
+    for k, secs in cpu.items():
+        print(f"  daemon CPU, {k}: {min(secs):.2f} s (least of {len(secs)} passes)")
     if "cache_read" in best and "local_read" in best:
         print(f"  second pass with --cache {best['cache_read']:.2f} s ({speed('cache_read'):.0f} MB/s) vs the "
               f"checkpoint on local disk {best['local_read']:.2f} s ({speed('local_read'):.0f} MB/s): "
@@ -267,9 +297,9 @@ def main() -> int:
         load0 = os.getloadavg()[0]
         passes = []
         for i in range(args.passes):
-            passes.append(one_pass(b, s3fs, only))
+            passes.append(one_pass(b, s3fs, only, i))
             print(f"pass {i + 1}: " + ", ".join(f"{k} {v[0]:.2f} s" for k, v in passes[-1].items()), flush=True)
-        report(passes, b.rss, (load0, os.getloadavg()[0]))
+        report(passes, b.rss, b.cpu, (load0, os.getloadavg()[0]))
     finally:
         if s3fs:
             s3fs.stop()
