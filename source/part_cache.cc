@@ -94,19 +94,32 @@ void PartCache::Run() {
   }
 }
 
-bool PartCache::Copy(const std::string& key, uint64_t offset, uint64_t len, char* dst) {
-  std::unique_lock<std::mutex> lock(mu_);
+std::vector<std::shared_ptr<PartCache::Part>> PartCache::Finished(const std::string& key, uint64_t offset,
+                                                                uint64_t len, std::unique_lock<std::mutex>& lock) {
   // Every part first: a range half cached is fetched whole by its reader.
   std::vector<std::shared_ptr<Part>> parts;
   for (uint64_t i = offset / part_size_; i * part_size_ < offset + len; ++i) {
     auto it = parts_.find({key, i});
-    if (it == parts_.end()) return false;
+    if (it == parts_.end()) return {};
     parts.push_back(it->second);
   }
   for (const auto& part : parts) {
     part->finished.wait(lock, [&] { return part->done; });
-    if (!part->ok) return false;
+    if (!part->ok) return {};
   }
+  return parts;
+}
+
+void PartCache::Touch(const std::vector<std::shared_ptr<Part>>& parts) {
+  for (const auto& part : parts)
+    if (auto it = parts_.find({part->key, part->index}); it != parts_.end() && it->second == part)
+      lru_.splice(lru_.end(), lru_, part->lru);
+}
+
+bool PartCache::Copy(const std::string& key, uint64_t offset, uint64_t len, char* dst) {
+  std::unique_lock<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<Part>> parts = Finished(key, offset, len, lock);
+  if (parts.empty()) return false;
   lock.unlock();  // a finished part's bytes never change; the pointers keep them
   for (const auto& part : parts) {
     const uint64_t from = std::max(offset, part->offset);
@@ -115,10 +128,18 @@ bool PartCache::Copy(const std::string& key, uint64_t offset, uint64_t len, char
     std::memcpy(dst + (from - offset), part->bytes.data() + (from - part->offset), to - from);
   }
   lock.lock();
-  for (const auto& part : parts)  // still cached: now the most recently used
-    if (auto it = parts_.find({key, part->index}); it != parts_.end() && it->second == part)
-      lru_.splice(lru_.end(), lru_, part->lru);
+  Touch(parts);
   return true;
+}
+
+std::optional<PartCache::Shared> PartCache::Share(const std::string& key, uint64_t offset, uint64_t len) {
+  if (len == 0 || offset / part_size_ != (offset + len - 1) / part_size_) return std::nullopt;
+  std::unique_lock<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<Part>> parts = Finished(key, offset, len, lock);
+  if (parts.empty() || offset + len > parts[0]->offset + parts[0]->bytes.size()) return std::nullopt;
+  Touch(parts);
+  const char* data = parts[0]->bytes.data() + (offset - parts[0]->offset);
+  return Shared{std::shared_ptr<const void>(parts[0], data), data};
 }
 
 }  // namespace ckptfs

@@ -23,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -49,6 +50,16 @@ class PartCache {
   // when it did not (dst may then hold some of the bytes).
   bool Copy(const std::string& key, uint64_t offset, uint64_t len, char* dst);
 
+  // The bytes [offset, offset + len) of `key` where they lie in one part
+  // cached or in flight (waited for) and fetched without error, without a
+  // copy: `data` points into the part and `holder` keeps it alive (a
+  // finished part's bytes never change, even once dropped from the cache).
+  struct Shared {
+    std::shared_ptr<const void> holder;
+    const char* data = nullptr;
+  };
+  std::optional<Shared> Share(const std::string& key, uint64_t offset, uint64_t len);
+
   uint64_t part_size() const { return part_size_; }
   // Bytes held by parts cached or in flight (for tests).
   uint64_t held() const;
@@ -57,6 +68,12 @@ class PartCache {
   struct Part;
   using PartKey = std::pair<std::string, uint64_t>;  // object version, part index
   void Run();
+  // The parts holding [offset, offset + len) of `key`, once every one is
+  // fetched; empty when one is missing or failed. `lock` holds mu_.
+  std::vector<std::shared_ptr<Part>> Finished(const std::string& key, uint64_t offset, uint64_t len,
+                                              std::unique_lock<std::mutex>& lock);
+  // Marks `parts` the most recently used, those still cached. REQUIRES: mu_ held.
+  void Touch(const std::vector<std::shared_ptr<Part>>& parts);
   // Drops least recently used finished parts until `need` more bytes fit;
   // false when they do not. REQUIRES: mu_ held.
   bool MakeRoom(uint64_t need);

@@ -52,6 +52,20 @@ class S3Object : public SourceObject {
     return std::unique_ptr<SourceObject>(std::make_unique<S3Object>(pinned_, parts_));
   }
 
+  // A range inside one part fetched ahead is handed out where it lies in
+  // the part, not copied (PartCache::Share); any other as ReadAt reads it.
+  Result<FilledRange> ReadFilled(uint64_t offset, uint64_t len, DirectIo* direct) const override {
+    if (offset <= info().size && len <= info().size - offset) {
+      if (auto shared = parts_->Share(Version(), offset, len)) {
+        FilledRange f;
+        f.shared = std::move(shared->holder);
+        f.data = shared->data;
+        return f;
+      }
+    }
+    return SourceObject::ReadFilled(offset, len, direct);
+  }
+
   // Ranges longer than --part-size go out as parts, up to --max-threads
   // in flight; the first failure is the answer.
   Status ReadAt(uint64_t offset, uint64_t len, char* dst) const override {

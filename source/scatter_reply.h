@@ -40,7 +40,7 @@ class ScatterReply {
   // as long as the reply (in a Keep()t buffer, say).
   void Add(uint64_t dst_offset, const char* data, uint64_t length);
   void Keep(Buffer buffer) { buffers_.push_back(std::move(buffer)); }
-  void Keep(std::shared_ptr<const std::string> bytes) { shared_.push_back(std::move(bytes)); }
+  void Keep(std::shared_ptr<const void> bytes) { shared_.push_back(std::move(bytes)); }
 
   // Orders the pieces, checks they tile [0, length()) with no hole or
   // overlap (Corruption if not: a planning bug, never served) and joins
@@ -73,7 +73,7 @@ class ScatterReply {
   Buffer gather_;
   uint64_t gather_used_ = 0;
   std::vector<Buffer> buffers_;
-  std::vector<std::shared_ptr<const std::string>> shared_;
+  std::vector<std::shared_ptr<const void>> shared_;
 };
 
 }  // namespace ckptfs

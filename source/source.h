@@ -39,7 +39,7 @@ struct SourceListing {
 // A source range read into memory of its own (SourceObject::ReadFilled).
 struct FilledRange {
   Buffer buffer;                              // holds the bytes, unless `shared` does
-  std::shared_ptr<const std::string> shared;  // decoded items kept by a cache
+  std::shared_ptr<const void> shared;  // memory a cache keeps (decoded items, parts)
   const char* data = nullptr;                 // the first byte asked for
 };
 

@@ -115,6 +115,38 @@ TEST(PartCache, HoldsAtMostItsCapacityDroppingTheLeastRecentlyUsed) {
   EXPECT_FALSE(cache.Copy("k", 3 * 64, 1, b));
 }
 
+// Share hands out a range where it lies in its part, without a copy: the
+// bytes must be the object's, and stay so after the part leaves the cache.
+TEST(PartCache, SharesARangeInsideOnePartAndKeepsItValidAfterEviction) {
+  FakeObject obj{1000};
+  PartCache cache(2 * 64, 64, 2);
+  cache.Prefetch("k", obj.size, 0, 128, obj.fetch());
+  auto first = cache.Share("k", 70, 50);  // waits for part 1
+  ASSERT_TRUE(first.has_value());
+  EXPECT_EQ(std::string(first->data, 50), obj.Expected(70, 50));
+  EXPECT_FALSE(cache.Share("k", 60, 10).has_value());  // across two parts: the reader copies
+  EXPECT_FALSE(cache.Share("k", 200, 8).has_value());  // never fetched
+  EXPECT_FALSE(cache.Share("k", 0, 0).has_value());
+  auto last = cache.Share("k", 0, 64);
+  ASSERT_TRUE(last.has_value());
+  // Two other parts take the room: parts 0 and 1 are dropped, not freed.
+  cache.Prefetch("k", obj.size, 512, 128, obj.fetch());
+  char b[1];
+  ASSERT_TRUE(cache.Copy("k", 512, 1, b));
+  ASSERT_TRUE(cache.Copy("k", 576, 1, b));
+  EXPECT_FALSE(cache.Copy("k", 70, 1, b));
+  EXPECT_EQ(std::string(first->data, 50), obj.Expected(70, 50));
+  EXPECT_EQ(std::string(last->data, 64), obj.Expected(0, 64));
+  // The short last part: a range past the object's end is not shared.
+  cache.Prefetch("k", obj.size, 960, 40, obj.fetch());
+  ASSERT_TRUE(cache.Share("k", 960, 40).has_value());
+  EXPECT_FALSE(cache.Share("k", 990, 20).has_value());
+  // A failed fetch is not shared either.
+  obj.fail = true;
+  cache.Prefetch("k", obj.size, 256, 64, obj.fetch());
+  EXPECT_FALSE(cache.Share("k", 256, 8).has_value());
+}
+
 TEST(PartCache, ConcurrentReadersOfPartsInFlightGetExactBytes) {
   FakeObject obj{64 * 1024};
   PartCache cache(1 << 20, 1024, 4);
