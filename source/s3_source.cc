@@ -40,7 +40,7 @@ class S3Object : public SourceObject {
       : pinned_(std::move(pinned)), parts_(std::move(parts)) {}
 
   // Fetches of whole parts queued, not waited for: the reader's next
-  // requests find them cached or in flight (PartCache::Copy).
+  // requests find them cached or in flight (PartCache::Share, PartCache::Copy).
   void Prefetch(uint64_t offset, uint64_t len, const std::function<bool()>& go_on) const override {
     if (!go_on()) return;
     std::shared_ptr<const PinnedObject> pinned = pinned_;

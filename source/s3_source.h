@@ -12,7 +12,8 @@
 // Read-ahead: a sequential reader's next parts are fetched ahead, whole
 // --part-size parts --max-threads at a time, into memory (PartCache, keyed
 // by key and ETag, so a part is only ever served to readers of its version);
-// a read served from there waits for no round trip.
+// a read served from there waits for no round trip, and one inside a single
+// part is handed to the reply where it lies, without a copy.
 //
 // Disk cache (--cache DIR): with one, every range fetched from the server
 // goes through a DiskCache (source/disk_cache.h) keyed by endpoint, bucket,
