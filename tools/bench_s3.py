@@ -20,9 +20,12 @@ and measures, in turns:
     untimed mount filled; DIR on the same disk as the local checkpoint) vs
     a mount of the same checkpoint on local disk: sequential reads of
     consolidated/ (goal: at least 0.8x the local speed);
-  - the mount daemon's peak RSS (VmHWM).
+  - the mount daemon's peak RSS (VmHWM), and its CPU time (user + system)
+    for each measurement that mounts.
 Speeds are bytes read by the client per second; ratios compare them within
 the same pass. The best of --passes is reported, with the load average.
+With --bin-old, mount_read and mount_load are also run with another build
+in the same passes, the two builds taking turns going first.
 
     sudo python3 tools/bench_s3.py [--dir /tmp/ckptfs-bench-s3] [--size-gib 2] [--passes 3]
 
