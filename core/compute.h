@@ -24,9 +24,7 @@
 
 #include <cstdint>
 #include <memory>
-#include <new>
 #include <string>
-#include <utility>
 #include <vector>
 
 #include "core/box.h"
