@@ -6,6 +6,12 @@
 
 namespace ckptfs {
 
+size_t Layout::SegmentAt(uint64_t offset) const {
+  auto it = std::upper_bound(segments_.begin(), segments_.end(), offset,
+                             [](uint64_t off, const Segment& s) { return off < s.offset; });
+  return it == segments_.begin() ? 0 : size_t(it - segments_.begin()) - 1;
+}
+
 void Layout::AddLiteral(std::string bytes) {
   Segment s;
   s.kind = Segment::Kind::kLiteral;

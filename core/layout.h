@@ -55,6 +55,9 @@ class Layout {
 
   uint64_t size() const { return size_; }
   const std::vector<Segment>& segments() const { return segments_; }
+  // The index of the segment holding byte `offset`: the last segment when
+  // offset is at or past the end, 0 for an empty layout.
+  size_t SegmentAt(uint64_t offset) const;
 
  private:
   std::vector<Segment> segments_;

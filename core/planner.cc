@@ -197,10 +197,7 @@ Result<ReadPlan> Plan(const Layout& layout, uint64_t offset, uint64_t length) {
   plan.length = length;
   const uint64_t end = offset + length;
   const auto& segs = layout.segments();
-  auto it = std::upper_bound(segs.begin(), segs.end(), offset,
-                             [](uint64_t off, const Segment& s) { return off < s.offset; });
-  if (it != segs.begin()) --it;
-  for (; it != segs.end() && it->offset < end; ++it) {
+  for (auto it = segs.begin() + layout.SegmentAt(offset); it != segs.end() && it->offset < end; ++it) {
     const Segment& s = *it;
     uint64_t a = std::max(offset, s.offset) - s.offset;
     uint64_t b = std::min(end, s.offset + s.length) - s.offset;

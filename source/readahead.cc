@@ -8,20 +8,23 @@ ReadStream::ReadStream() : generation_(std::make_shared<std::atomic<uint64_t>>(0
 
 ReadStream::~ReadStream() { generation_->fetch_add(1); }
 
-ReadStream::Window ReadStream::OnRead(uint64_t offset, uint64_t size, uint64_t file_size, uint64_t readahead) {
+ReadStream::Window ReadStream::OnRead(uint64_t offset, uint64_t size, uint64_t file_size, uint64_t readahead,
+                                      uint64_t unit) {
   if (readahead == 0 || size == 0) return {};
   const uint64_t end = offset + size;
   std::lock_guard<std::mutex> lock(mu_);
-  const bool continues = started_ && offset + kSlack >= frontier_ && offset <= frontier_ + kSlack;
+  const bool continues = started_ && offset + kSlack >= frontier_ && offset <= frontier_ + kSlack &&
+                         (reading_ahead_ || unit == unit_);
   if (!continues) {
     if (started_) generation_->fetch_add(1);
     started_ = true;
     frontier_ = hinted_ = end;
-    sequential_ = 0;
+    unit_ = unit;
+    reading_ahead_ = false;
     return {};
   }
+  reading_ahead_ = true;
   frontier_ = std::max(frontier_, end);
-  ++sequential_;
   const uint64_t target = std::min(file_size, frontier_ + readahead);
   const uint64_t from = std::max(hinted_, frontier_);
   if (target <= from) return {};

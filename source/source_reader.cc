@@ -153,7 +153,8 @@ void SourceReader::Hint(const std::vector<SourceRead>& reads, size_t first) {
 
 void SourceReader::ReadAhead(ReadStream& stream, const std::shared_ptr<const Layout>& layout, uint64_t offset,
                              uint64_t length) {
-  ReadStream::Window w = stream.OnRead(offset, length, layout->size(), read_.readahead_bytes);
+  ReadStream::Window w =
+      stream.OnRead(offset, length, layout->size(), read_.readahead_bytes, layout->SegmentAt(offset));
   if (w.length == 0) return;
   prefetch_.Post(layout, w, stream.generation());
 }

@@ -282,6 +282,20 @@ TEST(Planner, RowShardedTensorCoalescesIntoOneCopy) {
   EXPECT_EQ(plan->copies[0].length, 64u);
 }
 
+TEST(Layout, SegmentAtNamesTheSegmentHoldingAByte) {
+  Layout empty;
+  EXPECT_EQ(empty.SegmentAt(0), 0u);
+  Layout layout;
+  layout.AddLiteral("header");            // [0, 6)
+  layout.AddLiteral("");                  // no segment
+  layout.AddSource(0, 100, 10);           // [6, 16)
+  layout.AddLiteral(std::string(3, 'p'));  // [16, 19)
+  ASSERT_EQ(layout.segments().size(), 3u);
+  const std::vector<std::pair<uint64_t, size_t>> want = {{0, 0},  {5, 0},  {6, 1},  {15, 1},
+                                                         {16, 2}, {18, 2}, {19, 2}, {500, 2}};
+  for (auto [offset, segment] : want) EXPECT_EQ(layout.SegmentAt(offset), segment) << offset;
+}
+
 TEST(Planner, GroupReadsSplitsWhenGapsAreLarge) {
   std::vector<CopyOp> copies = {{0, 0, 0, 10}, {0, 1 << 20, 10, 10}, {1, 0, 20, 10}};
   auto reads = GroupReads(copies);

@@ -14,6 +14,7 @@
 #include <fstream>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "core/compute.h"
@@ -30,49 +31,78 @@ constexpr uint64_t kFile = 1024 * kMiB;
 
 TEST(ReadStream, FirstRequestReadsNothingAhead) {
   ReadStream s;
-  EXPECT_EQ(s.OnRead(0, kMiB, kFile, 8 * kMiB).length, 0u);
+  EXPECT_EQ(s.OnRead(0, kMiB, kFile, 8 * kMiB, 0).length, 0u);
 }
 
 TEST(ReadStream, SequentialRequestsReadTheNextWindowAhead) {
   ReadStream s;
-  s.OnRead(0, kMiB, kFile, 8 * kMiB);
-  ReadStream::Window w = s.OnRead(kMiB, kMiB, kFile, 8 * kMiB);
+  s.OnRead(0, kMiB, kFile, 8 * kMiB, 0);
+  ReadStream::Window w = s.OnRead(kMiB, kMiB, kFile, 8 * kMiB, 0);
   EXPECT_EQ(w.offset, 2 * kMiB);
   EXPECT_EQ(w.length, 8 * kMiB);
   // The window is ahead already: nothing until a quarter of it is used up.
-  EXPECT_EQ(s.OnRead(2 * kMiB, kMiB, kFile, 8 * kMiB).length, 0u);
-  w = s.OnRead(3 * kMiB, kMiB, kFile, 8 * kMiB);
+  EXPECT_EQ(s.OnRead(2 * kMiB, kMiB, kFile, 8 * kMiB, 0).length, 0u);
+  w = s.OnRead(3 * kMiB, kMiB, kFile, 8 * kMiB, 0);
   EXPECT_EQ(w.offset, 10 * kMiB);
   EXPECT_EQ(w.length, 2 * kMiB);
 }
 
+// transformers' load touches the first and the last MiB of each tensor;
+// the last MiB of one and the first of the next are in a row, in either
+// order. Units 1, 2, 3: three tensors of 21 MiB.
+TEST(ReadStream, TouchesOfNeighbouringUnitsNeverReadAhead) {
+  ReadStream s;
+  for (auto [at, unit] : {std::pair<uint64_t, uint64_t>{20, 1}, {21, 2}, {42, 3}, {41, 2}, {62, 3}, {63, 4}})
+    EXPECT_EQ(s.OnRead(at * kMiB, kMiB, kFile, 8 * kMiB, unit).length, 0u) << at;
+}
+
+TEST(ReadStream, ASecondRequestInOneUnitStartsReadingAheadAfterATouch) {
+  ReadStream s;
+  s.OnRead(20 * kMiB, kMiB, kFile, 8 * kMiB, 1);
+  EXPECT_EQ(s.OnRead(21 * kMiB, kMiB, kFile, 8 * kMiB, 2).length, 0u);
+  ReadStream::Window w = s.OnRead(22 * kMiB, kMiB, kFile, 8 * kMiB, 2);
+  EXPECT_EQ(w.offset, 23 * kMiB);
+  EXPECT_EQ(w.length, 8 * kMiB);
+}
+
+TEST(ReadStream, AStreamReadingAheadGoesOnAcrossUnits) {
+  ReadStream s;
+  s.OnRead(0, kMiB, kFile, 8 * kMiB, 0);
+  EXPECT_GT(s.OnRead(kMiB, kMiB, kFile, 8 * kMiB, 0).length, 0u);
+  auto gen = s.generation()->load();
+  uint64_t ahead = 0;
+  for (uint64_t i = 2; i < 12; ++i) ahead += s.OnRead(i * kMiB, kMiB, kFile, 8 * kMiB, i).length;
+  EXPECT_EQ(s.generation()->load(), gen);
+  EXPECT_EQ(ahead, 10 * kMiB);  // on from 10 MiB to 20 MiB: 8 MiB beyond the last request's end
+}
+
 TEST(ReadStream, OutOfOrderRequestsWithinSlackStaySequential) {
   ReadStream s;
-  s.OnRead(0, kMiB, kFile, 8 * kMiB);
-  s.OnRead(2 * kMiB, kMiB, kFile, 8 * kMiB);  // the kernel's next read-ahead request first
+  s.OnRead(0, kMiB, kFile, 8 * kMiB, 0);
+  s.OnRead(2 * kMiB, kMiB, kFile, 8 * kMiB, 0);  // the kernel's next read-ahead request first
   auto gen = s.generation()->load();
-  s.OnRead(kMiB, kMiB, kFile, 8 * kMiB);
+  s.OnRead(kMiB, kMiB, kFile, 8 * kMiB, 0);
   EXPECT_EQ(s.generation()->load(), gen);
 }
 
 TEST(ReadStream, WindowStopsAtEndOfFile) {
   ReadStream s;
-  s.OnRead(0, kMiB, 3 * kMiB, 8 * kMiB);
-  ReadStream::Window w = s.OnRead(kMiB, kMiB, 3 * kMiB, 8 * kMiB);
+  s.OnRead(0, kMiB, 3 * kMiB, 8 * kMiB, 0);
+  ReadStream::Window w = s.OnRead(kMiB, kMiB, 3 * kMiB, 8 * kMiB, 0);
   EXPECT_EQ(w.offset, 2 * kMiB);
   EXPECT_EQ(w.length, kMiB);
-  EXPECT_EQ(s.OnRead(2 * kMiB, kMiB, 3 * kMiB, 8 * kMiB).length, 0u);
+  EXPECT_EQ(s.OnRead(2 * kMiB, kMiB, 3 * kMiB, 8 * kMiB, 0).length, 0u);
 }
 
 TEST(ReadStream, JumpBreaksThePatternAndCancelsQueuedHints) {
   ReadStream s;
-  s.OnRead(0, kMiB, kFile, 8 * kMiB);
-  EXPECT_GT(s.OnRead(kMiB, kMiB, kFile, 8 * kMiB).length, 0u);
+  s.OnRead(0, kMiB, kFile, 8 * kMiB, 0);
+  EXPECT_GT(s.OnRead(kMiB, kMiB, kFile, 8 * kMiB, 0).length, 0u);
   auto gen = s.generation()->load();
-  EXPECT_EQ(s.OnRead(500 * kMiB, kMiB, kFile, 8 * kMiB).length, 0u);
+  EXPECT_EQ(s.OnRead(500 * kMiB, kMiB, kFile, 8 * kMiB, 0).length, 0u);
   EXPECT_NE(s.generation()->load(), gen);
   // A new stream from there.
-  ReadStream::Window w = s.OnRead(501 * kMiB, kMiB, kFile, 8 * kMiB);
+  ReadStream::Window w = s.OnRead(501 * kMiB, kMiB, kFile, 8 * kMiB, 0);
   EXPECT_EQ(w.offset, 502 * kMiB);
   EXPECT_EQ(w.length, 8 * kMiB);
 }
@@ -80,12 +110,12 @@ TEST(ReadStream, JumpBreaksThePatternAndCancelsQueuedHints) {
 TEST(ReadStream, RandomRequestsNeverReadAhead) {
   ReadStream s;
   for (uint64_t at : {700u, 10u, 300u, 900u, 50u, 600u})
-    EXPECT_EQ(s.OnRead(at * kMiB, kMiB, kFile, 8 * kMiB).length, 0u) << at;
+    EXPECT_EQ(s.OnRead(at * kMiB, kMiB, kFile, 8 * kMiB, 0).length, 0u) << at;
 }
 
 TEST(ReadStream, ZeroWindowIsOff) {
   ReadStream s;
-  for (uint64_t i = 0; i < 8; ++i) EXPECT_EQ(s.OnRead(i * kMiB, kMiB, kFile, 0).length, 0u);
+  for (uint64_t i = 0; i < 8; ++i) EXPECT_EQ(s.OnRead(i * kMiB, kMiB, kFile, 0, 0).length, 0u);
 }
 
 TEST(ReadStream, DestroyingTheStreamCancelsItsHints) {
