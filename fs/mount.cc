@@ -14,6 +14,7 @@
 #include <csignal>
 #include <deque>
 #include <mutex>
+#include <shared_mutex>
 #include <thread>
 
 #include <climits>
@@ -342,13 +343,45 @@ fuse_lowlevel_ops MakeOps() {
   return ops;
 }
 
+// Stores the pages VirtualFs pushes ahead of their readers (FsOptions::store)
+// in the kernel's page cache. A store and an invalidation never overlap: a
+// store checks that its bytes are still valid and stores them under the
+// shared side of order(), an invalidation is sent under the exclusive side
+// (Invalidator). So a store either ends before the invalidation that drops
+// its pages, or starts after the checkpoint was marked stale and does
+// nothing.
+class PageStore {
+ public:
+  explicit PageStore(struct fuse_session* se) : se_(se) {}
+  void Store(uint64_t ino, uint64_t offset, const char* data, size_t len, const std::function<bool()>& valid) {
+    std::shared_lock<std::shared_mutex> lock(mu_);
+    if (stopped_ || !valid()) return;
+    struct fuse_bufvec bv = FUSE_BUFVEC_INIT(len);
+    bv.buf[0].mem = const_cast<char*>(data);
+    // An error (the kernel has forgotten the inode, say) only loses the push.
+    fuse_lowlevel_notify_store(se_, ino, off_t(offset), &bv, fuse_buf_copy_flags(0));
+  }
+  // Later stores do nothing: the session is about to go.
+  void Stop() {
+    std::unique_lock<std::shared_mutex> lock(mu_);
+    stopped_ = true;
+  }
+  std::shared_mutex& order() { return mu_; }
+
+ private:
+  struct fuse_session* se_;
+  std::shared_mutex mu_;  // guards stopped_; orders stores against invalidations
+  bool stopped_ = false;
+};
+
 // Sends the kernel the invalidations VirtualFs asks for, from a thread of
 // its own: a reader that finds a source changed must not invalidate the
 // inode it is reading (the kernel would wait on the page lock that read
 // holds), nor a lookup that unloads a checkpoint the entries it is under.
 class Invalidator {
  public:
-  explicit Invalidator(struct fuse_session* se) : se_(se), thread_([this] { Run(); }) {}
+  // Invalidations are sent under the exclusive side of `order` (PageStore).
+  Invalidator(struct fuse_session* se, std::shared_mutex& order) : se_(se), order_(order), thread_([this] { Run(); }) {}
   ~Invalidator() {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -382,14 +415,18 @@ class Invalidator {
       Item item = std::move(queue_.front());
       queue_.pop_front();
       lock.unlock();
-      // -ENOENT: the kernel has forgotten it already; nothing cached.
-      if (item.name.empty()) fuse_lowlevel_notify_inval_inode(se_, item.ino, 0, 0);
-      else fuse_lowlevel_notify_inval_entry(se_, item.ino, item.name.c_str(), item.name.size());
+      {
+        std::unique_lock<std::shared_mutex> exclusive(order_);
+        // -ENOENT: the kernel has forgotten it already; nothing cached.
+        if (item.name.empty()) fuse_lowlevel_notify_inval_inode(se_, item.ino, 0, 0);
+        else fuse_lowlevel_notify_inval_entry(se_, item.ino, item.name.c_str(), item.name.size());
+      }
       lock.lock();
     }
   }
 
   struct fuse_session* se_;
+  std::shared_mutex& order_;
   std::mutex mu_;  // guards queue_, stop_
   std::condition_variable cv_;
   std::deque<Item> queue_;
@@ -512,7 +549,12 @@ Status MountAndServe(std::unique_ptr<VirtualFs> fs, const std::string& mountpoin
   if (options.mounted) options.mounted();
   int rc;
   {
-    Invalidator invalidator(se);
+    // Shared with the push threads, which may outlive this scope: stopped
+    // before the session goes.
+    auto store = std::make_shared<PageStore>(se);
+    fs->set_store([store](uint64_t ino, uint64_t offset, const char* data, size_t len,
+                          const std::function<bool()>& valid) { store->Store(ino, offset, data, len, valid); });
+    Invalidator invalidator(se, store->order());
     fs->set_invalidate([&invalidator](uint64_t ino) { invalidator.Push(ino); });
     fs->set_invalidate_entry(
         [&invalidator](uint64_t parent, const std::string& name) { invalidator.PushEntry(parent, name); });
@@ -526,6 +568,8 @@ Status MountAndServe(std::unique_ptr<VirtualFs> fs, const std::string& mountpoin
     watching.watcher.reset();
     fs->set_invalidate({});
     fs->set_invalidate_entry({});
+    fs->set_store({});
+    store->Stop();
   }
   fuse_session_unmount(se);
   fuse_remove_signal_handlers(se);

@@ -13,6 +13,7 @@ struct OpenFiles::Handle {
   std::unique_ptr<TreeFile> file;  // source files
   Served* served = nullptr;  // virtual files: holds it loaded (Served::handles)
   mutable ReadStream stream;  // virtual files: follows the reader for read-ahead
+  PageSink push;  // virtual files of a checkpoint: where pushed pages go (FsOptions::store)
 };
 
 OpenFiles::OpenFiles(const FsOptions& options, const SourceTree& tree, NodeTable& nodes, CheckpointSet& ckpts,
@@ -71,6 +72,7 @@ FsResult<uint64_t> OpenFiles::Open(uint64_t ino, int flags) {
       ckpts_.Unpin(*s);
       return e;
     }
+    h->push = PushSink(*n, *s);
   }
   ckpts_.Touch(n->ckpt);
   return reinterpret_cast<uint64_t>(h.release());
@@ -92,7 +94,7 @@ FsResult<size_t> OpenFiles::Read(uint64_t handle, char* buf, size_t size, uint64
   Status st = reader->Execute(plan, buf);
   if (st.ok() && !plan.computes.empty()) st = compute_.Fill(plan.computes, buf, *reader, n.ckpt);
   if (!st.ok()) return ReadFailed(n, size, offset, st);
-  reader->ReadAhead(h->stream, n.layout, offset, plan.length);
+  reader->ReadAhead(h->stream, n.layout, offset, plan.length, h->push);
   return plan.length;
 }
 
@@ -106,6 +108,15 @@ FsError OpenFiles::ReadFailed(const FsNode& n, size_t size, uint64_t offset, con
   if (st.code() == Status::Code::kStale && n.sources) MarkMergedStale(n.sources, n.ckpt, st.message());
   else if (st.code() == Status::Code::kStale) InvalidateCheckpoint(n.ckpt);
   return ReadFailed(n, size, offset, FsError::From(st));
+}
+
+PageSink OpenFiles::PushSink(const FsNode& n, const Served* served) const {
+  // A merged/ file's tensors are computed, and its reader is not the
+  // checkpoint's: nothing is pushed.
+  if (!options_.store || n.sources) return {};
+  return [store = options_.store, ino = n.ino, served](uint64_t offset, const char* data, size_t len) {
+    store(ino, offset, data, len, [served] { return !served->stale.load(); });
+  };
 }
 
 // Kept loaded by the open handle; a merged/ file reads two checkpoints' files.
@@ -156,7 +167,7 @@ FsResult<ScatterReply> OpenFiles::ReadScatter(uint64_t handle, size_t size, uint
   }
   if (st.ok()) st = reply.Finish();
   if (!st.ok()) return ReadFailed(n, size, offset, st);
-  reader->ReadAhead(h->stream, n.layout, offset, plan.length);
+  reader->ReadAhead(h->stream, n.layout, offset, plan.length, h->push);
   return reply;
 }
 

@@ -54,6 +54,9 @@ class OpenFiles {
   // status marks the checkpoint stale first.
   FsError ReadFailed(const FsNode& n, size_t size, uint64_t offset, const FsError& e);
   FsError ReadFailed(const FsNode& n, size_t size, uint64_t offset, const Status& st);
+  // Where the pushes of virtual file `n` of checkpoint `served` go: the
+  // kernel's pages of its inode, while the checkpoint is not stale.
+  PageSink PushSink(const FsNode& n, const Served* served) const;
   // The reader of an open virtual file: its checkpoint's, or a merged/
   // file's own (fs/merged_view.h).
   static SourceReader* ReaderOf(const Handle& h);

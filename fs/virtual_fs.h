@@ -122,6 +122,7 @@ class VirtualFs {
   void set_info(std::function<void(const std::string&)> f) { options_.info = std::move(f); }
   void set_invalidate(std::function<void(uint64_t)> f) { options_.invalidate = std::move(f); }
   void set_invalidate_entry(FsOptions::InvalidateEntry f) { options_.invalidate_entry = std::move(f); }
+  void set_store(FsOptions::Store f) { options_.store = std::move(f); }
   void set_read_options(ReadOptions read) { options_.read = read; }
   void set_verify_checksums(bool on) { options_.verify_checksums = on; }
 

@@ -4,9 +4,20 @@
 
 namespace ckptfs {
 
-ReadStream::ReadStream() : generation_(std::make_shared<std::atomic<uint64_t>>(0)) {}
+ReadStream::ReadStream()
+    : generation_(std::make_shared<std::atomic<uint64_t>>(0)), lifetime_(std::make_shared<std::atomic<uint64_t>>(0)) {}
 
-ReadStream::~ReadStream() { generation_->fetch_add(1); }
+ReadStream::~ReadStream() {
+  generation_->fetch_add(1);
+  lifetime_->fetch_add(1);
+}
+
+bool ReadStream::ClaimUnit(uint64_t unit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // A bound on the set: past it a unit may be pushed twice (speed only).
+  if (claimed_.size() >= kMaxClaimed) claimed_.clear();
+  return claimed_.insert(unit).second;
+}
 
 ReadStream::Window ReadStream::OnRead(uint64_t offset, uint64_t size, uint64_t file_size, uint64_t readahead,
                                       uint64_t unit) {
@@ -21,7 +32,7 @@ ReadStream::Window ReadStream::OnRead(uint64_t offset, uint64_t size, uint64_t f
     frontier_ = hinted_ = end;
     unit_ = unit;
     reading_ahead_ = false;
-    return {};
+    return {0, 0, true};
   }
   reading_ahead_ = true;
   frontier_ = std::max(frontier_, end);

@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <unordered_set>
 
 namespace ckptfs {
 
@@ -33,9 +34,10 @@ class ReadStream {
   struct Window {
     uint64_t offset = 0;
     uint64_t length = 0;  // 0: nothing to read ahead now
+    bool started = false;  // the request began a new stream (it continued none)
   };
   ReadStream();
-  // Cancels the hints still queued for this stream.
+  // Cancels the hints still queued for this stream, and the pushes.
   ~ReadStream();
 
   // Records the request [offset, offset + size) of a file of `file_size`
@@ -56,10 +58,19 @@ class ReadStream {
   // generation is dropped.
   std::shared_ptr<const std::atomic<uint64_t>> generation() const { return generation_; }
 
+  // True the first time it is called for `unit`: the caller then pushes
+  // that unit whole (SourceReader::ReadAhead), once per stream.
+  bool ClaimUnit(uint64_t unit);
+
+  // Changes only when the stream is destroyed (its file closed): work
+  // queued for the file's lifetime, not for one pattern, is dropped then.
+  std::shared_ptr<const std::atomic<uint64_t>> lifetime() const { return lifetime_; }
+
   // Requests may arrive this far apart (the kernel's own read-ahead of the
   // virtual file issues up to a few 1 MiB requests at once) and still count
   // as one sequential stream.
   static constexpr uint64_t kSlack = 4 << 20;
+  static constexpr size_t kMaxClaimed = 1 << 16;
 
  private:
   std::mutex mu_;  // guards the fields below
@@ -68,7 +79,9 @@ class ReadStream {
   uint64_t unit_ = 0;      // the unit of the stream's first request
   bool reading_ahead_ = false;
   bool started_ = false;
+  std::unordered_set<uint64_t> claimed_;  // units ClaimUnit has returned true for
   std::shared_ptr<std::atomic<uint64_t>> generation_;
+  std::shared_ptr<std::atomic<uint64_t>> lifetime_;
 };
 
 // A bounded queue of background jobs run by one thread, started on the first

@@ -53,6 +53,7 @@ class S3Source : public Source {
   std::optional<int64_t> ChangeTimeNs(const std::string& rel) const override;
   std::optional<int64_t> ModifyTimeNs(const std::string& rel) const override { return ChangeTimeNs(rel); }
   bool ReadsArePinned() const override { return true; }
+  bool CachesReads() const override { return false; }
 
   const S3Config& config() const { return client_->config(); }
   // The disk cache objects are read through, or null.

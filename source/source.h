@@ -137,6 +137,11 @@ class Source {
   // need not identify the path again after each read.
   virtual bool ReadsArePinned() const { return false; }
 
+  // True when bytes read once are kept for the next read without asking
+  // (a POSIX file's page cache); false for object storage, whose ranges are
+  // fetched again each time they are read.
+  virtual bool CachesReads() const { return true; }
+
   // A key equal for two directory paths that name the same directory (for
   // POSIX: device and inode), so a walk never enters one twice.
   virtual std::string DirKey(const std::string& rel) const { return rel; }

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/convert.h"
+#include "core/uninitialized.h"
 #include "source/checksums.h"
 #include "source/posix_source.h"
 #include "source/transform.h"
@@ -18,6 +19,12 @@ namespace {
 // 8 MiB on the benchmark disk; commonly 512 KiB or more); on a device with
 // less, part of each piece is not read ahead (a loss of speed only).
 constexpr uint64_t kHintChunk = 512 << 10;
+
+// A push reads and hands over this much at a time (its buffer), from and to
+// multiples of kPushAlign where the file allows, so that the kernel gets
+// whole pages.
+constexpr uint64_t kPushPiece = 8 << 20;
+constexpr uint64_t kPushAlign = 64 << 10;
 
 }  // namespace
 
@@ -53,7 +60,10 @@ Result<std::shared_ptr<const std::string>> SourceReader::Decoded(FileId id) {
   return value;
 }
 
-SourceReader::~SourceReader() { prefetch_.Stop(); }
+SourceReader::~SourceReader() {
+  for (HintQueue& q : pushes_) q.Stop();
+  prefetch_.Stop();
+}
 
 uint64_t SourceReader::bytes_read() const { return bytes_read_->load(); }
 
@@ -152,13 +162,57 @@ void SourceReader::Hint(const std::vector<SourceRead>& reads, size_t first) {
 
 
 void SourceReader::ReadAhead(ReadStream& stream, const std::shared_ptr<const Layout>& layout, uint64_t offset,
-                             uint64_t length) {
-  ReadStream::Window w =
-      stream.OnRead(offset, length, layout->size(), read_.readahead_bytes, layout->SegmentAt(offset));
-  if (w.length == 0) return;
-  prefetch_.Post(layout, w, stream.generation());
+                             uint64_t length, const PageSink& sink) {
+  const size_t unit = layout->SegmentAt(offset);
+  ReadStream::Window w = stream.OnRead(offset, length, layout->size(), read_.readahead_bytes, unit);
+  if (w.length) prefetch_.Post(layout, w, stream.generation());
+  if (w.started && sink && read_.push_tensor_bytes) PushTensor(stream, layout, unit, offset, sink);
 }
 
+void SourceReader::PushTensor(ReadStream& stream, const std::shared_ptr<const Layout>& layout, size_t unit,
+                              uint64_t offset, const PageSink& sink) {
+  if (unit >= layout->segments().size()) return;
+  const Segment& seg = layout->segments()[unit];
+  if (seg.kind != Segment::Kind::kTensor || seg.length > read_.push_tensor_bytes) return;
+  auto down = [](uint64_t x) { return x / kPushAlign * kPushAlign; };
+  auto up = [&](uint64_t x) { return std::min(layout->size(), (x + kPushAlign - 1) / kPushAlign * kPushAlign); };
+  // The whole tensor, the request's own pages too (the reply may fill
+  // fewer than a piece): from the request on first (a reader going on
+  // from there needs those next), then what lies before.
+  const uint64_t lo = down(seg.offset), hi = up(seg.offset + seg.length), at = std::max(lo, down(offset));
+  std::vector<ReadStream::Window> ws{{at, hi - at}};
+  if (lo < at) ws.push_back({lo, at - lo});
+  if (!stream.ClaimUnit(unit)) return;
+  std::shared_ptr<const std::atomic<uint64_t>> life = stream.lifetime();
+  const uint64_t want = life->load();
+  pushes_[next_push_++ % kPushers].Post([this, layout, ws, life, want, sink] { Push(*layout, ws, *life, want, sink); });
+}
+
+void SourceReader::Push(const Layout& layout, const std::vector<ReadStream::Window>& ws,
+                        const std::atomic<uint64_t>& life, uint64_t want, const PageSink& sink) {
+  auto go_on = [&] { return life.load(std::memory_order_relaxed) == want; };
+  // All of the windows' source ranges queued first, fetched side by side
+  // (object storage: whole parts, --max-threads at a time).
+  for (const ReadStream::Window& w : ws) {
+    auto whole = Plan(layout, w.offset, w.length);
+    if (!whole.ok()) return;
+    for (const SourceRead& r : GroupReads(whole->copies, policy_)) {
+      if ((*files_)[r.file].derived()) continue;
+      auto obj = Object(r.file);
+      if (obj.ok()) (*obj)->Prefetch(r.offset, r.length, go_on);
+    }
+  }
+  UninitializedBytes buf;  // written whole by Execute
+  for (const ReadStream::Window& w : ws) {
+    for (uint64_t at = w.offset; at < w.offset + w.length && go_on(); at += kPushPiece) {
+      auto plan = Plan(layout, at, std::min(kPushPiece, w.offset + w.length - at));
+      if (!plan.ok() || !plan->computes.empty()) return;
+      buf.resize(plan->length);
+      if (!Execute(*plan, buf.data()).ok()) return;
+      if (go_on()) sink(at, buf.data(), plan->length);
+    }
+  }
+}
 
 void SourceReader::SetChecksumGate(std::unique_ptr<ChecksumGate> gate) { gate_ = std::move(gate); }
 

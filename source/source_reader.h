@@ -22,6 +22,7 @@
 // of this replaces the checked reads.
 #pragma once
 
+#include <array>
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -52,6 +53,13 @@ struct ReadOptions {
   // Hint all reads of a request before the first pread (overlapped I/O;
   // without `direct` only: with it the reads run side by side).
   bool overlap = true;
+  // A tensor of at most this many bytes of a virtual file is pushed whole
+  // into the kernel's page cache the first time a request that continues
+  // no stream touches it (ReadAhead with a sink): transformers' load touches
+  // the first and last MiB of each tensor and reads it whole only later,
+  // when a source without a page cache (object storage) would fetch it
+  // again. 0: off (local roots, whose page cache keeps what was read).
+  uint64_t push_tensor_bytes = 0;
   // Direct reads of cold source ranges into a bounded pool, the reads of a
   // request run side by side (source/direct_io.h); shared by the readers of
   // one mount. Null: every read goes through the page cache, one after the
@@ -59,7 +67,16 @@ struct ReadOptions {
   std::shared_ptr<DirectIo> direct;
 };
 
+// The mount's push_tensor_bytes over sources that do not cache reads
+// (Source::CachesReads): the matrices of models up to a few billion
+// parameters; larger tensors (an embedding, say) are read ahead as streams.
+inline constexpr uint64_t kPushTensorBytes = 64ull << 20;
+
 class ChecksumGate;
+
+// Receives bytes [offset, offset + len) of a virtual file, computed ahead of
+// its reader (ReadOptions::push_tensor_bytes), for the kernel's page cache.
+using PageSink = std::function<void(uint64_t offset, const char* data, size_t len)>;
 
 // Derived sources (decoded transformed items) are decoded on first read and
 // kept in an LRU cache bounded by `decoded_cache_bytes` (DecodedCache).
@@ -95,9 +112,12 @@ class SourceReader {
   // Call after serving [offset, offset + length) of the virtual file laid
   // out by `layout` to the reader whose requests `stream` follows: when they
   // are sequential, queues read-ahead of the source ranges of the next
-  // bytes (done by a background thread). Never blocks on I/O.
+  // bytes (done by a background thread). With `sink` and
+  // push_tensor_bytes, a request that continues no stream also has its
+  // whole tensor read and handed to `sink`, once per stream and tensor, by
+  // a background thread (PushTensor). Never blocks on I/O.
   void ReadAhead(ReadStream& stream, const std::shared_ptr<const Layout>& layout, uint64_t offset,
-                 uint64_t length);
+                 uint64_t length, const PageSink& sink = {});
 
   // Read-ahead keeps at most this many objects (descriptors) open besides
   // the one per source file the reads use.
@@ -120,6 +140,16 @@ class SourceReader {
 
  private:
   Status ExecuteUngated(const ReadPlan& plan, char* dst);
+  // Queues the push of segment `unit` of `layout`, from the request at
+  // `offset` on, then what lies before, when it is a tensor small enough
+  // and `stream` had not claimed it.
+  void PushTensor(ReadStream& stream, const std::shared_ptr<const Layout>& layout, size_t unit, uint64_t offset,
+                  const PageSink& sink);
+  // On a push thread: fetches the sources of windows `ws` ahead, then reads
+  // them a piece at a time into `sink` while `life` holds `want`. A failed
+  // read ends the push: the reader's own request reports the cause.
+  void Push(const Layout& layout, const std::vector<ReadStream::Window>& ws, const std::atomic<uint64_t>& life,
+            uint64_t want, const PageSink& sink);
   Status ScatterUngated(const ReadPlan& plan, ScatterReply* reply);
   // Verify-on-first-read of the chunks `copies` touch (SetChecksumGate).
   Status PassGate(const std::vector<CopyOp>& copies);
@@ -156,7 +186,12 @@ class SourceReader {
 
   ReadOptions read_;
   std::unique_ptr<ChecksumGate> gate_;
-  SourcePrefetch prefetch_;  // stopped first by the destructor: its jobs use the objects
+  SourcePrefetch prefetch_;  // stopped by the destructor: its jobs use the objects
+  // Push threads (PushTensor), a tensor at a time each, so that a few
+  // tensors' sources are fetched side by side; stopped first.
+  static constexpr size_t kPushers = 4;
+  std::array<HintQueue, kPushers> pushes_;
+  std::atomic<size_t> next_push_{0};
 };
 
 }  // namespace ckptfs

@@ -242,6 +242,7 @@ int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::f
   ReadOptions read;
   read.readahead_bytes = uint64_t(f.readahead_mib) << 20;
   if (f.direct_pool_mib > 0) read.direct = std::make_shared<DirectIo>(uint64_t(f.direct_pool_mib) << 20);
+  if (!fs->tree().source()->CachesReads()) read.push_tensor_bytes = kPushTensorBytes;
   fs->set_read_options(read);
   fs->set_verify_checksums(f.verify_checksums);
   out->Write(LogLevel::kInfo, "mounting " + AbsRoot(f.c.root) + " at " + mountpoint + " (index " + IndexPath(f.c) +

@@ -292,6 +292,74 @@ def test_a_sequential_reader_is_served_from_parts_fetched_ahead(s3_server, s3_en
     assert gets <= 12, f"{gets} ranged GETs for a 24 MiB sequential read in 4 MiB parts"
 
 
+def _resident_pages(path: str, begin: int, end: int) -> int:
+    """Pages of [begin, end) of `path` in the page cache, found with
+    mincore on a mapping that is never touched (nothing is read)."""
+    import ctypes
+    import mmap
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    first, last = begin // page, (end + page - 1) // page
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+        try:
+            vec = ctypes.create_string_buffer(last - first)
+            assert libc.mincore(addr + first * page, (last - first) * page, vec) == 0
+            return sum(b & 1 for b in vec.raw)
+        finally:
+            libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+
+
+def test_a_touched_tensor_is_pushed_whole_into_the_page_cache(s3_server, s3_env, mount_factory, tmp_path):
+    # transformers' load touches the ends of each tensor and reads it whole
+    # only when the model first runs. Over s3:// the first touch of a
+    # tensor has the rest of it stored in the kernel's page cache; a
+    # tensor nobody touched stays out of it. Residency is read with
+    # mincore, the bytes with numpy.
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(7)
+    tensors = {"a": rng.standard_normal((1536, 1024), dtype=np.float32),  # 6 MiB
+               "b": rng.standard_normal((1536, 1024), dtype=np.float32)}
+    folder = tmp_path / "pushed"
+    folder.mkdir()
+    save_file(tensors, str(folder / "model.safetensors"))
+    upload_tree(s3_server["client"], str(folder), "push/m/")
+    with mount_factory(f"s3://{BUCKET}/push") as m:
+        path = m.p("m", "consolidated", "model.safetensors")
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        begin = {k: 8 + n + header[k]["data_offsets"][0] for k in tensors}
+        end = {k: 8 + n + header[k]["data_offsets"][1] for k in tensors}
+        page = os.sysconf("SC_PAGE_SIZE")
+        a_pages = (end["a"] + page - 1) // page - begin["a"] // page
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            # The touch, past what the kernel read ahead of the header read.
+            os.pread(fd, 4096, begin["a"] + (3 << 20))
+            deadline = time.monotonic() + 20
+            while _resident_pages(path, begin["a"], end["a"]) < a_pages and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert _resident_pages(path, begin["a"], end["a"]) == a_pages, m.log()[-2000:]
+            # "b" was not touched: beyond the page or two a push rounds up
+            # to, none of it is cached.
+            assert _resident_pages(path, begin["b"] + (256 << 10), end["b"]) == 0
+            data = os.pread(fd, end["a"] - begin["a"], begin["a"])  # from the page cache
+        finally:
+            os.close(fd)
+    np.testing.assert_array_equal(np.frombuffer(data, dtype=np.float32).reshape(1536, 1024), tensors["a"])
+
+
 def _explained_failures(log: str) -> dict:
     """Failed reads the log accounts for, by virtual path: a line is one; a
     line the log limiter ends with "(and N more like this in the last S s)"
