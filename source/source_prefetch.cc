@@ -38,10 +38,13 @@ SourcePrefetch::SourcePrefetch(const std::vector<SourceFile>* files, GroupPolicy
     : files_(files), policy_(policy), checked_(std::move(checked)) {}
 
 void SourcePrefetch::Post(std::shared_ptr<const Layout> layout, ReadStream::Window w,
-                          std::shared_ptr<const std::atomic<uint64_t>> generation) {
+                          std::shared_ptr<const std::atomic<uint64_t>> generation, std::function<void()> then) {
   const uint64_t want = generation->load();
   // Planned on the hint thread: the request that got here is answered first.
-  hints_.Post([this, layout, w, generation, want] { HintWindow(*layout, w, generation.get(), want); });
+  hints_.Post([this, layout, w, generation, want, then = std::move(then)] {
+    HintWindow(*layout, w, generation.get(), want);
+    if (then && generation->load() == want) then();
+  });
 }
 
 void SourcePrefetch::HintWindow(const Layout& layout, ReadStream::Window w, const std::atomic<uint64_t>* generation,

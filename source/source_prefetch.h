@@ -39,8 +39,10 @@ class SourcePrefetch {
 
   // Queues the prefetch of window `w` of the virtual file laid out by
   // `layout`; it stops once `generation` no longer holds its value now.
+  // `then`, if any, runs on the prefetch thread once the window's sources
+  // are queued or read, unless the prefetch stopped or was dropped.
   void Post(std::shared_ptr<const Layout> layout, ReadStream::Window w,
-            std::shared_ptr<const std::atomic<uint64_t>> generation);
+            std::shared_ptr<const std::atomic<uint64_t>> generation, std::function<void()> then = {});
   // Drops the jobs not started and waits for the running one.
   void Stop() { hints_.Stop(); }
 

@@ -185,23 +185,24 @@ void SourceReader::PushTensor(ReadStream& stream, const std::shared_ptr<const La
   if (!stream.ClaimUnit(unit)) return;
   std::shared_ptr<const std::atomic<uint64_t>> life = stream.lifetime();
   const uint64_t want = life->load();
-  pushes_[next_push_++ % kPushers].Post([this, layout, ws, life, want, sink] { Push(*layout, ws, *life, want, sink); });
+  // The sources are prefetched by the prefetch thread, as a stream's are:
+  // parts are then allocated by one thread, from one malloc arena (from
+  // four push threads, glibc kept twice the part cache in their arenas).
+  // The push is queued once they are.
+  for (size_t i = 0; i < ws.size(); ++i) {
+    std::function<void()> then;
+    if (i + 1 == ws.size())
+      then = [this, layout, ws, life, want, sink] {
+        auto job = [this, layout, ws, life, want, sink] { Push(*layout, ws, *life, want, sink); };
+        pushes_[next_push_++ % kPushers].Post(std::move(job));
+      };
+    prefetch_.Post(layout, ws[i], life, std::move(then));
+  }
 }
 
 void SourceReader::Push(const Layout& layout, const std::vector<ReadStream::Window>& ws,
                         const std::atomic<uint64_t>& life, uint64_t want, const PageSink& sink) {
   auto go_on = [&] { return life.load(std::memory_order_relaxed) == want; };
-  // All of the windows' source ranges queued first, fetched side by side
-  // (object storage: whole parts, --max-threads at a time).
-  for (const ReadStream::Window& w : ws) {
-    auto whole = Plan(layout, w.offset, w.length);
-    if (!whole.ok()) return;
-    for (const SourceRead& r : GroupReads(whole->copies, policy_)) {
-      if ((*files_)[r.file].derived()) continue;
-      auto obj = Object(r.file);
-      if (obj.ok()) (*obj)->Prefetch(r.offset, r.length, go_on);
-    }
-  }
   UninitializedBytes buf;  // written whole by Execute
   for (const ReadStream::Window& w : ws) {
     for (uint64_t at = w.offset; at < w.offset + w.length && go_on(); at += kPushPiece) {

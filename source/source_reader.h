@@ -145,9 +145,9 @@ class SourceReader {
   // and `stream` had not claimed it.
   void PushTensor(ReadStream& stream, const std::shared_ptr<const Layout>& layout, size_t unit, uint64_t offset,
                   const PageSink& sink);
-  // On a push thread: fetches the sources of windows `ws` ahead, then reads
-  // them a piece at a time into `sink` while `life` holds `want`. A failed
-  // read ends the push: the reader's own request reports the cause.
+  // On a push thread, once the sources of windows `ws` are prefetched:
+  // reads them a piece at a time into `sink` while `life` holds `want`. A
+  // failed read ends the push: the reader's own request reports the cause.
   void Push(const Layout& layout, const std::vector<ReadStream::Window>& ws, const std::atomic<uint64_t>& life,
             uint64_t want, const PageSink& sink);
   Status ScatterUngated(const ReadPlan& plan, ScatterReply* reply);
