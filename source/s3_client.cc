@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <map>
@@ -480,11 +481,20 @@ Status S3Client::Get(const std::string& key, const std::string& etag, uint64_t o
   r.len = len;
   r.dst = dst;
   Response resp = PerformWithRetries(r, kMaxAttempts);
-  if (resp.curl == CURLE_OK && (resp.http == 206 || resp.http == 200) && resp.received == len && !resp.overflow)
+  if (resp.curl == CURLE_OK && (resp.http == 206 || resp.http == 200) && resp.received == len && !resp.overflow) {
+    gets_.fetch_add(1, std::memory_order_relaxed);
+    get_bytes_.fetch_add(len, std::memory_order_relaxed);
     return CheckEtag(r, resp);
+  }
   if (resp.curl == CURLE_OK && resp.http == 416)
     return Status::Corruption(r.What() + ": unexpected end of object (HTTP 416)");
   return Explain(r, resp);
+}
+
+std::string S3Client::Stats::Describe() const {
+  char gb[32];
+  std::snprintf(gb, sizeof gb, "%.2f", double(bytes) / 1e9);
+  return "s3: " + std::to_string(gets) + " ranged GETs, " + gb + " GB received";
 }
 
 }  // namespace ckptfs

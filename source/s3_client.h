@@ -18,6 +18,7 @@
 // 301 with another region → retried once in that region.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -66,6 +67,15 @@ class S3Client {
   // is not retried; a busy one is). Lists the prefix and HEADs its first key.
   Status Probe(const std::string& prefix) const;
 
+  // Ranged GETs answered in full so far, and their bytes (what a mount
+  // fetched: logged when it ends, read by tools/bench_s3.py).
+  struct Stats {
+    uint64_t gets = 0;
+    uint64_t bytes = 0;
+    std::string Describe() const;  // "s3: 807 ranged GETs, 3.86 GB received"
+  };
+  Stats stats() const { return {gets_.load(), get_bytes_.load()}; }
+
   static constexpr int kMaxAttempts = 8;
   static constexpr int64_t kRetryBudgetMs = 60'000;
 
@@ -88,6 +98,8 @@ class S3Client {
   Status CheckEtag(const Request& r, const Response& resp) const;
 
   S3Config config_;
+  mutable std::atomic<uint64_t> gets_{0};
+  mutable std::atomic<uint64_t> get_bytes_{0};
   mutable std::mutex mu_;  // guards pool_
   mutable std::vector<std::unique_ptr<Handle>> pool_;
 };

@@ -56,6 +56,8 @@ class S3Source : public Source {
   bool CachesReads() const override { return false; }
 
   const S3Config& config() const { return client_->config(); }
+  // What the client fetched so far.
+  S3Client::Stats fetched() const { return client_->stats(); }
   // The disk cache objects are read through, or null.
   const std::shared_ptr<DiskCache>& disk_cache() const { return cache_; }
 

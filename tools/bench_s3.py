@@ -21,7 +21,8 @@ and measures, in turns:
     a mount of the same checkpoint on local disk: sequential reads of
     consolidated/ (goal: at least 0.8x the local speed);
   - the mount daemon's peak RSS (VmHWM), and its CPU time (user + system)
-    for each measurement that mounts.
+    for each measurement that mounts; for s3:// mounts, the ranged GETs and
+    bytes it fetched (from its log).
 Speeds are bytes read by the client per second; ratios compare them within
 the same pass. The best of --passes is reported, with the load average.
 With --bin-old, mount_read and mount_load are also run with another build
@@ -115,6 +116,8 @@ class Bench:
         self.rss: list[int] = []
         self.cpu: dict[str, list[float]] = {}  # measurement -> daemon CPU seconds per pass
         self.last_cpu: float | None = None
+        self.fetched: dict[str, list[str]] = {}  # measurement -> what the mount fetched, per pass
+        self.last_fetched: str | None = None
 
     def mount(self, root: str, name: str, extra: list[str] = ()) -> bench.Mounted:
         d = os.path.join(self.work, name)
@@ -143,6 +146,7 @@ class Bench:
             return secs, n
         finally:
             m.stop()
+            self.last_fetched = fetched(m.log_file)
 
     def cached_pass(self) -> tuple[float, int]:
         """consolidated/ read by a fresh mount with --cache whose cache an
@@ -180,6 +184,18 @@ def daemon_cpu(pid: int) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def fetched(log_file: str) -> str | None:
+    """What an s3:// mount says it fetched when it ends ("807 ranged GETs,
+    3.86 GB received"), or None."""
+    import re
+    try:
+        with open(log_file, errors="replace") as f:
+            found = re.findall(r"s3: (\d+ ranged GETs, [\d.]+ GB received)", f.read())
+    except OSError:
+        return None
+    return found[-1] if found else None
 
 
 def read_folder(folder: str) -> int:
@@ -224,15 +240,19 @@ def one_pass(b: Bench, s3fs: S3fs, only: set[str], index: int) -> dict:
 
 
 def measure(b: Bench, name: str, step) -> tuple[float, int]:
-    """step(), keeping the CPU time of the mount daemon it ran, if any."""
-    b.last_cpu = None
+    """step(), keeping the CPU time of the mount daemon it ran, if any, and
+    what an s3:// mount fetched."""
+    b.last_cpu = b.last_fetched = None
     result = step()
     if b.last_cpu is not None:
         b.cpu.setdefault(name, []).append(b.last_cpu)
+    if b.last_fetched is not None:
+        b.fetched.setdefault(name, []).append(b.last_fetched)
     return result
 
 
-def report(passes: list[dict], rss: list[int], cpu: dict[str, list[float]], load: tuple[float, float]) -> None:
+def report(passes: list[dict], rss: list[int], cpu: dict[str, list[float]], fetched: dict[str, list[str]],
+           load: tuple[float, float]) -> None:
     best = {k: min(p[k][0] for p in passes) for k in passes[0]}
     nbytes = {k: passes[0][k][1] for k in passes[0]}
 
@@ -252,6 +272,8 @@ def report(passes: list[dict], rss: list[int], cpu: dict[str, list[float]], load
         print(f"  daemon peak RSS (VmHWM): {max(rss) / 2**20:.0f} MiB")
     for k, secs in cpu.items():
         print(f"  daemon CPU, {k}: {min(secs):.2f} s (least of {len(secs)} passes)")
+    for k, each in fetched.items():
+        print(f"  fetched, {k}: " + "; ".join(each) + " (each pass)")
     if "cache_read" in best and "local_read" in best:
         print(f"  second pass with --cache {best['cache_read']:.2f} s ({speed('cache_read'):.0f} MB/s) vs the "
               f"checkpoint on local disk {best['local_read']:.2f} s ({speed('local_read'):.0f} MB/s): "
@@ -302,7 +324,7 @@ def main() -> int:
         for i in range(args.passes):
             passes.append(one_pass(b, s3fs, only, i))
             print(f"pass {i + 1}: " + ", ".join(f"{k} {v[0]:.2f} s" for k, v in passes[-1].items()), flush=True)
-        report(passes, b.rss, b.cpu, (load0, os.getloadavg()[0]))
+        report(passes, b.rss, b.cpu, b.fetched, (load0, os.getloadavg()[0]))
     finally:
         if s3fs:
             s3fs.stop()

@@ -273,8 +273,10 @@ int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::f
     return kExitMountFailed;
   }
   if (read.direct) out->Write(LogLevel::kInfo, read.direct->stats().Describe());
-  if (auto* s3 = dynamic_cast<const S3Source*>(source.get()); s3 && s3->disk_cache())
-    out->Write(LogLevel::kInfo, s3->disk_cache()->stats().Describe());
+  if (auto* s3 = dynamic_cast<const S3Source*>(source.get())) {
+    out->Write(LogLevel::kInfo, s3->fetched().Describe());
+    if (s3->disk_cache()) out->Write(LogLevel::kInfo, s3->disk_cache()->stats().Describe());
+  }
   out->Write(LogLevel::kInfo, "unmounted " + mountpoint);
   return kExitOk;
 }

@@ -285,11 +285,21 @@ def test_a_sequential_reader_is_served_from_parts_fetched_ahead(s3_server, s3_en
             with open(path, "rb", buffering=0) as f:
                 data = b"".join(iter(lambda: f.read(128 << 10), b""))
             gets = proxy.ranged_gets - before
+        # The mount logs what it fetched when it ends: every ranged GET the
+        # proxy passed, this read's among them.
+        deadline = time.monotonic() + 10
+        while "unmounted" not in m.log() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        fetched = re.search(r"s3: (\d+) ranged GETs, ([\d.]+) GB received", m.log())
+        total = proxy.ranged_gets
     finally:
         proxy.close()
     from safetensors.numpy import load
     np.testing.assert_array_equal(load(data)["w"], weight)
     assert gets <= 12, f"{gets} ranged GETs for a 24 MiB sequential read in 4 MiB parts"
+    assert fetched, m.log()[-2000:]
+    assert gets <= int(fetched.group(1)) <= total, (fetched.group(0), gets, total)
+    assert float(fetched.group(2)) * 1e9 >= weight.nbytes - 0.005e9, fetched.group(0)
 
 
 def _resident_pages(path: str, begin: int, end: int) -> int:
