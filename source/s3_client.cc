@@ -157,7 +157,26 @@ struct Sink {
 
 }  // namespace
 
-S3Client::S3Client(S3Config config) : config_(std::move(config)) { EnsureCurl(); }
+S3Client::S3Client(S3Config config) : config_(std::move(config)), region_(config_.region), endpoint_(config_.endpoint) {
+  EnsureCurl();
+}
+
+std::pair<std::string, std::string> S3Client::RegionAndEndpoint() const {
+  std::lock_guard<std::mutex> lock(where_mu_);
+  return {region_, endpoint_};
+}
+
+bool S3Client::FollowRegion(const Response& resp) const {
+  if (resp.curl != CURLE_OK || (resp.http != 301 && resp.http != 307 && resp.http != 400)) return false;
+  auto it = resp.headers.find("x-amz-bucket-region");
+  if (it == resp.headers.end() || it->second.empty()) return false;
+  std::lock_guard<std::mutex> lock(where_mu_);
+  if (it->second == region_) return false;
+  region_ = it->second;
+  // AWS's own endpoint names the region; another endpoint stays as given.
+  if (config_.endpoint_is_aws) endpoint_ = "https://s3." + region_ + ".amazonaws.com";
+  return true;
+}
 
 S3Client::~S3Client() = default;
 
@@ -176,9 +195,8 @@ std::string S3Client::Encode(const std::string& s, bool keep_slash) {
   return out;
 }
 
-std::string S3Client::Url(const std::string& key, const std::string& query) const {
+std::string S3Client::Url(const std::string& key, const std::string& query, const std::string& ep) const {
   std::string url;
-  const std::string& ep = config_.endpoint;
   if (config_.path_style) {
     url = ep + "/" + Encode(config_.location.bucket, false) + "/" + Encode(key, true);
   } else {
@@ -245,7 +263,8 @@ S3Client::Response S3Client::Perform(const Request& r, int64_t timeout_ms) const
   auto h = Borrow();
   CURL* c = h->curl;
   curl_easy_reset(c);
-  const std::string url = Url(r.key, r.query);
+  const auto [region, endpoint] = RegionAndEndpoint();
+  const std::string url = Url(r.key, r.query, endpoint);
   curl_easy_setopt(c, CURLOPT_URL, url.c_str());
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);  // threads
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, kConnectTimeoutMs);
@@ -265,7 +284,7 @@ S3Client::Response S3Client::Perform(const Request& r, int64_t timeout_ms) const
     headers = curl_slist_append(
         headers, ("Range: bytes=" + std::to_string(r.offset) + "-" + std::to_string(r.offset + r.len - 1)).c_str());
   curl_easy_setopt(c, CURLOPT_HTTPHEADER, headers);
-  const std::string sigv4 = "aws:amz:" + config_.region + ":s3";
+  const std::string sigv4 = "aws:amz:" + region + ":s3";
   if (config_.sign) {
     curl_easy_setopt(c, CURLOPT_AWS_SIGV4, sigv4.c_str());
     curl_easy_setopt(c, CURLOPT_USERNAME, config_.credentials.access_key_id.c_str());
@@ -329,10 +348,16 @@ S3Client::Response S3Client::PerformWithRetries(const Request& r, int max_attemp
   thread_local std::mt19937_64 rng(std::random_device{}());
   const auto start = std::chrono::steady_clock::now();
   std::string cause;
+  bool followed = false;  // a region redirect, at most once per request
   for (int attempt = 1;; ++attempt) {
     const int64_t spent_before =
         std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
     Response resp = Perform(r, std::max<int64_t>(kRetryBudgetMs - spent_before, kMinAttemptMs));
+    if (!followed && FollowRegion(resp)) {  // sent again at once, signed for the bucket's region
+      followed = true;
+      --attempt;
+      continue;
+    }
     resp.attempts = attempt;
     resp.last_retry_cause = cause;
     cause = RetryCause(resp, r);
@@ -382,9 +407,10 @@ Status S3Client::Explain(const Request& r, const Response& resp) const {
     return Status::Stale(where + ": changed since indexing (its ETag is no longer " + r.if_match +
                          "); run `ckptfs index` again");
   if (resp.http == 301 || resp.http == 307 || resp.http == 400) {
+    // Followed once already (FollowRegion): the server still points elsewhere.
     auto it = resp.headers.find("x-amz-bucket-region");
-    if (it != resp.headers.end() && it->second != config_.region)
-      return Status::InvalidArgument(where + ": the bucket is in region " + it->second + ", not " + config_.region +
+    if (it != resp.headers.end())
+      return Status::InvalidArgument(where + ": the server keeps redirecting to region " + it->second + server +
                                      "; pass --region " + it->second + " or set AWS_REGION");
   }
   if (r.ranged && resp.overflow)

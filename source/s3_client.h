@@ -15,7 +15,9 @@
 // 403 → PermissionDenied (the message names the credentials' source),
 // 404 → NotFound, 412 → Stale (the object changed since it was indexed;
 // also a GET answered with another ETag, from a server ignoring If-Match),
-// 301 with another region → retried once in that region.
+// 301, 307 or 400 naming another region (x-amz-bucket-region) → sent again
+// at once, signed for that region (and, on AWS's own endpoint, to that
+// region's endpoint), which later requests use too.
 #pragma once
 
 #include <atomic>
@@ -23,6 +25,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/status.h"
@@ -91,13 +94,21 @@ class S3Client {
   struct Handle;
   Response Perform(const Request& r, int64_t timeout_ms) const;
   Response PerformWithRetries(const Request& r, int max_attempts, bool retry_connect = true) const;
-  std::string Url(const std::string& key, const std::string& query) const;
+  std::string Url(const std::string& key, const std::string& query, const std::string& endpoint) const;
+  // The region requests are signed for and the endpoint they go to: the
+  // configured ones until a redirect names the bucket's region.
+  std::pair<std::string, std::string> RegionAndEndpoint() const;
+  // True when `resp` redirects to another region, now the one used.
+  bool FollowRegion(const Response& resp) const;
   std::unique_ptr<Handle> Borrow() const;
   void Return(std::unique_ptr<Handle> h) const;
   Status Explain(const Request& r, const Response& resp) const;
   Status CheckEtag(const Request& r, const Response& resp) const;
 
   S3Config config_;
+  mutable std::mutex where_mu_;  // guards region_ and endpoint_
+  mutable std::string region_;
+  mutable std::string endpoint_;
   mutable std::atomic<uint64_t> gets_{0};
   mutable std::atomic<uint64_t> get_bytes_{0};
   mutable std::mutex mu_;  // guards pool_

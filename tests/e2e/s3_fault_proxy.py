@@ -121,7 +121,8 @@ class _Upstream:
 class FaultProxy:
     def __init__(self, upstream_port: int, seed: int, p_slowdown=0.1, p_reset=0.1, p_truncate=0.1,
                  p_stall_headers=0.0, p_stall_silent=0.0, stall_s: float = 60, ranged_only=False,
-                 script: dict[str, list[str]] | None = None, unconditional=None, strip_etag=False):
+                 script: dict[str, list[str]] | None = None, unconditional=None, strip_etag=False,
+                 bucket_region: str | None = None):
         self.upstream_port = upstream_port
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
@@ -131,6 +132,11 @@ class FaultProxy:
         self.script = {k: list(v) for k, v in (script or {}).items()}
         self.unconditional = unconditional
         self.strip_etag = strip_etag  # a gateway that drops the ETag header of every answer
+        # As AWS answers a request signed for another region than the
+        # bucket's: 301 PermanentRedirect naming the bucket's region.
+        self.bucket_region = bucket_region
+        self.redirected = 0  # requests answered so
+        self.signed_for: dict[str, int] = {}  # region in the credential scope -> requests
         self.ignored_if_match = 0  # 412s answered with the current version
         self.counts = {k: 0 for k in (*KINDS, "passed")}
         self.ranged_gets = 0  # GETs with a Range header, faulted or not
@@ -211,6 +217,14 @@ class FaultProxy:
             with self.lock:
                 self.ranged_gets += 1
         is_head = head.startswith(b"HEAD ")
+        if self.bucket_region and not self._signed_for_bucket_region(head):
+            body = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>PermanentRedirect</Code><Message>"
+                    b"The bucket you are attempting to access must be addressed using the specified endpoint."
+                    b"</Message></Error>")
+            conn.sendall(b"HTTP/1.1 301 Moved Permanently\r\nx-amz-bucket-region: " + self.bucket_region.encode()
+                         + b"\r\nContent-Type: application/xml\r\nContent-Length: "
+                         + (b"0" if is_head else str(len(body)).encode()) + b"\r\n\r\n" + (b"" if is_head else body))
+            return True
         # Whether the answer will have a body of 2 bytes or more is known
         # only from upstream; a fault drawn for one without passes it.
         line = head.partition(b"\r\n")[0]
@@ -254,6 +268,18 @@ class FaultProxy:
             conn.sendall(status + b"\r\nContent-Length: " + str(len(short)).encode() + b"\r\nConnection: close"
                          + b"\r\n\r\n" + short)
         return False
+
+    def _signed_for_bucket_region(self, head: bytes) -> bool:
+        """Whether the request's SigV4 credential scope names the bucket's
+        region (Credential=KEY/DATE/REGION/s3/aws4_request); counted."""
+        auth = _header(head, b"authorization") or ""
+        scope = auth.partition("Credential=")[2].split(",")[0].split("/")
+        region = scope[2] if len(scope) > 2 else ""
+        with self.lock:
+            self.signed_for[region] = self.signed_for.get(region, 0) + 1
+            if region != self.bucket_region:
+                self.redirected += 1
+        return region == self.bucket_region
 
     def _ignore_if_match(self, line: bytes, head: bytes, status: bytes, body: bytes) -> tuple[bytes, bytes]:
         path = urllib.parse.unquote(line.split(b" ")[1].split(b"?")[0].decode())
