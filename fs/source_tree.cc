@@ -203,7 +203,10 @@ FsResult<std::shared_ptr<const SourceListing>> ListedTree::Listing(const std::st
   auto shared = std::make_shared<const SourceListing>(std::move(*listed));
   std::lock_guard<std::mutex> lock(mu_);
   if (cache_.size() > 4096) cache_.clear();  // a bound, not a policy: entries live a second
-  cache_[rel] = {shared, now};
+  // Kept from when the listing ended: one of 10^5 keys takes 100 pages and
+  // longer than the TTL, and stamped with its start it was stale on arrival,
+  // so each lookup of its entries listed the whole prefix again.
+  cache_[rel] = {shared, std::chrono::steady_clock::now()};
   return shared;
 }
 

@@ -20,7 +20,7 @@ bool ReadStream::ClaimUnit(uint64_t unit) {
 }
 
 ReadStream::Window ReadStream::OnRead(uint64_t offset, uint64_t size, uint64_t file_size, uint64_t readahead,
-                                      uint64_t unit) {
+                                      uint64_t unit, uint64_t end_unit) {
   if (readahead == 0 || size == 0) return {};
   const uint64_t end = offset + size;
   std::lock_guard<std::mutex> lock(mu_);
@@ -30,11 +30,12 @@ ReadStream::Window ReadStream::OnRead(uint64_t offset, uint64_t size, uint64_t f
     if (started_) generation_->fetch_add(1);
     started_ = true;
     frontier_ = hinted_ = end;
-    unit_ = unit;
+    unit_ = end_unit;
     reading_ahead_ = false;
     return {0, 0, true};
   }
   reading_ahead_ = true;
+  if (end >= frontier_) unit_ = end_unit;
   frontier_ = std::max(frontier_, end);
   const uint64_t target = std::min(file_size, frontier_ + readahead);
   const uint64_t from = std::max(hinted_, frontier_);

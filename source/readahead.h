@@ -41,18 +41,20 @@ class ReadStream {
   ~ReadStream();
 
   // Records the request [offset, offset + size) of a file of `file_size`
-  // bytes, beginning in `unit` (the index of the layout segment holding
-  // `offset`), and returns the range to read ahead now, if any. A request
-  // more than kSlack away from the furthest byte requested so far breaks
-  // the pattern: the stream starts again there and queued hints are
-  // cancelled.
+  // bytes, beginning in `unit` and ending in `end_unit` (the indexes of the
+  // layout segments holding its first and last bytes), and returns the
+  // range to read ahead now, if any. A request more than kSlack away from
+  // the furthest byte requested so far breaks the pattern: the stream
+  // starts again there and queued hints are cancelled.
   //
-  // A stream starts reading ahead at its second request in its first unit:
-  // a reader that touches the ends of neighbouring tensors (transformers'
-  // load touches the first and last MiB of each) looks sequential across
-  // their boundary, and is not. Once reading ahead, the stream goes on
-  // across units.
-  Window OnRead(uint64_t offset, uint64_t size, uint64_t file_size, uint64_t readahead, uint64_t unit);
+  // A stream starts reading ahead at a request that begins in the unit
+  // where the stream's furthest request ended: a reader that touches the
+  // ends of neighbouring tensors (transformers' load touches the first and
+  // last MiB of each) looks sequential across their boundary, and is not;
+  // one that reads a header and goes on into the first tensor is. Once
+  // reading ahead, the stream goes on across units.
+  Window OnRead(uint64_t offset, uint64_t size, uint64_t file_size, uint64_t readahead, uint64_t unit,
+                uint64_t end_unit);
 
   // Changes whenever the pattern breaks; a queued hint made under another
   // generation is dropped.
@@ -76,7 +78,7 @@ class ReadStream {
   std::mutex mu_;  // guards the fields below
   uint64_t frontier_ = 0;  // end of the furthest request of this stream
   uint64_t hinted_ = 0;    // read ahead up to here
-  uint64_t unit_ = 0;      // the unit of the stream's first request
+  uint64_t unit_ = 0;      // the unit where the furthest request ended
   bool reading_ahead_ = false;
   bool started_ = false;
   std::unordered_set<uint64_t> claimed_;  // units ClaimUnit has returned true for

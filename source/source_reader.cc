@@ -164,7 +164,8 @@ void SourceReader::Hint(const std::vector<SourceRead>& reads, size_t first) {
 void SourceReader::ReadAhead(ReadStream& stream, const std::shared_ptr<const Layout>& layout, uint64_t offset,
                              uint64_t length, const PageSink& sink) {
   const size_t unit = layout->SegmentAt(offset);
-  ReadStream::Window w = stream.OnRead(offset, length, layout->size(), read_.readahead_bytes, unit);
+  const size_t end_unit = length ? layout->SegmentAt(offset + length - 1) : unit;
+  ReadStream::Window w = stream.OnRead(offset, length, layout->size(), read_.readahead_bytes, unit, end_unit);
   if (w.length) prefetch_.Post(layout, w, stream.generation());
   if (w.started && sink && read_.push_tensor_bytes) PushTensor(stream, layout, unit, offset, sink);
 }

@@ -6,14 +6,18 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "core/safetensors.h"
+#include "fs/source_tree.h"
 #include "indexer/scan.h"
 #include "source/posix_source.h"
 
@@ -523,6 +527,61 @@ TEST_F(VirtualFsTest, ScatterReplyOfAChangedSourceIsEIO) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().err(), EIO);
   EXPECT_NE(r.status().message().find("run `ckptfs index` again"), std::string::npos) << r.status().message();
+}
+
+}  // namespace
+}  // namespace ckptfs
+
+namespace ckptfs {
+namespace {
+
+// A source whose listing takes longer than the tree keeps listings (as one
+// of 10^5 keys does over 100 ListObjectsV2 pages), counting its listings.
+class SlowListing : public Source {
+ public:
+  explicit SlowListing(size_t files) {
+    for (size_t i = 0; i < files; ++i) {
+      const std::string name = "f" + std::to_string(i);
+      listing_.files.push_back(name);
+      SourceFile f;
+      f.size = i;
+      listing_.known[name] = f;
+    }
+    std::sort(listing_.files.begin(), listing_.files.end());
+  }
+  const std::string& root() const override { return root_; }
+  Result<SourceListing> List(const std::string&) const override {
+    ++lists;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1200));
+    return listing_;
+  }
+  Result<SourceFile> Identify(const std::string& rel) const override { return Status::NotFound(rel); }
+  Result<std::unique_ptr<SourceObject>> Open(const std::string& rel) const override { return Status::NotFound(rel); }
+  std::string DescribeChange(const SourceFile&, const SourceFile&) const override { return ""; }
+  bool Contains(const std::string&) const override { return true; }
+  std::optional<int64_t> ChangeTimeNs(const std::string&) const override { return 0; }
+  std::optional<int64_t> ModifyTimeNs(const std::string&) const override { return 0; }
+
+  mutable std::atomic<int> lists{0};
+
+ private:
+  std::string root_ = "slow://listing";
+  SourceListing listing_;
+};
+
+TEST(ListedTree, ALookupAfterASlowListingUsesIt) {
+  auto source = std::make_shared<SlowListing>(50);
+  auto tree = SourceTree::Open(source);
+  ASSERT_TRUE(tree.ok());
+  auto names = (*tree)->List("");
+  ASSERT_TRUE(names.ok());
+  ASSERT_EQ(names->size(), 50u);
+  for (const std::string& name : *names) {
+    auto st = (*tree)->Lstat(name);
+    ASSERT_TRUE(st.ok()) << name;
+    EXPECT_EQ(uint64_t(st->st_size), std::stoull(name.substr(1))) << name;
+  }
+  EXPECT_EQ(source->lists.load(), 1) << "the listing was made again for the lookups of its entries";
 }
 
 }  // namespace

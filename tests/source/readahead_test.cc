@@ -31,18 +31,18 @@ constexpr uint64_t kFile = 1024 * kMiB;
 
 TEST(ReadStream, FirstRequestReadsNothingAhead) {
   ReadStream s;
-  EXPECT_EQ(s.OnRead(0, kMiB, kFile, 8 * kMiB, 0).length, 0u);
+  EXPECT_EQ(s.OnRead(0, kMiB, kFile, 8 * kMiB, 0, 0).length, 0u);
 }
 
 TEST(ReadStream, SequentialRequestsReadTheNextWindowAhead) {
   ReadStream s;
-  s.OnRead(0, kMiB, kFile, 8 * kMiB, 0);
-  ReadStream::Window w = s.OnRead(kMiB, kMiB, kFile, 8 * kMiB, 0);
+  s.OnRead(0, kMiB, kFile, 8 * kMiB, 0, 0);
+  ReadStream::Window w = s.OnRead(kMiB, kMiB, kFile, 8 * kMiB, 0, 0);
   EXPECT_EQ(w.offset, 2 * kMiB);
   EXPECT_EQ(w.length, 8 * kMiB);
   // The window is ahead already: nothing until a quarter of it is used up.
-  EXPECT_EQ(s.OnRead(2 * kMiB, kMiB, kFile, 8 * kMiB, 0).length, 0u);
-  w = s.OnRead(3 * kMiB, kMiB, kFile, 8 * kMiB, 0);
+  EXPECT_EQ(s.OnRead(2 * kMiB, kMiB, kFile, 8 * kMiB, 0, 0).length, 0u);
+  w = s.OnRead(3 * kMiB, kMiB, kFile, 8 * kMiB, 0, 0);
   EXPECT_EQ(w.offset, 10 * kMiB);
   EXPECT_EQ(w.length, 2 * kMiB);
 }
@@ -53,56 +53,64 @@ TEST(ReadStream, SequentialRequestsReadTheNextWindowAhead) {
 TEST(ReadStream, TouchesOfNeighbouringUnitsNeverReadAhead) {
   ReadStream s;
   for (auto [at, unit] : {std::pair<uint64_t, uint64_t>{20, 1}, {21, 2}, {42, 3}, {41, 2}, {62, 3}, {63, 4}})
-    EXPECT_EQ(s.OnRead(at * kMiB, kMiB, kFile, 8 * kMiB, unit).length, 0u) << at;
+    EXPECT_EQ(s.OnRead(at * kMiB, kMiB, kFile, 8 * kMiB, unit, unit).length, 0u) << at;
 }
 
 TEST(ReadStream, ASecondRequestInOneUnitStartsReadingAheadAfterATouch) {
   ReadStream s;
-  s.OnRead(20 * kMiB, kMiB, kFile, 8 * kMiB, 1);
-  EXPECT_EQ(s.OnRead(21 * kMiB, kMiB, kFile, 8 * kMiB, 2).length, 0u);
-  ReadStream::Window w = s.OnRead(22 * kMiB, kMiB, kFile, 8 * kMiB, 2);
+  s.OnRead(20 * kMiB, kMiB, kFile, 8 * kMiB, 1, 1);
+  EXPECT_EQ(s.OnRead(21 * kMiB, kMiB, kFile, 8 * kMiB, 2, 2).length, 0u);
+  ReadStream::Window w = s.OnRead(22 * kMiB, kMiB, kFile, 8 * kMiB, 2, 2);
   EXPECT_EQ(w.offset, 23 * kMiB);
   EXPECT_EQ(w.length, 8 * kMiB);
 }
 
+// A header (unit 0) read with the start of the first tensor (unit 1), then
+// the tensor: the second request begins where the first ended.
+TEST(ReadStream, AReaderGoingOnFromAHeaderIntoATensorReadsAhead) {
+  ReadStream s;
+  s.OnRead(0, 256 * 1024, kFile, 8 * kMiB, 0, 1);
+  EXPECT_GT(s.OnRead(256 * 1024, 256 * 1024, kFile, 8 * kMiB, 1, 1).length, 0u);
+}
+
 TEST(ReadStream, AStreamReadingAheadGoesOnAcrossUnits) {
   ReadStream s;
-  s.OnRead(0, kMiB, kFile, 8 * kMiB, 0);
-  EXPECT_GT(s.OnRead(kMiB, kMiB, kFile, 8 * kMiB, 0).length, 0u);
+  s.OnRead(0, kMiB, kFile, 8 * kMiB, 0, 0);
+  EXPECT_GT(s.OnRead(kMiB, kMiB, kFile, 8 * kMiB, 0, 0).length, 0u);
   auto gen = s.generation()->load();
   uint64_t ahead = 0;
-  for (uint64_t i = 2; i < 12; ++i) ahead += s.OnRead(i * kMiB, kMiB, kFile, 8 * kMiB, i).length;
+  for (uint64_t i = 2; i < 12; ++i) ahead += s.OnRead(i * kMiB, kMiB, kFile, 8 * kMiB, i, i).length;
   EXPECT_EQ(s.generation()->load(), gen);
   EXPECT_EQ(ahead, 10 * kMiB);  // on from 10 MiB to 20 MiB: 8 MiB beyond the last request's end
 }
 
 TEST(ReadStream, OutOfOrderRequestsWithinSlackStaySequential) {
   ReadStream s;
-  s.OnRead(0, kMiB, kFile, 8 * kMiB, 0);
-  s.OnRead(2 * kMiB, kMiB, kFile, 8 * kMiB, 0);  // the kernel's next read-ahead request first
+  s.OnRead(0, kMiB, kFile, 8 * kMiB, 0, 0);
+  s.OnRead(2 * kMiB, kMiB, kFile, 8 * kMiB, 0, 0);  // the kernel's next read-ahead request first
   auto gen = s.generation()->load();
-  s.OnRead(kMiB, kMiB, kFile, 8 * kMiB, 0);
+  s.OnRead(kMiB, kMiB, kFile, 8 * kMiB, 0, 0);
   EXPECT_EQ(s.generation()->load(), gen);
 }
 
 TEST(ReadStream, WindowStopsAtEndOfFile) {
   ReadStream s;
-  s.OnRead(0, kMiB, 3 * kMiB, 8 * kMiB, 0);
-  ReadStream::Window w = s.OnRead(kMiB, kMiB, 3 * kMiB, 8 * kMiB, 0);
+  s.OnRead(0, kMiB, 3 * kMiB, 8 * kMiB, 0, 0);
+  ReadStream::Window w = s.OnRead(kMiB, kMiB, 3 * kMiB, 8 * kMiB, 0, 0);
   EXPECT_EQ(w.offset, 2 * kMiB);
   EXPECT_EQ(w.length, kMiB);
-  EXPECT_EQ(s.OnRead(2 * kMiB, kMiB, 3 * kMiB, 8 * kMiB, 0).length, 0u);
+  EXPECT_EQ(s.OnRead(2 * kMiB, kMiB, 3 * kMiB, 8 * kMiB, 0, 0).length, 0u);
 }
 
 TEST(ReadStream, JumpBreaksThePatternAndCancelsQueuedHints) {
   ReadStream s;
-  s.OnRead(0, kMiB, kFile, 8 * kMiB, 0);
-  EXPECT_GT(s.OnRead(kMiB, kMiB, kFile, 8 * kMiB, 0).length, 0u);
+  s.OnRead(0, kMiB, kFile, 8 * kMiB, 0, 0);
+  EXPECT_GT(s.OnRead(kMiB, kMiB, kFile, 8 * kMiB, 0, 0).length, 0u);
   auto gen = s.generation()->load();
-  EXPECT_EQ(s.OnRead(500 * kMiB, kMiB, kFile, 8 * kMiB, 0).length, 0u);
+  EXPECT_EQ(s.OnRead(500 * kMiB, kMiB, kFile, 8 * kMiB, 0, 0).length, 0u);
   EXPECT_NE(s.generation()->load(), gen);
   // A new stream from there.
-  ReadStream::Window w = s.OnRead(501 * kMiB, kMiB, kFile, 8 * kMiB, 0);
+  ReadStream::Window w = s.OnRead(501 * kMiB, kMiB, kFile, 8 * kMiB, 0, 0);
   EXPECT_EQ(w.offset, 502 * kMiB);
   EXPECT_EQ(w.length, 8 * kMiB);
 }
@@ -110,12 +118,12 @@ TEST(ReadStream, JumpBreaksThePatternAndCancelsQueuedHints) {
 TEST(ReadStream, RandomRequestsNeverReadAhead) {
   ReadStream s;
   for (uint64_t at : {700u, 10u, 300u, 900u, 50u, 600u})
-    EXPECT_EQ(s.OnRead(at * kMiB, kMiB, kFile, 8 * kMiB, 0).length, 0u) << at;
+    EXPECT_EQ(s.OnRead(at * kMiB, kMiB, kFile, 8 * kMiB, 0, 0).length, 0u) << at;
 }
 
 TEST(ReadStream, ZeroWindowIsOff) {
   ReadStream s;
-  for (uint64_t i = 0; i < 8; ++i) EXPECT_EQ(s.OnRead(i * kMiB, kMiB, kFile, 0, 0).length, 0u);
+  for (uint64_t i = 0; i < 8; ++i) EXPECT_EQ(s.OnRead(i * kMiB, kMiB, kFile, 0, 0, 0).length, 0u);
 }
 
 TEST(ReadStream, DestroyingTheStreamCancelsItsHints) {
