@@ -6,7 +6,6 @@
 #include <cstring>
 
 #include "core/convert.h"
-#include "core/uninitialized.h"
 #include "source/checksums.h"
 #include "source/posix_source.h"
 #include "source/transform.h"
@@ -19,12 +18,6 @@ namespace {
 // 8 MiB on the benchmark disk; commonly 512 KiB or more); on a device with
 // less, part of each piece is not read ahead (a loss of speed only).
 constexpr uint64_t kHintChunk = 512 << 10;
-
-// A push reads and hands over this much at a time (its buffer), from and to
-// multiples of kPushAlign where the file allows, so that the kernel gets
-// whole pages.
-constexpr uint64_t kPushPiece = 8 << 20;
-constexpr uint64_t kPushAlign = 64 << 10;
 
 }  // namespace
 
@@ -39,7 +32,9 @@ SourceReader::SourceReader(std::shared_ptr<const Source> source, const std::vect
       any_stale_(std::make_unique<std::atomic<bool>>(false)),
       decoded_(decoded_cache_bytes),
       read_(read),
-      prefetch_(files, policy, [this](FileId id) { return Object(id); }) {}
+      prefetch_(files, policy, [this](FileId id) { return Object(id); }),
+      pusher_(read.push_tensor_bytes, &prefetch_,
+              [this](const ReadPlan& plan, char* dst) { return Execute(plan, dst); }) {}
 
 SourceReader::SourceReader(const std::string& root, const std::vector<SourceFile>* files, GroupPolicy policy,
                            uint64_t decoded_cache_bytes, ReadOptions read)
@@ -61,7 +56,7 @@ Result<std::shared_ptr<const std::string>> SourceReader::Decoded(FileId id) {
 }
 
 SourceReader::~SourceReader() {
-  for (HintQueue& q : pushes_) q.Stop();
+  pusher_.Stop();
   prefetch_.Stop();
 }
 
@@ -167,53 +162,7 @@ void SourceReader::ReadAhead(ReadStream& stream, const std::shared_ptr<const Lay
   const size_t end_unit = length ? layout->SegmentAt(offset + length - 1) : unit;
   ReadStream::Window w = stream.OnRead(offset, length, layout->size(), read_.readahead_bytes, unit, end_unit);
   if (w.length) prefetch_.Post(layout, w, stream.generation());
-  if (w.started && sink && read_.push_tensor_bytes) PushTensor(stream, layout, unit, offset, sink);
-}
-
-void SourceReader::PushTensor(ReadStream& stream, const std::shared_ptr<const Layout>& layout, size_t unit,
-                              uint64_t offset, const PageSink& sink) {
-  if (unit >= layout->segments().size()) return;
-  const Segment& seg = layout->segments()[unit];
-  if (seg.kind != Segment::Kind::kTensor || seg.length > read_.push_tensor_bytes) return;
-  auto down = [](uint64_t x) { return x / kPushAlign * kPushAlign; };
-  auto up = [&](uint64_t x) { return std::min(layout->size(), (x + kPushAlign - 1) / kPushAlign * kPushAlign); };
-  // The whole tensor, the request's own pages too (the reply may fill
-  // fewer than a piece): from the request on first (a reader going on
-  // from there needs those next), then what lies before.
-  const uint64_t lo = down(seg.offset), hi = up(seg.offset + seg.length), at = std::max(lo, down(offset));
-  std::vector<ReadStream::Window> ws{{at, hi - at}};
-  if (lo < at) ws.push_back({lo, at - lo});
-  if (!stream.ClaimUnit(unit)) return;
-  std::shared_ptr<const std::atomic<uint64_t>> life = stream.lifetime();
-  const uint64_t want = life->load();
-  // The sources are prefetched by the prefetch thread, as a stream's are:
-  // parts are then allocated by one thread, from one malloc arena (from
-  // four push threads, glibc kept twice the part cache in their arenas).
-  // The push is queued once they are.
-  for (size_t i = 0; i < ws.size(); ++i) {
-    std::function<void()> then;
-    if (i + 1 == ws.size())
-      then = [this, layout, ws, life, want, sink] {
-        auto job = [this, layout, ws, life, want, sink] { Push(*layout, ws, *life, want, sink); };
-        pushes_[next_push_++ % kPushers].Post(std::move(job));
-      };
-    prefetch_.Post(layout, ws[i], life, std::move(then));
-  }
-}
-
-void SourceReader::Push(const Layout& layout, const std::vector<ReadStream::Window>& ws,
-                        const std::atomic<uint64_t>& life, uint64_t want, const PageSink& sink) {
-  auto go_on = [&] { return life.load(std::memory_order_relaxed) == want; };
-  UninitializedBytes buf;  // written whole by Execute
-  for (const ReadStream::Window& w : ws) {
-    for (uint64_t at = w.offset; at < w.offset + w.length && go_on(); at += kPushPiece) {
-      auto plan = Plan(layout, at, std::min(kPushPiece, w.offset + w.length - at));
-      if (!plan.ok() || !plan->computes.empty()) return;
-      buf.resize(plan->length);
-      if (!Execute(*plan, buf.data()).ok()) return;
-      if (go_on()) sink(at, buf.data(), plan->length);
-    }
-  }
+  if (w.started && sink && read_.push_tensor_bytes) pusher_.Push(stream, layout, unit, offset, sink);
 }
 
 void SourceReader::SetChecksumGate(std::unique_ptr<ChecksumGate> gate) { gate_ = std::move(gate); }

@@ -22,7 +22,6 @@
 // of this replaces the checked reads.
 #pragma once
 
-#include <array>
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -40,6 +39,7 @@
 #include "source/scatter_reply.h"
 #include "source/source.h"
 #include "source/source_prefetch.h"
+#include "source/tensor_push.h"
 #include "source/transform.h"
 
 namespace ckptfs {
@@ -55,10 +55,8 @@ struct ReadOptions {
   bool overlap = true;
   // A tensor of at most this many bytes of a virtual file is pushed whole
   // into the kernel's page cache the first time a request that continues
-  // no stream touches it (ReadAhead with a sink): transformers' load touches
-  // the first and last MiB of each tensor and reads it whole only later,
-  // when a source without a page cache (object storage) would fetch it
-  // again. 0: off (local roots, whose page cache keeps what was read).
+  // no stream touches it (ReadAhead with a sink; source/tensor_push.h).
+  // 0: off (local roots, whose page cache keeps what was read).
   uint64_t push_tensor_bytes = 0;
   // Direct reads of cold source ranges into a bounded pool, the reads of a
   // request run side by side (source/direct_io.h); shared by the readers of
@@ -67,16 +65,7 @@ struct ReadOptions {
   std::shared_ptr<DirectIo> direct;
 };
 
-// The mount's push_tensor_bytes over sources that do not cache reads
-// (Source::CachesReads): the matrices of models up to a few billion
-// parameters; larger tensors (an embedding, say) are read ahead as streams.
-inline constexpr uint64_t kPushTensorBytes = 64ull << 20;
-
 class ChecksumGate;
-
-// Receives bytes [offset, offset + len) of a virtual file, computed ahead of
-// its reader (ReadOptions::push_tensor_bytes), for the kernel's page cache.
-using PageSink = std::function<void(uint64_t offset, const char* data, size_t len)>;
 
 // Derived sources (decoded transformed items) are decoded on first read and
 // kept in an LRU cache bounded by `decoded_cache_bytes` (DecodedCache).
@@ -115,7 +104,7 @@ class SourceReader {
   // bytes (done by a background thread). With `sink` and
   // push_tensor_bytes, a request that continues no stream also has its
   // whole tensor read and handed to `sink`, once per stream and tensor, by
-  // a background thread (PushTensor). Never blocks on I/O.
+  // a background thread (TensorPusher). Never blocks on I/O.
   void ReadAhead(ReadStream& stream, const std::shared_ptr<const Layout>& layout, uint64_t offset,
                  uint64_t length, const PageSink& sink = {});
 
@@ -140,16 +129,6 @@ class SourceReader {
 
  private:
   Status ExecuteUngated(const ReadPlan& plan, char* dst);
-  // Queues the push of segment `unit` of `layout`, from the request at
-  // `offset` on, then what lies before, when it is a tensor small enough
-  // and `stream` had not claimed it.
-  void PushTensor(ReadStream& stream, const std::shared_ptr<const Layout>& layout, size_t unit, uint64_t offset,
-                  const PageSink& sink);
-  // On a push thread, once the sources of windows `ws` are prefetched:
-  // reads them a piece at a time into `sink` while `life` holds `want`. A
-  // failed read ends the push: the reader's own request reports the cause.
-  void Push(const Layout& layout, const std::vector<ReadStream::Window>& ws, const std::atomic<uint64_t>& life,
-            uint64_t want, const PageSink& sink);
   Status ScatterUngated(const ReadPlan& plan, ScatterReply* reply);
   // Verify-on-first-read of the chunks `copies` touch (SetChecksumGate).
   Status PassGate(const std::vector<CopyOp>& copies);
@@ -186,12 +165,10 @@ class SourceReader {
 
   ReadOptions read_;
   std::unique_ptr<ChecksumGate> gate_;
-  SourcePrefetch prefetch_;  // stopped by the destructor: its jobs use the objects
-  // Push threads (PushTensor), a tensor at a time each, so that a few
-  // tensors' sources are fetched side by side; stopped first.
-  static constexpr size_t kPushers = 4;
-  std::array<HintQueue, kPushers> pushes_;
-  std::atomic<size_t> next_push_{0};
+  // Both stopped by the destructor, the pusher first: their jobs use the
+  // objects, and the pusher's queue prefetches.
+  SourcePrefetch prefetch_;
+  TensorPusher pusher_;
 };
 
 }  // namespace ckptfs
