@@ -235,6 +235,25 @@ def unmount(path, *, attempts: int = 20, collect: bool = True) -> None:
         time.sleep(0.1)
 
 
+def kill_mount_daemon(path) -> int:
+    """SIGKILLs the `ckptfs mount` daemon serving ``path``: the kernel then
+    fails the requests it had not answered, so that a test can end a reader
+    that waits on a hung mount (a reader in a FUSE open ignores even
+    SIGKILL). Returns how many processes were killed."""
+    path = str(path)
+    killed = 0
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if len(argv) > 3 and argv[1] == "mount" and path in argv and os.path.basename(argv[0]) == "ckptfs":
+            os.kill(int(pid), signal.SIGKILL)
+            killed += 1
+    return killed
+
+
 class MountPoint:
     """Paths of a mount for anything with ``.path`` (the mount point) and
     ``.log_path`` (its ``--log-file``): ``p(*rel)`` and ``log()``."""

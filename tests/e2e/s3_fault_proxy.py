@@ -122,7 +122,7 @@ class FaultProxy:
     def __init__(self, upstream_port: int, seed: int, p_slowdown=0.1, p_reset=0.1, p_truncate=0.1,
                  p_stall_headers=0.0, p_stall_silent=0.0, stall_s: float = 60, ranged_only=False,
                  script: dict[str, list[str]] | None = None, unconditional=None, strip_etag=False,
-                 bucket_region: str | None = None):
+                 bucket_region: str | None = None, latency_s: float = 0.0):
         self.upstream_port = upstream_port
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
@@ -135,6 +135,7 @@ class FaultProxy:
         # As AWS answers a request signed for another region than the
         # bucket's: 301 PermanentRedirect naming the bucket's region.
         self.bucket_region = bucket_region
+        self.latency_s = latency_s  # waited before each request, as for a distant server
         self.redirected = 0  # requests answered so
         self.signed_for: dict[str, int] = {}  # region in the credential scope -> requests
         self.ignored_if_match = 0  # 412s answered with the current version
@@ -216,6 +217,8 @@ class FaultProxy:
         if ranged:
             with self.lock:
                 self.ranged_gets += 1
+        if self.latency_s:
+            self.stopped.wait(self.latency_s)
         is_head = head.startswith(b"HEAD ")
         if self.bucket_region and not self._signed_for_bucket_region(head):
             body = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>PermanentRedirect</Code><Message>"

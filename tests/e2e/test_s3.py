@@ -199,18 +199,53 @@ def test_a_redirect_to_the_buckets_region_is_followed(main_ckpt, s3_env, ckptfs,
         assert got[k].dtype == want.dtype and torch.equal(got[k], want), k
 
 
-def test_a_prefix_of_2500_objects_is_listed_whole(s3_env, mount_factory):
-    # ListObjectsV2 answers at most 1000 keys a page: 2500 objects take
-    # three, joined through continuation tokens.
-    import concurrent.futures
+def test_a_prefix_of_100000_objects_is_listed_whole_and_looked_up(s3_env, mount_factory):
+    # ListObjectsV2 answers at most 1000 keys a page: 10^5 objects take 100
+    # pages joined through continuation tokens. With the 20 ms of a distant
+    # server's round trip on each, that is longer than a listing is kept;
+    # lookups after it must still use it, not list again each (before the
+    # fix one lookup took a whole listing). The listing and the lookups run
+    # in a child with a bound, so that a hang fails the test.
+    import random
+    import sys
 
-    names = [f"obj-{i:06d} +é" for i in range(2500)]
+    from harness import kill_mount_daemon
+    from s3_fault_proxy import FaultProxy
+
+    names = [f"obj-{i:06d} +é" for i in range(100_000)]
+    s3_env["seed"]([f"many/objs/{n}" for n in names[:-3]], b"x")
     client = s3_env["client"]
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda n: client.put_object(Bucket=BUCKET, Key="many/objs/" + n, Body=b"x"), names))
-    with mount_factory(f"s3://{BUCKET}/many") as m:
-        listed = os.listdir(m.p("objs"))
-    assert sorted(listed) == names
+    for n in names[-3:]:  # and a few through S3 itself
+        client.put_object(Bucket=BUCKET, Key="many/objs/" + n, Body=b"y")
+    looked_up = random.Random(5).sample(names[:-3], 200) + names[-3:]
+    child = (
+        "import json, os, sys\n"
+        "d, names = sys.argv[1], json.loads(sys.stdin.read())\n"
+        "listed = sorted(os.listdir(d))\n"
+        "sizes = [os.stat(os.path.join(d, n)).st_size for n in names]\n"
+        "bodies = [open(os.path.join(d, n), 'rb').read() for n in names[-5:]]\n"
+        "print(json.dumps([listed, sizes, [b.decode() for b in bodies]]))\n")
+    proxy = FaultProxy(s3_env["port"], seed=1, p_slowdown=0, p_reset=0, p_truncate=0, latency_s=0.02)
+    try:
+        with mount_factory(f"s3://{BUCKET}/many", "--endpoint-url", f"http://127.0.0.1:{proxy.port}") as m:
+            reader = subprocess.Popen([sys.executable, "-c", child, m.p("objs")], stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            try:
+                out, err = reader.communicate(json.dumps(looked_up), timeout=240)
+            except subprocess.TimeoutExpired:
+                kill_mount_daemon(m.path)
+                reader.kill()
+                reader.communicate()
+                pytest.fail("the listing and 203 lookups took more than 240 s\n" + m.log()[-2000:])
+            assert reader.returncode == 0, err + m.log()[-2000:]
+    finally:
+        proxy.close()
+    listed, sizes, bodies = json.loads(out)
+    assert listed == names
+    assert sizes == [1] * len(looked_up)
+    assert bodies == ["x", "x", "y", "y", "y"]
+
+
 def test_an_object_served_without_an_etag_is_refused_not_read(main_ckpt, s3_env, ckptfs):
     """Reads are pinned to a version by If-Match on the ETag. Behind a gateway
     that drops the header, two versions could mix: ckptfs refuses to read
