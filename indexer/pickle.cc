@@ -521,122 +521,126 @@ void RenderQuoted(std::string& out, std::string_view s, bool bytes) {
   out.push_back('\'');
 }
 
-}  // namespace
+void RenderValue(std::string& out, const PickleValue& v, size_t max_chars, int depth);
 
-void PickleValue::RenderItems(std::string& out, const Items& items, const char* open, const char* close,
-                              bool one_tuple, size_t max_chars, int depth) {
+void RenderItems(std::string& out, const std::vector<const PickleValue*>& items, const char* open, const char* close,
+                 bool one_tuple, size_t max_chars, int depth) {
   out += open;
   for (size_t i = 0; i < items.size() && out.size() < max_chars; ++i) {
     if (i) out += ", ";
-    items[i]->Render(out, max_chars, depth + 1);
+    RenderValue(out, *items[i], max_chars, depth + 1);
   }
   if (one_tuple && items.size() == 1) out += ",";
   out += close;
 }
 
-void PickleValue::RenderEntries(std::string& out, const Entries& entries, size_t max_chars, int depth) {
+void RenderEntries(std::string& out, const std::vector<PickleDictEntry>& entries, size_t max_chars, int depth) {
   out += "{";
   for (size_t i = 0; i < entries.size() && out.size() < max_chars; ++i) {
     if (i) out += ", ";
-    entries[i].key->Render(out, max_chars, depth + 1);
+    RenderValue(out, *entries[i].key, max_chars, depth + 1);
     out += ": ";
-    entries[i].value->Render(out, max_chars, depth + 1);
+    RenderValue(out, *entries[i].value, max_chars, depth + 1);
   }
   out += "}";
 }
 
 // callable(args)(**kwargs).extend([...]).update({...}), or cls.__new__(...).
-void PickleValue::RenderCall(std::string& out, size_t max_chars, int depth) const {
-  callable()->Render(out, max_chars, depth + 1);
-  if (kind_ == Kind::kNewObj) out += ".__new__";
-  if (const auto* t = args()->AsTuple()) {
+void RenderCall(std::string& out, const PickleValue& v, size_t max_chars, int depth) {
+  RenderValue(out, *v.callable(), max_chars, depth + 1);
+  if (v.kind() == Kind::kNewObj) out += ".__new__";
+  if (const auto* t = v.args()->AsTuple()) {
     RenderItems(out, *t, "(", ")", false, max_chars, depth);
   } else {
     out += "(*";
-    args()->Render(out, max_chars, depth + 1);
+    RenderValue(out, *v.args(), max_chars, depth + 1);
     out += ")";
   }
-  if (const PickleValue* kw = kwargs()) {
+  if (const PickleValue* kw = v.kwargs()) {
     out += "(**";
-    kw->Render(out, max_chars, depth + 1);
+    RenderValue(out, *kw, max_chars, depth + 1);
     out += ")";
   }
-  if (!object_list_items().empty()) {
+  if (!v.object_list_items().empty()) {
     out += ".extend(";
-    RenderItems(out, object_list_items(), "[", "]", false, max_chars, depth);
+    RenderItems(out, v.object_list_items(), "[", "]", false, max_chars, depth);
     out += ")";
   }
-  if (!object_dict_items().empty()) {
+  if (!v.object_dict_items().empty()) {
     out += ".update(";
-    RenderEntries(out, object_dict_items(), max_chars, depth);
+    RenderEntries(out, v.object_dict_items(), max_chars, depth);
     out += ")";
   }
 }
 
-void PickleValue::Render(std::string& out, size_t max_chars, int depth) const {
+// Python's repr of a float: 1.0, not 1.
+void RenderFloat(std::string& out, double d) {
+  char buf[64];
+  auto r = std::to_chars(buf, buf + sizeof buf, d);
+  std::string_view s(buf, r.ptr - buf);
+  out += s;
+  if (s.find_first_of(".en") == std::string_view::npos) out += ".0";
+}
+
+// A value and its children up to depth 64, through PickleValue's public
+// accessors only.
+void RenderValue(std::string& out, const PickleValue& v, size_t max_chars, int depth) {
   if (out.size() >= max_chars) return;
   if (depth > 64) {
     out += "...";
     return;
   }
-  switch (kind_) {
+  const Kind k = v.kind();
+  switch (k) {
     case Kind::kNone: out += "None"; break;
-    case Kind::kBool: out += int_ ? "True" : "False"; break;
-    case Kind::kInt: out += std::to_string(int_); break;
-    case Kind::kBigInt: out += std::get<std::string>(body_); break;
-    case Kind::kFloat: {
-      char buf[64];
-      auto r = std::to_chars(buf, buf + sizeof buf, std::bit_cast<double>(int_));
-      std::string_view s(buf, r.ptr - buf);
-      out += s;
-      if (s.find_first_of(".en") == std::string_view::npos) out += ".0";  // Python's 1.0
-      break;
-    }
-    case Kind::kStr: RenderQuoted(out, std::get<std::string>(body_), false); break;
-    case Kind::kBytes: RenderQuoted(out, std::get<std::string>(body_), true); break;
-    case Kind::kTuple: RenderItems(out, std::get<Items>(body_), "(", ")", true, max_chars, depth); break;
-    case Kind::kList: RenderItems(out, std::get<Items>(body_), "[", "]", false, max_chars, depth); break;
+    case Kind::kBool: out += *v.AsBool() ? "True" : "False"; break;
+    case Kind::kInt: out += std::to_string(*v.AsInt()); break;
+    case Kind::kBigInt: out += *v.BigIntText(); break;
+    case Kind::kFloat: RenderFloat(out, *v.AsFloat()); break;
+    case Kind::kStr: RenderQuoted(out, *v.AsStr(), false); break;
+    case Kind::kBytes: RenderQuoted(out, *v.AsBytes(), true); break;
+    case Kind::kTuple: RenderItems(out, *v.AsTuple(), "(", ")", true, max_chars, depth); break;
+    case Kind::kList: RenderItems(out, *v.AsList(), "[", "]", false, max_chars, depth); break;
     case Kind::kSet:
     case Kind::kFrozenSet: {
-      const auto& items = std::get<Items>(body_);
-      const bool set = kind_ == Kind::kSet;
-      if (items.empty())
+      const bool set = k == Kind::kSet;
+      if (v.AsSet()->empty())
         out += set ? "set()" : "frozenset()";
       else
-        RenderItems(out, items, set ? "{" : "frozenset({", set ? "}" : "})", false, max_chars, depth);
+        RenderItems(out, *v.AsSet(), set ? "{" : "frozenset({", set ? "}" : "})", false, max_chars, depth);
       break;
     }
     case Kind::kDict:
-      if (flag_) out += "OrderedDict(";
-      RenderEntries(out, std::get<Entries>(body_), max_chars, depth);
-      if (flag_) out += ")";
+      if (v.is_ordered_dict()) out += "OrderedDict(";
+      RenderEntries(out, *v.AsDict(), max_chars, depth);
+      if (v.is_ordered_dict()) out += ")";
       break;
     case Kind::kGlobal:
-      out += global_module();
+      out += v.global_module();
       out += ".";
-      out += global_name();
+      out += v.global_name();
       break;
     case Kind::kReduce:
-    case Kind::kNewObj:
-      RenderCall(out, max_chars, depth);
-      break;
+    case Kind::kNewObj: RenderCall(out, v, max_chars, depth); break;
     case Kind::kBuild:
-      built_object()->Render(out, max_chars, depth + 1);
+      RenderValue(out, *v.built_object(), max_chars, depth + 1);
       out += ".__setstate__(";
-      build_state()->Render(out, max_chars, depth + 1);
+      RenderValue(out, *v.build_state(), max_chars, depth + 1);
       out += ")";
       break;
     case Kind::kPersistentId:
       out += "persistent_id(";
-      pid()->Render(out, max_chars, depth + 1);
+      RenderValue(out, *v.pid(), max_chars, depth + 1);
       out += ")";
       break;
   }
 }
 
+}  // namespace
+
 std::string PickleValue::DebugString(size_t max_chars) const {
   std::string out;
-  Render(out, max_chars, 0);
+  RenderValue(out, *this, max_chars, 0);
   if (out.size() > max_chars) {
     out.resize(max_chars);
     out += "...";
@@ -656,15 +660,10 @@ class Unpickler {
 
  private:
   // --- errors ---
-  Status Fail(const std::string& what) const {
-    const char* name = OpName(op_);
-    return Status::Corruption("pickle: offset " + std::to_string(op_pos_) + ": " +
-                              (name ? name : "opcode") + " " + what);
-  }
-  Status Refuse(const std::string& why) const {
-    return Status::NotSupported("pickle: offset " + std::to_string(op_pos_) + ": " + OpName(op_) +
-                                " is refused: " + why);
-  }
+  // Corruption: the opcode at op_pos_ is malformed (`what`).
+  Status Fail(const std::string& what) const;
+  // NotSupported: the opcode is valid but refused (`why`).
+  Status Refuse(const std::string& why) const;
 
   // --- input ---
   uint64_t remaining() const { return in_.size() - pos_; }
@@ -753,6 +752,17 @@ class Unpickler {
   PickleValue* true_ = nullptr;
   PickleValue* false_ = nullptr;
 };
+
+Status Unpickler::Fail(const std::string& what) const {
+  const char* name = OpName(op_);
+  return Status::Corruption("pickle: offset " + std::to_string(op_pos_) + ": " + (name ? name : "opcode") + " " +
+                            what);
+}
+
+Status Unpickler::Refuse(const std::string& why) const {
+  return Status::NotSupported("pickle: offset " + std::to_string(op_pos_) + ": " + OpName(op_) +
+                              " is refused: " + why);
+}
 
 Result<std::string_view> Unpickler::Take(uint64_t n, const std::string& what) {
   if (n > remaining())

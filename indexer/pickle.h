@@ -79,6 +79,27 @@ struct UnpickleLimits {
 
 class PickleValue;
 
+// What a PickleValue is.
+enum class PickleKind : uint8_t {
+  kNone,
+  kBool,
+  kInt,       // fits int64
+  kBigInt,    // wider than int64: decimal text (BigIntText())
+  kFloat,
+  kStr,       // UTF-8, validated
+  kBytes,     // bytes, bytearray
+  kTuple,
+  kList,
+  kDict,      // dict or OrderedDict; entries in insertion order
+  kSet,
+  kFrozenSet,
+  kGlobal,        // module.name; never imported
+  kReduce,        // callable(*args); never called
+  kNewObj,        // cls.__new__(cls, *args, **kwargs); never called
+  kBuild,         // object with BUILD state; __setstate__ never called
+  kPersistentId,  // the pickler's persistent_id(obj) (torch: storages)
+};
+
 struct PickleDictEntry {
   const PickleValue* key;
   const PickleValue* value;
@@ -86,25 +107,7 @@ struct PickleDictEntry {
 
 class PickleValue {
  public:
-  enum class Kind : uint8_t {
-    kNone,
-    kBool,
-    kInt,       // fits int64
-    kBigInt,    // wider than int64: decimal text (BigIntText())
-    kFloat,
-    kStr,       // UTF-8, validated
-    kBytes,     // bytes, bytearray
-    kTuple,
-    kList,
-    kDict,      // dict or OrderedDict; entries in insertion order
-    kSet,
-    kFrozenSet,
-    kGlobal,        // module.name; never imported
-    kReduce,        // callable(*args); never called
-    kNewObj,        // cls.__new__(cls, *args, **kwargs); never called
-    kBuild,         // object with BUILD state; __setstate__ never called
-    kPersistentId,  // the pickler's persistent_id(obj) (torch: storages)
-  };
+  using Kind = PickleKind;
 
   Kind kind() const { return kind_; }
   static const char* KindName(Kind k);
@@ -184,13 +187,6 @@ class PickleValue {
   // Children in a fixed order (for the tree checks in pickle.cc).
   size_t ChildCount() const;
   const PickleValue* Child(size_t i) const;
-  void Render(std::string& out, size_t max_chars, int depth) const;
-  // Render's steps: a sequence between `open` and `close` (a 1-tuple gets
-  // its comma), a dict's entries, and a Reduce/NewObj call with its items.
-  static void RenderItems(std::string& out, const Items& items, const char* open, const char* close, bool one_tuple,
-                          size_t max_chars, int depth);
-  static void RenderEntries(std::string& out, const Entries& entries, size_t max_chars, int depth);
-  void RenderCall(std::string& out, size_t max_chars, int depth) const;
 
   Kind kind_ = Kind::kNone;
   // Dict: is an OrderedDict. Global: on the allowlist.
