@@ -82,25 +82,7 @@ class CudaCopyEngine : public CopyEngine {
     return Status::OK();
   }
 
-  Status Seal(int buffer) override {
-    DeviceGuard guard;
-    std::vector<cudaEvent_t> events;
-    std::vector<int> devs;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      devs.swap(pending_[buffer]);
-    }
-    std::sort(devs.begin(), devs.end());
-    devs.erase(std::unique(devs.begin(), devs.end()), devs.end());
-    for (int dev : devs) {
-      ASSIGN_OR_RETURN(Device * d, GetDevice(dev));
-      CUDA_RETURN(cudaEventRecord(d->buffer_events[buffer], d->copy_stream), "cudaEventRecord on the copy stream");
-      events.push_back(d->buffer_events[buffer]);
-    }
-    std::lock_guard<std::mutex> lock(mu_);
-    sealed_[buffer] = std::move(events);
-    return Status::OK();
-  }
+  Status Seal(int buffer) override;
 
   Status FenceProducer(int device, uint64_t stream) override {
     if (device == kHostDevice) return Status::OK();
@@ -130,24 +112,46 @@ class CudaCopyEngine : public CopyEngine {
   };
 
   // REQUIRES: called from the producer thread (devices_ is only grown there).
-  Result<Device*> GetDevice(int dev) {
-    auto it = devices_.find(dev);
-    if (it != devices_.end()) return &it->second;
-    CUDA_RETURN(cudaSetDevice(dev), "cudaSetDevice(" + std::to_string(dev) + ")");
-    Device d;
-    CUDA_RETURN(cudaStreamCreateWithFlags(&d.copy_stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
-    // Timing off: these events only order and fence, and timing makes them slower.
-    CUDA_RETURN(cudaEventCreateWithFlags(&d.producer_event, cudaEventDisableTiming), "cudaEventCreate");
-    d.buffer_events.resize(pending_.size());
-    for (auto& e : d.buffer_events) CUDA_RETURN(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
-    return &devices_.emplace(dev, d).first->second;
-  }
+  Result<Device*> GetDevice(int dev);
 
   std::mutex mu_;  // guards pending_ and sealed_ (Seal/Copy on the producer, WaitSealed on I/O threads)
   std::vector<std::vector<int>> pending_;  // per buffer: devices copied into it since its last Seal
   std::vector<std::vector<cudaEvent_t>> sealed_;
   std::map<int, Device> devices_;
 };
+
+Status CudaCopyEngine::Seal(int buffer) {
+  DeviceGuard guard;
+  std::vector<cudaEvent_t> events;
+  std::vector<int> devs;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    devs.swap(pending_[buffer]);
+  }
+  std::sort(devs.begin(), devs.end());
+  devs.erase(std::unique(devs.begin(), devs.end()), devs.end());
+  for (int dev : devs) {
+    ASSIGN_OR_RETURN(Device * d, GetDevice(dev));
+    CUDA_RETURN(cudaEventRecord(d->buffer_events[buffer], d->copy_stream), "cudaEventRecord on the copy stream");
+    events.push_back(d->buffer_events[buffer]);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  sealed_[buffer] = std::move(events);
+  return Status::OK();
+}
+
+Result<CudaCopyEngine::Device*> CudaCopyEngine::GetDevice(int dev) {
+  auto it = devices_.find(dev);
+  if (it != devices_.end()) return &it->second;
+  CUDA_RETURN(cudaSetDevice(dev), "cudaSetDevice(" + std::to_string(dev) + ")");
+  Device d;
+  CUDA_RETURN(cudaStreamCreateWithFlags(&d.copy_stream, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+  // Timing off: these events only order and fence, and timing makes them slower.
+  CUDA_RETURN(cudaEventCreateWithFlags(&d.producer_event, cudaEventDisableTiming), "cudaEventCreate");
+  d.buffer_events.resize(pending_.size());
+  for (auto& e : d.buffer_events) CUDA_RETURN(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+  return &devices_.emplace(dev, d).first->second;
+}
 
 }  // namespace
 
