@@ -141,6 +141,8 @@ class FaultProxy:
         self.ignored_if_match = 0  # 412s answered with the current version
         self.counts = {k: 0 for k in (*KINDS, "passed")}
         self.ranged_gets = 0  # GETs with a Range header, faulted or not
+        self.ranged_in_flight = 0
+        self.peak_ranged_in_flight = 0  # most ranged GETs answered at once
         self.server = socket.socket()
         self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.server.bind(("127.0.0.1", 0))
@@ -214,9 +216,29 @@ class FaultProxy:
     def _answer(self, conn: socket.socket, upstream: _Upstream, head: bytes, body: bytes) -> bool:
         """Answers one request; False when the connection is to be closed."""
         ranged = head.startswith(b"GET ") and b"\r\nrange:" in head.lower()
-        if ranged:
+        if not ranged:
+            return self._answer_one(conn, upstream, head, body, ranged, lambda: None)
+        # A GET is in flight from its arrival until its answer is in hand
+        # (not until sent: the client may ask again as soon as it has it).
+        left = [False]
+
+        def answered() -> None:
             with self.lock:
-                self.ranged_gets += 1
+                if not left[0]:
+                    left[0] = True
+                    self.ranged_in_flight -= 1
+
+        with self.lock:
+            self.ranged_gets += 1
+            self.ranged_in_flight += 1
+            self.peak_ranged_in_flight = max(self.peak_ranged_in_flight, self.ranged_in_flight)
+        try:
+            return self._answer_one(conn, upstream, head, body, ranged, answered)
+        finally:
+            answered()
+
+    def _answer_one(self, conn: socket.socket, upstream: _Upstream, head: bytes, body: bytes, ranged: bool,
+                    answered) -> bool:
         if self.latency_s:
             self.stopped.wait(self.latency_s)
         is_head = head.startswith(b"HEAD ")
@@ -241,6 +263,7 @@ class FaultProxy:
             return False
         request = b"\r\n".join(_without(head, b"connection")) + b"\r\n\r\n" + body
         status, rbody = upstream.exchange(request, is_head)
+        answered()
         if ranged and self.unconditional and status.startswith((b"HTTP/1.1 412", b"HTTP/1.0 412")):
             status, rbody = self._ignore_if_match(line, head, status, rbody)
         if self.strip_etag:

@@ -7,6 +7,7 @@ Only traffic to 127.0.0.1; every wait is bounded.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -264,3 +265,73 @@ def test_an_object_served_without_an_etag_is_refused_not_read(main_ckpt, s3_env,
     assert r.returncode != 0
     assert len(r.stdout) == 0, "bytes were served without a version to pin them"
     assert b"sent no ETag" in r.stderr, r.stderr.decode()
+
+
+def test_max_threads_bounds_the_ranged_gets_in_flight_of_a_read(s3_env, ckptfs, tmp_path):
+    # `cat` reads 8 MiB at a time; with 64 KiB parts a read of the 2 MiB
+    # tensor is 32 parts, fetched --max-threads at a time. A proxy that
+    # holds each GET 20 ms counts how many it had at once.
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from s3_fault_proxy import FaultProxy
+
+    want = np.random.default_rng(7).standard_normal((512, 1024)).astype(np.float32)
+    (tmp_path / "step 1").mkdir()
+    save_file({"w": torch.from_numpy(want)}, str(tmp_path / "step 1" / "model.safetensors"))
+    upload_tree(s3_env["client"], str(tmp_path), "threads/")
+    url = f"s3://{BUCKET}/threads/"
+    peaks = {}
+    for threads in (1, 4):
+        proxy = FaultProxy(s3_env["port"], seed=2, p_slowdown=0, p_reset=0, p_truncate=0, latency_s=0.02)
+        try:
+            r = ckptfs("cat", "--endpoint-url", f"http://127.0.0.1:{proxy.port}", "--max-threads", threads,
+                       "--part-size", 64 << 10, url, "step 1/tensors/w.npy", timeout=300)
+        finally:
+            proxy.close()
+        assert r.returncode == 0, r.stderr.decode()
+        got = np.load(io.BytesIO(r.stdout))
+        assert got.dtype == want.dtype and np.array_equal(got, want)
+        assert proxy.ranged_gets >= want.nbytes >> 16
+        peaks[threads] = proxy.peak_ranged_in_flight
+    assert peaks == {1: 1, 4: 4}, peaks
+
+
+def test_index_of_an_s3_root_shows_progress_on_a_terminal_only(main_ckpt, s3_env, ckptfs_bin, tmp_path):
+    import pty
+
+    upload_tree(s3_env["client"], main_ckpt["out_dir"], "progress/step 1/")
+    url = f"s3://{BUCKET}/progress/"
+
+    def index(stderr_is_a_tty: bool) -> str:
+        env = dict(os.environ, CKPTFS_INDEX_DIR=str(tmp_path / f"index-{stderr_is_a_tty}"))
+        if not stderr_is_a_tty:
+            p = subprocess.run([ckptfs_bin, "index", url], env=env, capture_output=True, timeout=120)
+            assert p.returncode == 0, p.stderr.decode()
+            return p.stderr.decode()
+        master, slave = pty.openpty()
+        try:
+            p = subprocess.Popen([ckptfs_bin, "index", url], env=env, stdin=subprocess.DEVNULL,
+                                 stdout=subprocess.DEVNULL, stderr=slave)
+            os.close(slave)
+            out = b""
+            while True:
+                try:
+                    chunk = os.read(master, 4096)
+                except OSError:  # EIO: the child closed the terminal
+                    break
+                if not chunk:
+                    break
+                out += chunk
+            assert p.wait(timeout=120) == 0, out.decode(errors="replace")
+        finally:
+            os.close(master)
+        return out.decode(errors="replace")
+
+    on_tty = index(True)
+    assert f"\rindexing {url}: " in on_tty and " dirs scanned" in on_tty, on_tty
+    assert "1 checkpoint(s)" in on_tty, on_tty
+    piped = index(False)
+    assert "\r" not in piped and "dirs scanned" not in piped, piped
+    assert "1 checkpoint(s)" in piped, piped
