@@ -29,6 +29,7 @@ from botocore.config import Config
 ACCESS_KEY = "AKIDCKPTFSTEST"
 SECRET_KEY = "s3cr3t/with+odd=chars"
 BUCKET = "ckpts"
+PUBLIC_BUCKET = "public-ckpts"  # anyone may read and list it, unsigned
 # Identities known to the server with fewer rights on BUCKET: none at all,
 # and listing without reading (S3's ListBucket without GetObject).
 OUTSIDER_KEY = "AKIDCKPTFSOUTSIDER"
@@ -84,7 +85,10 @@ class Server:
             "actions": ["Read:elsewhere", "List:elsewhere"]}, {
             "name": "lister",
             "credentials": [{"accessKey": LISTER_KEY, "secretKey": LISTER_SECRET}],
-            "actions": ["List:" + BUCKET]}]}))
+            "actions": ["List:" + BUCKET]}, {
+            # Unsigned requests: reading and listing PUBLIC_BUCKET only.
+            "name": "anonymous",
+            "actions": ["Read:" + PUBLIC_BUCKET, "List:" + PUBLIC_BUCKET]}]}))
         (master, master_g, volume, volume_g, filer, filer_g, s3, s3_g) = _free_ports(8)
         args = [weed, "server", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-master.port={master}", f"-master.port.grpc={master_g}",

@@ -335,3 +335,32 @@ def test_index_of_an_s3_root_shows_progress_on_a_terminal_only(main_ckpt, s3_env
     piped = index(False)
     assert "\r" not in piped and "dirs scanned" not in piped, piped
     assert "1 checkpoint(s)" in piped, piped
+
+
+def test_a_public_bucket_is_read_unsigned_without_credentials(main_ckpt, s3_env, ckptfs, monkeypatch):
+    # --no-sign-request: no credentials needed, none sent. The server lets
+    # anonymous requests read PUBLIC_BUCKET only.
+    from s3_server import PUBLIC_BUCKET
+
+    client = s3_env["client"]
+    client.create_bucket(Bucket=PUBLIC_BUCKET)
+    upload_tree(client, main_ckpt["out_dir"], "open/step 1/")
+    for key in [k["Key"] for k in client.list_objects_v2(Bucket=BUCKET, Prefix="open/")["Contents"]]:
+        client.copy_object(Bucket=PUBLIC_BUCKET, Key=key, CopySource={"Bucket": BUCKET, "Key": key})
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(var)
+    want = ckptfs("cat", main_ckpt["out_dir"], "consolidated/model.safetensors")
+    assert want.returncode == 0 and want.stdout, want.stderr.decode()
+
+    r = ckptfs("cat", "--no-sign-request", f"s3://{PUBLIC_BUCKET}/open/", "step 1/consolidated/model.safetensors")
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout == want.stdout
+    # Without the flag and without credentials: told what to do.
+    r = ckptfs("cat", f"s3://{PUBLIC_BUCKET}/open/", "step 1/consolidated/model.safetensors")
+    assert r.returncode != 0 and not r.stdout
+    assert b"--no-sign-request" in r.stderr, r.stderr.decode()
+    # Unsigned requests to a private bucket are refused, naming credentials.
+    r = ckptfs("cat", "--no-sign-request", f"s3://{BUCKET}/open/", "step 1/consolidated/model.safetensors")
+    assert r.returncode != 0 and not r.stdout
+    assert b"access denied (HTTP 403" in r.stderr and b"check the credentials (unsigned requests)" in r.stderr, \
+        r.stderr.decode()
