@@ -195,13 +195,14 @@ std::string S3Client::Encode(const std::string& s, bool keep_slash) {
   return out;
 }
 
-std::string S3Client::Url(const std::string& key, const std::string& query, const std::string& ep) const {
+std::string S3Client::Url(const S3Config& config, const std::string& ep, const std::string& key,
+                          const std::string& query) {
   std::string url;
-  if (config_.path_style) {
-    url = ep + "/" + Encode(config_.location.bucket, false) + "/" + Encode(key, true);
+  if (config.path_style) {
+    url = ep + "/" + Encode(config.location.bucket, false) + "/" + Encode(key, true);
   } else {
     const size_t scheme = ep.find("://") + 3;
-    url = ep.substr(0, scheme) + config_.location.bucket + "." + ep.substr(scheme) + "/" + Encode(key, true);
+    url = ep.substr(0, scheme) + config.location.bucket + "." + ep.substr(scheme) + "/" + Encode(key, true);
   }
   return query.empty() ? url : url + "?" + query;
 }
@@ -264,7 +265,7 @@ S3Client::Response S3Client::Perform(const Request& r, int64_t timeout_ms) const
   CURL* c = h->curl;
   curl_easy_reset(c);
   const auto [region, endpoint] = RegionAndEndpoint();
-  const std::string url = Url(r.key, r.query, endpoint);
+  const std::string url = Url(config_, endpoint, r.key, r.query);
   curl_easy_setopt(c, CURLOPT_URL, url.c_str());
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);  // threads
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, kConnectTimeoutMs);

@@ -85,6 +85,11 @@ class S3Client {
   // Percent-encodes `s` as S3 wants it (RFC 3986 unreserved kept; '/' kept
   // when `keep_slash`).
   static std::string Encode(const std::string& s, bool keep_slash);
+  // The URL of `key` (with `query`, if any) at `endpoint`, addressed by
+  // path (endpoint/bucket/key) or by host name (bucket.endpoint/key) as
+  // `config.path_style` says.
+  static std::string Url(const S3Config& config, const std::string& endpoint, const std::string& key,
+                         const std::string& query);
 
   // One request and its answer (defined in the .cc).
   struct Request;
@@ -94,7 +99,6 @@ class S3Client {
   struct Handle;
   Response Perform(const Request& r, int64_t timeout_ms) const;
   Response PerformWithRetries(const Request& r, int max_attempts, bool retry_connect = true) const;
-  std::string Url(const std::string& key, const std::string& query, const std::string& endpoint) const;
   // The region requests are signed for and the endpoint they go to: the
   // configured ones until a redirect names the bucket's region.
   std::pair<std::string, std::string> RegionAndEndpoint() const;

@@ -60,6 +60,30 @@ TEST(S3Config, AwsDefaultEndpointIsVirtualHostedUnlessForced) {
   EXPECT_TRUE(ResolveS3Config("s3://bucket/p", flags, Env({}))->path_style);
 }
 
+// The URLs requests go to, spelled out by hand: the bucket in the host
+// name for AWS, in the path when forced, for a dotted bucket (no TLS
+// certificate covers it as a host) and for any other endpoint.
+TEST(S3Config, RequestUrlsPutTheBucketInTheHostOrThePath) {
+  S3Flags flags;
+  flags.no_sign_request = true;
+  auto aws = ResolveS3Config("s3://my-bucket/runs", flags, Env({{"AWS_REGION", "eu-west-1"}}));
+  ASSERT_TRUE(aws.ok());
+  EXPECT_EQ(S3Client::Url(*aws, aws->endpoint, "runs/a b+c/é.distcp", ""),
+            "https://my-bucket.s3.eu-west-1.amazonaws.com/runs/a%20b%2Bc/%C3%A9.distcp");
+  EXPECT_EQ(S3Client::Url(*aws, aws->endpoint, "", "list-type=2&prefix=runs%2F"),
+            "https://my-bucket.s3.eu-west-1.amazonaws.com/?list-type=2&prefix=runs%2F");
+  flags.force_path_style = true;
+  auto forced = ResolveS3Config("s3://my-bucket/runs", flags, Env({{"AWS_REGION", "eu-west-1"}}));
+  EXPECT_EQ(S3Client::Url(*forced, forced->endpoint, "runs/x", ""),
+            "https://s3.eu-west-1.amazonaws.com/my-bucket/runs/x");
+  flags.force_path_style = false;
+  auto dotted = ResolveS3Config("s3://my.bucket/runs", flags, Env({}));
+  EXPECT_EQ(S3Client::Url(*dotted, dotted->endpoint, "runs/x", ""),
+            "https://s3.us-east-1.amazonaws.com/my.bucket/runs/x");
+  auto other = ResolveS3Config("s3://my-bucket/runs", flags, Env({{"AWS_ENDPOINT_URL", "http://127.0.0.1:9000/"}}));
+  EXPECT_EQ(S3Client::Url(*other, other->endpoint, "runs/x", ""), "http://127.0.0.1:9000/my-bucket/runs/x");
+}
+
 TEST(S3Config, NoCredentialsIsAnErrorThatSaysWhatToSet) {
   auto c = ResolveS3Config("s3://b/p", {}, Env({{"HOME", "/nonexistent"}}));
   ASSERT_FALSE(c.ok());
