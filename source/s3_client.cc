@@ -275,6 +275,7 @@ S3Client::Response S3Client::Perform(const Request& r, int64_t timeout_ms) const
   // attempt ends with the retry budget.
   curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, long(timeout_ms));
   curl_easy_setopt(c, CURLOPT_TCP_KEEPALIVE, 1L);
+  if (!config_.ca_bundle.empty()) curl_easy_setopt(c, CURLOPT_CAINFO, config_.ca_bundle.c_str());
   if (r.head) curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
   struct curl_slist* headers = nullptr;
   headers = curl_slist_append(headers, (std::string("x-amz-content-sha256: ") + kEmptySha256).c_str());
@@ -379,12 +380,23 @@ S3Client::Response S3Client::PerformWithRetries(const Request& r, int max_attemp
   }
 }
 
+std::string S3Client::Hint(int curl) const {
+  switch (curl) {
+    case CURLE_COULDNT_RESOLVE_HOST:
+    case CURLE_COULDNT_CONNECT: return "; is the endpoint right (" + config_.endpoint + ") and the server up?";
+    case CURLE_PEER_FAILED_VERIFICATION:
+      return "; the server's TLS certificate is not trusted: set AWS_CA_BUNDLE (or ca_bundle in the profile) to "
+             "the PEM file of the CA that signed it";
+    case CURLE_SSL_CACERT_BADFILE:
+      return "; the CA bundle " + config_.ca_bundle + " cannot be read: set AWS_CA_BUNDLE to a PEM file";
+    default: return "";
+  }
+}
+
 Status S3Client::Explain(const Request& r, const Response& resp) const {
   const std::string where = r.key.empty() ? "listing " + config_.Root() : r.What() + " (s3://" + config_.location.bucket + ")";
   const std::string tries = resp.attempts > 1 ? " after " + std::to_string(resp.attempts) + " attempts" : "";
-  const std::string hint = resp.curl == CURLE_COULDNT_RESOLVE_HOST || resp.curl == CURLE_COULDNT_CONNECT
-                               ? "; is the endpoint right (" + config_.endpoint + ") and the server up?"
-                               : "";
+  const std::string hint = Hint(resp.curl);
   if (!resp.last_retry_cause.empty()) return Status::IOError(where + ": " + resp.last_retry_cause + tries + hint);
   if (resp.curl != CURLE_OK) return Status::IOError(where + ": " + resp.curl_error + tries + hint);
   const std::string code = XmlFirst(resp.body, "Code"), message = XmlFirst(resp.body, "Message");

@@ -107,6 +107,9 @@ class S3Client {
   std::unique_ptr<Handle> Borrow() const;
   void Return(std::unique_ptr<Handle> h) const;
   Status Explain(const Request& r, const Response& resp) const;
+  // What to do about libcurl error `curl` (a CURLcode), for Explain: ""
+  // or "; ...".
+  std::string Hint(int curl) const;
   Status CheckEtag(const Request& r, const Response& resp) const;
 
   S3Config config_;

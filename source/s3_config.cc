@@ -128,6 +128,7 @@ Result<S3Config> ResolveS3Config(const std::string& url, const S3Flags& flags, c
                    : NonEmpty(env, "AWS_ENDPOINT_URL_S3")
                          .value_or(NonEmpty(env, "AWS_ENDPOINT_URL").value_or(Value(section, "endpoint_url")));
   c.endpoint_is_aws = c.endpoint.empty();
+  c.ca_bundle = NonEmpty(env, "AWS_CA_BUNDLE").value_or(Value(section, "ca_bundle"));
   if (c.endpoint_is_aws) c.endpoint = "https://s3." + c.region + ".amazonaws.com";
   while (c.endpoint.ends_with('/')) c.endpoint.pop_back();
   if (c.endpoint.rfind("http://", 0) != 0 && c.endpoint.rfind("https://", 0) != 0)
@@ -157,7 +158,8 @@ std::string S3Config::StoreKey() const { return endpoint + "/" + Root().substr(5
 
 std::string S3Config::Describe() const {
   return "endpoint " + endpoint + ", region " + region + (path_style ? ", path-style" : ", virtual-hosted") +
-         (sign ? ", credentials from " + credentials.source : ", unsigned requests");
+         (sign ? ", credentials from " + credentials.source : ", unsigned requests") +
+         (ca_bundle.empty() ? "" : ", CA bundle " + ca_bundle);
 }
 
 }  // namespace ckptfs

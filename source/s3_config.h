@@ -8,7 +8,9 @@
 //  - credentials (unless --no-sign-request): AWS_ACCESS_KEY_ID +
 //    AWS_SECRET_ACCESS_KEY (+ AWS_SESSION_TOKEN), else the profile
 //    (AWS_PROFILE, else "default") in AWS_SHARED_CREDENTIALS_FILE or
-//    ~/.aws/credentials, then in AWS_CONFIG_FILE or ~/.aws/config.
+//    ~/.aws/credentials, then in AWS_CONFIG_FILE or ~/.aws/config;
+//  - the CAs trusted for https: AWS_CA_BUNDLE, else the profile's
+//    `ca_bundle`, else the system's.
 // Secrets are never printed: ToString() and every message leave them out.
 // Pure: reads the environment and the two files only.
 #pragma once
@@ -59,6 +61,7 @@ struct S3Config {
   bool path_style = true;  // https://host/bucket/key, else https://bucket.host/key
   bool sign = true;
   S3Credentials credentials;
+  std::string ca_bundle;  // PEM file of the CAs to trust for https; "" = the system's
   unsigned max_threads = 16;
   uint64_t part_size = 8ull << 20;
 

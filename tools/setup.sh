@@ -12,7 +12,7 @@ SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
 
 # --- Debian packages ---------------------------------------------------------
 apt_pkgs=(build-essential pkg-config fuse3 libfuse3-dev librocksdb-dev nlohmann-json3-dev libcurl4-openssl-dev
-          libcli11-dev libgtest-dev libgmock-dev libzstd-dev libeigen3-dev s3fs)
+          libcli11-dev libgtest-dev libgmock-dev libzstd-dev libeigen3-dev s3fs openssl)
 command -v cmake >/dev/null || apt_pkgs+=(cmake)
 command -v ninja >/dev/null || apt_pkgs+=(ninja-build)
 missing=()

@@ -364,3 +364,36 @@ def test_a_public_bucket_is_read_unsigned_without_credentials(main_ckpt, s3_env,
     assert r.returncode != 0 and not r.stdout
     assert b"access denied (HTTP 403" in r.stderr and b"check the credentials (unsigned requests)" in r.stderr, \
         r.stderr.decode()
+
+
+def test_an_https_endpoint_is_trusted_through_aws_ca_bundle(main_ckpt, s3_env, ckptfs, monkeypatch, tmp_path):
+    # A server whose certificate no system CA signed (a company's MinIO,
+    # say): refused with a message that names AWS_CA_BUNDLE, read exactly
+    # once AWS_CA_BUNDLE names its CA.
+    from tls_front import TlsFront, make_certificate
+
+    upload_tree(s3_env["client"], main_ckpt["out_dir"], "tls/step 1/")
+    want = ckptfs("cat", main_ckpt["out_dir"], "consolidated/model.safetensors")
+    assert want.returncode == 0 and want.stdout, want.stderr.decode()
+    cert, key = make_certificate(tmp_path)
+    front = TlsFront(s3_env["port"], cert, key)
+    try:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", front.endpoint)
+        args = ("cat", f"s3://{BUCKET}/tls/", "step 1/consolidated/model.safetensors")
+        monkeypatch.delenv("AWS_CA_BUNDLE", raising=False)
+        r = ckptfs(*args)
+        assert r.returncode != 0 and not r.stdout
+        assert b"TLS certificate is not trusted: set AWS_CA_BUNDLE" in r.stderr, r.stderr.decode()
+        assert front.handshakes_failed >= 1
+
+        monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "missing.pem"))
+        r = ckptfs(*args)
+        assert r.returncode != 0 and not r.stdout
+        assert f"the CA bundle {tmp_path / 'missing.pem'} cannot be read".encode() in r.stderr, r.stderr.decode()
+
+        monkeypatch.setenv("AWS_CA_BUNDLE", str(cert))
+        r = ckptfs(*args)
+        assert r.returncode == 0, r.stderr.decode()
+        assert r.stdout == want.stdout
+    finally:
+        front.close()

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <map>
 
 #include "source/s3_client.h"
@@ -82,6 +83,25 @@ TEST(S3Config, RequestUrlsPutTheBucketInTheHostOrThePath) {
             "https://s3.us-east-1.amazonaws.com/my.bucket/runs/x");
   auto other = ResolveS3Config("s3://my-bucket/runs", flags, Env({{"AWS_ENDPOINT_URL", "http://127.0.0.1:9000/"}}));
   EXPECT_EQ(S3Client::Url(*other, other->endpoint, "runs/x", ""), "http://127.0.0.1:9000/my-bucket/runs/x");
+}
+
+TEST(S3Config, CaBundleFromTheEnvironmentElseTheProfile) {
+  S3Flags flags;
+  flags.no_sign_request = true;
+  const std::string dir = ::testing::TempDir();
+  const std::string config = dir + "/aws-config-ca";
+  {
+    std::ofstream f(config);
+    f << "[profile p]\nca_bundle = /etc/corp-ca.pem\n";
+  }
+  auto from_profile = ResolveS3Config("s3://b/p", flags, Env({{"AWS_CONFIG_FILE", config}, {"AWS_PROFILE", "p"}}));
+  ASSERT_TRUE(from_profile.ok()) << from_profile.status().message();
+  EXPECT_EQ(from_profile->ca_bundle, "/etc/corp-ca.pem");
+  EXPECT_NE(from_profile->Describe().find("CA bundle /etc/corp-ca.pem"), std::string::npos);
+  auto from_env = ResolveS3Config(
+      "s3://b/p", flags, Env({{"AWS_CONFIG_FILE", config}, {"AWS_PROFILE", "p"}, {"AWS_CA_BUNDLE", "/x/ca.pem"}}));
+  EXPECT_EQ(from_env->ca_bundle, "/x/ca.pem");
+  EXPECT_EQ(ResolveS3Config("s3://b/p", flags, Env({}))->ca_bundle, "");
 }
 
 TEST(S3Config, NoCredentialsIsAnErrorThatSaysWhatToSet) {
