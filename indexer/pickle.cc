@@ -651,6 +651,35 @@ std::string PickleValue::DebugString(size_t max_chars) const {
 // ---------------------------------------------------------------------------
 // The machine.
 
+// The memo of PUT/GET. Picklers number it 0, 1, 2, ...: that part is a
+// vector; anything else (a hostile LONG_BINPUT 4e9) goes to the map, so
+// memory follows the number of PUTs, not the largest index.
+class PickleMemo {
+ public:
+  // The value at `index`, or null when none was put there.
+  PickleValue* Get(uint64_t index) const {
+    if (index < dense_.size()) return dense_[index];
+    auto it = sparse_.find(index);
+    return it == sparse_.end() ? nullptr : it->second;
+  }
+  // Puts `v` at `index`, over what was there.
+  void Put(uint64_t index, PickleValue* v) {
+    if (index < dense_.size()) {
+      dense_[index] = v;
+    } else if (index == dense_.size() && !sparse_.count(index)) {
+      dense_.push_back(v);
+    } else {
+      sparse_[index] = v;
+    }
+  }
+  // Indexes put so far.
+  uint64_t count() const { return dense_.size() + sparse_.size(); }
+
+ private:
+  std::vector<PickleValue*> dense_;
+  std::unordered_map<uint64_t, PickleValue*> sparse_;
+};
+
 class Unpickler {
  public:
   Unpickler(std::string_view in, const UnpickleLimits& limits, PickleDocument& doc)
@@ -741,12 +770,7 @@ class Unpickler {
   int protocol_ = 0;
   std::vector<PickleValue*> stack_;
   std::vector<size_t> marks_;
-  // Picklers number the memo 0, 1, 2, ...: that part is a vector; anything
-  // else (a hostile LONG_BINPUT 4e9) goes to the map, so memory follows the
-  // number of PUTs, not the largest index.
-  std::vector<PickleValue*> memo_dense_;
-  std::unordered_map<uint64_t, PickleValue*> memo_sparse_;
-  uint64_t memo_count_ = 0;
+  PickleMemo memo_;
   std::unordered_set<std::string> unknown_seen_;
   PickleValue* none_ = nullptr;
   PickleValue* true_ = nullptr;
@@ -1062,29 +1086,14 @@ Status Unpickler::Build() {
 
 Status Unpickler::MemoPut(uint64_t index) {
   ASSIGN_OR_RETURN(PickleValue * v, Top());
-  PickleValue** slot = nullptr;
-  if (index < memo_dense_.size()) {
-    slot = &memo_dense_[index];
-  } else if (auto it = memo_sparse_.find(index); it != memo_sparse_.end()) {
-    slot = &it->second;
-  }
-  if (slot && *slot) {
-    *slot = v;
-    return Status::OK();
-  }
-  if (memo_count_ >= lim_.max_memo_entries)
+  if (!memo_.Get(index) && memo_.count() >= lim_.max_memo_entries)
     return Fail("memo exceeds " + std::to_string(lim_.max_memo_entries) + " entries");
-  ++memo_count_;
-  if (slot) *slot = v;
-  else if (index == memo_dense_.size()) memo_dense_.push_back(v);
-  else memo_sparse_[index] = v;
+  memo_.Put(index, v);
   return Status::OK();
 }
 
 Result<PickleValue*> Unpickler::MemoGet(uint64_t index) {
-  PickleValue* v = nullptr;
-  if (index < memo_dense_.size()) v = memo_dense_[index];
-  else if (auto it = memo_sparse_.find(index); it != memo_sparse_.end()) v = it->second;
+  PickleValue* v = memo_.Get(index);
   if (!v) return Fail("memo index " + std::to_string(index) + " is unset");
   return v;
 }
@@ -1466,7 +1475,7 @@ Status Unpickler::MemoOp() {
       break;
     }
     case MEMOIZE:
-      index = memo_count_;
+      index = memo_.count();
       break;
     default:
       return UnknownOp();
