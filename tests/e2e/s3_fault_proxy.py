@@ -9,7 +9,9 @@ injects the failures object storage shows:
 - ``stall_silent``: the request read, then no answer at all;
 - ``trickle``: status and headers, then one byte of the body every half
   second (never slow enough for a check of bytes per second to call it a
-  stall).
+  stall);
+- ``forbidden`` (from a script only): 403 AccessDenied, as a bucket policy
+  that denies some objects answers.
 
 A stall holds the connection for ``stall_s`` seconds (longer than the
 client's timeout), then closes it; a trickle goes on until the body is sent
@@ -39,6 +41,8 @@ import urllib.parse
 
 KINDS = ("slowdown", "reset", "truncate", "stall_headers", "stall_silent", "trickle")
 
+FORBIDDEN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>AccessDenied</Code>"
+             b"<Message>Access Denied</Message></Error>")
 SLOWDOWN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>SlowDown</Code>"
             b"<Message>Please reduce your request rate.</Message></Error>")
 
@@ -139,7 +143,7 @@ class FaultProxy:
         self.redirected = 0  # requests answered so
         self.signed_for: dict[str, int] = {}  # region in the credential scope -> requests
         self.ignored_if_match = 0  # 412s answered with the current version
-        self.counts = {k: 0 for k in (*KINDS, "passed")}
+        self.counts = {k: 0 for k in (*KINDS, "forbidden", "passed")}
         self.ranged_gets = 0  # GETs with a Range header, faulted or not
         self.ranged_in_flight = 0
         self.peak_ranged_in_flight = 0  # most ranged GETs answered at once
@@ -261,6 +265,10 @@ class FaultProxy:
         if kind == "stall_silent":
             self.stopped.wait(self.stall_s)
             return False
+        if kind == "forbidden":  # scripted only: as a bucket policy that denies one object
+            conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: "
+                         + str(len(FORBIDDEN)).encode() + b"\r\n\r\n" + FORBIDDEN)
+            return True
         request = b"\r\n".join(_without(head, b"connection")) + b"\r\n\r\n" + body
         status, rbody = upstream.exchange(request, is_head)
         answered()

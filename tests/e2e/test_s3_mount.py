@@ -665,3 +665,41 @@ def test_ckptfs_over_s3fs_serves_exact_bytes_after_s3fs_renumbers_then_sees_an_o
     assert r.returncode == 5 and shard.encode() in r.stdout + r.stderr, r.stdout.decode() + r.stderr.decode()
     r = ckptfs("cat", str(s3fs_mount), "main/consolidated/model.safetensors")
     assert r.returncode == 4, r.stderr.decode()
+
+
+def test_a_read_the_server_forbids_is_eacces_and_the_log_names_credentials(s3_server, s3_env, mount_factory,
+                                                                             tmp_path):
+    # A GET answered 403 (a bucket policy that denies one object, or
+    # credentials revoked while mounted): that read fails with EACCES, not
+    # EIO, and is not retried; once the server allows it again, it reads.
+    from safetensors.numpy import load, save_file
+    from s3_fault_proxy import FaultProxy
+
+    weight = np.random.default_rng(11).standard_normal((256, 512)).astype(np.float32)
+    folder = tmp_path / "denied"
+    folder.mkdir()
+    save_file({"w": weight}, str(folder / "model.safetensors"))
+    upload_tree(s3_server["client"], str(folder), "deny/one/")
+    proxy = FaultProxy(s3_server["port"], seed=4, p_slowdown=0, p_reset=0, p_truncate=0, ranged_only=True)
+    try:
+        with mount_factory(f"s3://{BUCKET}/deny", "--endpoint-url", f"http://127.0.0.1:{proxy.port}") as m:
+            path = m.p("one", "consolidated", "model.safetensors")
+            size = os.path.getsize(path)
+            proxy.set_script({"deny/one/model.safetensors": ["forbidden"] * 3})
+            with pytest.raises(OSError) as e:
+                with open(path, "rb", buffering=0) as f:
+                    f.seek(size - 4096)
+                    f.read(4096)
+            assert e.value.errno == errno.EACCES, e.value
+            forbidden = proxy.counts["forbidden"]
+            proxy.set_script({})
+            with open(path, "rb", buffering=0) as f:
+                data = f.read()
+            log = m.log()
+    finally:
+        proxy.close()
+    np.testing.assert_array_equal(load(data)["w"], weight)
+    assert "access denied (HTTP 403 AccessDenied" in log and "check the credentials" in log, log[-2000:]
+    # One GET per failed read (the kernel asks twice): a 403 is not retried.
+    assert forbidden >= 1 and log.count("failed (Permission denied)") == forbidden, (forbidden, log[-2000:])
+    assert "attempts" not in log, log[-2000:]
