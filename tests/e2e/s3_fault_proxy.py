@@ -122,7 +122,36 @@ class _Upstream:
             self.sock = None
 
 
-class FaultProxy:
+class LocalListener:
+    """A TCP listener on a free port of 127.0.0.1 that hands each connection
+    to ``self._serve(conn)`` on a thread of its own; ``close()`` stops it."""
+
+    def _listen(self) -> None:
+        self.server = socket.socket()
+        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(128)
+        self.port = self.server.getsockname()[1]
+        self.stopped = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self.stopped.set()
+        self.server.close()
+
+    def _accept(self) -> None:
+        while not self.stopped.is_set():
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class FaultProxy(LocalListener):
     def __init__(self, upstream_port: int, seed: int, p_slowdown=0.1, p_reset=0.1, p_truncate=0.1,
                  p_stall_headers=0.0, p_stall_silent=0.0, stall_s: float = 60, ranged_only=False,
                  script: dict[str, list[str]] | None = None, unconditional=None, strip_etag=False,
@@ -147,14 +176,7 @@ class FaultProxy:
         self.ranged_gets = 0  # GETs with a Range header, faulted or not
         self.ranged_in_flight = 0
         self.peak_ranged_in_flight = 0  # most ranged GETs answered at once
-        self.server = socket.socket()
-        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.server.bind(("127.0.0.1", 0))
-        self.server.listen(128)
-        self.port = self.server.getsockname()[1]
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
+        self._listen()
 
     def set_faults(self, p_slowdown=0.0, p_reset=0.0, p_truncate=0.0, p_stall_headers=0.0, p_stall_silent=0.0,
                    p_trickle=0.0):
@@ -184,14 +206,6 @@ class FaultProxy:
                 kind = "passed"
             self.counts[kind] += 1
             return kind
-
-    def _accept(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         upstream = _Upstream(self.upstream_port)
@@ -327,6 +341,3 @@ class FaultProxy:
         return (f"HTTP/1.1 206 Partial Content\r\nETag: {etag}\r\nContent-Range: {content_range}\r\n"
                 "Content-Type: application/octet-stream").encode(), data
 
-    def close(self) -> None:
-        self.stopped.set()
-        self.server.close()

@@ -17,6 +17,8 @@ import subprocess
 import threading
 from pathlib import Path
 
+from s3_fault_proxy import LocalListener
+
 
 def make_certificate(d: Path) -> tuple[Path, Path]:
     """A self-signed certificate for IP 127.0.0.1 and its key, as PEM files
@@ -30,32 +32,14 @@ def make_certificate(d: Path) -> tuple[Path, Path]:
     return cert, key
 
 
-class TlsFront:
+class TlsFront(LocalListener):
     def __init__(self, upstream_port: int, cert: Path, key: Path):
         self.upstream_port = upstream_port
         self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self.context.load_cert_chain(str(cert), str(key))
-        self.server = socket.socket()
-        self.server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.server.bind(("127.0.0.1", 0))
-        self.server.listen(64)
-        self.port = self.server.getsockname()[1]
-        self.endpoint = f"https://127.0.0.1:{self.port}"
         self.handshakes_failed = 0
-        self.stopped = threading.Event()
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def close(self) -> None:
-        self.stopped.set()
-        self.server.close()
-
-    def _accept(self) -> None:
-        while not self.stopped.is_set():
-            try:
-                conn, _ = self.server.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        self._listen()
+        self.endpoint = f"https://127.0.0.1:{self.port}"
 
     def _serve(self, conn: socket.socket) -> None:
         conn.settimeout(60)
