@@ -197,6 +197,20 @@ int ThreadsNamed(const std::string& name) {
   return n;
 }
 
+// ThreadsNamed(name) once it equals `want`, or after 2 s. A joined thread
+// can still be listed in /proc/self/task for a moment (the kernel reaps it
+// after join returns), and a new one names itself once it runs; a thread
+// that was never joined stays listed.
+int ThreadsNamedSettled(const std::string& name, int want) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  int n = ThreadsNamed(name);
+  while (n != want && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    n = ThreadsNamed(name);
+  }
+  return n;
+}
+
 // A std::thread destroyed while joinable calls std::terminate: the stager
 // must join its I/O threads whatever state a failure left it in, here with
 // the ring full of jobs that fail, a partly filled buffer, and no Drain.
@@ -208,7 +222,7 @@ TEST(Stager, DestroyedMidFailureJoinsItsThreads) {
     o.io_threads = 3;
     auto st = Stager::Create(o, MakeHostCopyEngine());
     ASSERT_TRUE(st.ok());
-    EXPECT_EQ(ThreadsNamed("ckptfs-io"), before + 3);
+    EXPECT_EQ(ThreadsNamedSettled("ckptfs-io", before + 3), before + 3);
     auto full = (*st)->OpenFile("/dev/full");  // every write fails with ENOSPC
     ASSERT_TRUE(full.ok()) << full.status().ToString();
     const std::string data = Random(64 * 1024 + 100, round);
@@ -218,7 +232,7 @@ TEST(Stager, DestroyedMidFailureJoinsItsThreads) {
     (void)(*st)->Write(*full, 0, Host(data, 0, data.size()), 1, 0, false);
     (void)(*st)->Write(*full, 0, Host(data, 0, 100), 2, 0, true);
     st->reset();  // must return, threads joined
-    EXPECT_EQ(ThreadsNamed("ckptfs-io"), before);
+    EXPECT_EQ(ThreadsNamedSettled("ckptfs-io", before), before);
   }
 }
 
@@ -232,7 +246,7 @@ TEST(Stager, CloseJoinsOnceAndRefusesLaterWrites) {
   ASSERT_TRUE((*st)->Write(*f, 0, Host(data, 0, data.size()), 0, 0, true).ok());
   const int running = ThreadsNamed("ckptfs-io");
   EXPECT_TRUE((*st)->Close().ok());  // drains first: the bytes are written
-  EXPECT_EQ(ThreadsNamed("ckptfs-io"), running - 2);
+  EXPECT_EQ(ThreadsNamedSettled("ckptfs-io", running - 2), running - 2);
   EXPECT_TRUE((*st)->Close().ok());
   Status late = (*st)->Write(*f, 0, Host(data, 0, 10), 1, 0, true);
   EXPECT_EQ(late.code(), Status::Code::kInvalidArgument);
