@@ -41,7 +41,7 @@ if [ -z "${CKPTFS_SKIP_PYTHON:-}" ]; then
     fi
   fi
   # Every package of tools/requirements.txt, and the S3 server's binary.
-  if ! $PY -c 'import safetensors, numpy, transformers, pytest, ml_dtypes, zstandard, psutil, sentence_transformers, boto3, peft' 2>/dev/null \
+  if ! $PY -c 'import safetensors, numpy, transformers, pytest, ml_dtypes, zstandard, psutil, sentence_transformers, boto3, peft, xdist, s3torchconnector, tenacity, runai_model_streamer' 2>/dev/null \
      || ! command -v weed >/dev/null; then
     log "installing Python packages from tools/requirements.txt"
     $PY -m pip install -q -r tools/requirements.txt
