@@ -16,8 +16,19 @@ namespace {
 
 // SHA-256 of the empty body: every request here is a GET or HEAD.
 constexpr char kEmptySha256[] = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
-// A connection that moves less than 1 byte/s for this long is a stall.
-constexpr long kStallSeconds = 15;
+// A request that receives no byte (of headers or body) for this long is a
+// stall: abandoned, and sent again on a new connection. Listings and HEADs
+// get the long window: a server may take seconds to list a large prefix.
+constexpr int64_t kStallMs = 15'000;
+// A ranged GET's first window. A healthy S3 server sends a range's first
+// byte within tens to hundreds of milliseconds and then streams, so 2 s of
+// silence is a connection that went bad (a proxy holding an answer, a
+// lost peer) far more often than a slow server. libcurl checks an idle
+// transfer about once a second, so one stall costs 2-3 s and a read that
+// meets one still ends within 5 s. Each further stall of the same GET
+// doubles the window (2, 2, 4, 8, then 15 s), so a server that is merely
+// slow to start its answers is still read, not failed in 8 quick tries.
+constexpr int64_t kGetStallMs = 2'000;
 constexpr long kConnectTimeoutMs = 5000;
 // Error and listing bodies are kept up to this size (a page of 1000 keys
 // is well under it).
@@ -139,6 +150,9 @@ struct S3Client::Request {
 struct S3Client::Response {
   CURLcode curl = CURLE_OK;
   std::string curl_error;
+  int64_t idle_ms = 0;     // since the last byte received, when it ended
+  bool stalled = false;    // abandoned by OnProgress: no byte for the window
+  bool sent = false;       // the request went out (else it failed connecting)
   long http = 0;
   std::string body;
   uint64_t received = 0;
@@ -150,10 +164,29 @@ struct S3Client::Response {
 
 namespace {
 
+using Clock = std::chrono::steady_clock;
+
+int64_t MsSince(Clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now() - t).count();
+}
+
 struct Sink {
   const S3Client::Request* req;
   S3Client::Response* resp;
+  int64_t stall_ms;
+  Clock::time_point last_byte = Clock::now();  // of headers or body
 };
+
+// libcurl's progress callback, called as bytes arrive and about once a
+// second while none do: ends the transfer once no byte came for the stall
+// window. (CURLOPT_LOW_SPEED_TIME averages over a window of several
+// seconds, so a stall in the middle of a body is seen seconds late.)
+int OnProgress(void* user, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
+  auto* s = static_cast<Sink*>(user);
+  if (MsSince(s->last_byte) < s->stall_ms) return 0;
+  s->resp->stalled = true;
+  return 1;  // CURLE_ABORTED_BY_CALLBACK
+}
 
 }  // namespace
 
@@ -227,6 +260,7 @@ void S3Client::Return(std::unique_ptr<Handle> h) const {
 static size_t OnBody(char* data, size_t size, size_t n, void* user) {
   auto* s = static_cast<Sink*>(user);
   const size_t bytes = size * n;
+  s->last_byte = Clock::now();
   if (s->req->dst) {
     const uint64_t room = s->req->len > s->resp->received ? s->req->len - s->resp->received : 0;
     const bool ok_status = s->resp->http == 200 || s->resp->http == 206 || s->resp->http == 0;
@@ -243,6 +277,7 @@ static size_t OnBody(char* data, size_t size, size_t n, void* user) {
 
 static size_t OnHeader(char* data, size_t size, size_t n, void* user) {
   auto* s = static_cast<Sink*>(user);
+  s->last_byte = Clock::now();
   std::string line(data, size * n);
   if (line.rfind("HTTP/", 0) == 0) {
     s->resp->headers.clear();
@@ -259,7 +294,8 @@ static size_t OnHeader(char* data, size_t size, size_t n, void* user) {
   return size * n;
 }
 
-S3Client::Response S3Client::Perform(const Request& r, int64_t timeout_ms) const {
+S3Client::Response S3Client::Perform(const Request& r, int64_t timeout_ms, int64_t stall_ms,
+                                     bool fresh_connection) const {
   Response resp;
   auto h = Borrow();
   CURL* c = h->curl;
@@ -269,8 +305,9 @@ S3Client::Response S3Client::Perform(const Request& r, int64_t timeout_ms) const
   curl_easy_setopt(c, CURLOPT_URL, url.c_str());
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);  // threads
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, kConnectTimeoutMs);
-  curl_easy_setopt(c, CURLOPT_LOW_SPEED_LIMIT, 1L);
-  curl_easy_setopt(c, CURLOPT_LOW_SPEED_TIME, kStallSeconds);
+  // After a stall or a broken connection: not one of the kept-alive ones,
+  // which may be going through the same bad path.
+  if (fresh_connection) curl_easy_setopt(c, CURLOPT_FRESH_CONNECT, 1L);
   // A server trickling bytes never trips the stall check: the whole
   // attempt ends with the retry budget.
   curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, long(timeout_ms));
@@ -292,7 +329,10 @@ S3Client::Response S3Client::Perform(const Request& r, int64_t timeout_ms) const
     curl_easy_setopt(c, CURLOPT_USERNAME, config_.credentials.access_key_id.c_str());
     curl_easy_setopt(c, CURLOPT_PASSWORD, config_.credentials.secret_access_key.c_str());
   }
-  Sink sink{&r, &resp};
+  Sink sink{&r, &resp, stall_ms};
+  curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
+  curl_easy_setopt(c, CURLOPT_XFERINFOFUNCTION, OnProgress);
+  curl_easy_setopt(c, CURLOPT_XFERINFODATA, &sink);
   curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, OnBody);
   curl_easy_setopt(c, CURLOPT_WRITEDATA, &sink);
   curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, OnHeader);
@@ -300,8 +340,12 @@ S3Client::Response S3Client::Perform(const Request& r, int64_t timeout_ms) const
   char err[CURL_ERROR_SIZE] = {0};
   curl_easy_setopt(c, CURLOPT_ERRORBUFFER, err);
   resp.curl = curl_easy_perform(c);
+  resp.idle_ms = MsSince(sink.last_byte);
   if (resp.curl != CURLE_OK) resp.curl_error = err[0] ? err : curl_easy_strerror(resp.curl);
   curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &resp.http);
+  long request_bytes = 0;
+  curl_easy_getinfo(c, CURLINFO_REQUEST_SIZE, &request_bytes);
+  resp.sent = request_bytes > 0;
   curl_easy_setopt(c, CURLOPT_HTTPHEADER, nullptr);
   curl_slist_free_all(headers);
   // The secret is not left in a pooled handle longer than the request.
@@ -317,9 +361,23 @@ namespace {
 std::string RetryCause(const S3Client::Response& resp, const S3Client::Request& r) {
   const bool ranged = r.ranged;
   const uint64_t want = r.len;
+  const auto seconds = [](int64_t ms) {
+    char b[32];
+    std::snprintf(b, sizeof b, "%.1f s", double(ms) / 1000);
+    return std::string(b);
+  };
   switch (resp.curl) {
     case CURLE_OK: break;
-    case CURLE_OPERATION_TIMEDOUT: return "timeout or stall (" + resp.curl_error + ")";
+    case CURLE_ABORTED_BY_CALLBACK:
+      if (!resp.stalled) return "";
+      return "stall (no byte for " + seconds(resp.idle_ms) + ", " +
+             (resp.headers.empty() ? "no answer" : "answer started") + ")";
+    case CURLE_OPERATION_TIMEDOUT:
+      // Cut by the retry budget (or the connect timeout): a stall when the
+      // connection had gone silent, else a server too slow to finish.
+      if (resp.sent && resp.idle_ms >= 1000)
+        return "stall (no byte for " + seconds(resp.idle_ms) + " when the retry budget ended)";
+      return "timeout (" + resp.curl_error + ")";
     case CURLE_RECV_ERROR:
     case CURLE_SEND_ERROR:
     case CURLE_PARTIAL_FILE:
@@ -351,10 +409,16 @@ S3Client::Response S3Client::PerformWithRetries(const Request& r, int max_attemp
   const auto start = std::chrono::steady_clock::now();
   std::string cause;
   bool followed = false;  // a region redirect, at most once per request
+  int stalls = 0;         // of this request so far: each widens the next window
+  bool fresh = false;     // the last attempt's connection failed or stalled
   for (int attempt = 1;; ++attempt) {
     const int64_t spent_before =
         std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
-    Response resp = Perform(r, std::max<int64_t>(kRetryBudgetMs - spent_before, kMinAttemptMs));
+    const int64_t stall_ms =
+        r.ranged ? std::min<int64_t>(kStallMs, kGetStallMs << std::max(0, stalls - 1)) : kStallMs;
+    Response resp = Perform(r, std::max<int64_t>(kRetryBudgetMs - spent_before, kMinAttemptMs), stall_ms, fresh);
+    stalls += resp.stalled;
+    fresh = resp.curl != CURLE_OK;
     if (!followed && FollowRegion(resp)) {  // sent again at once, signed for the bucket's region
       followed = true;
       --attempt;

@@ -8,8 +8,11 @@
 // Failures that may pass (HTTP 5xx, 429 and SlowDown, timeouts, stalls,
 // connection resets, bodies shorter than announced) are retried with
 // exponential backoff and full jitter, at most kMaxAttempts times and for at
-// most kRetryBudgetMs in all, the attempt in flight included (a stall is no
-// byte for 15 s; a server trickling bytes is cut off when the budget ends);
+// most kRetryBudgetMs in all, the attempt in flight included; a server
+// trickling bytes is cut off when the budget ends. A stall is no byte for
+// 2 s in a ranged GET (the window doubles with each stall of the same GET,
+// up to 15 s; 15 s for listings and HEADs), and its retry, like that of a
+// broken connection, goes out on a new connection;
 // then the request fails with IOError naming the key, the byte range and
 // the cause. Others are answered at once:
 // 403 → PermissionDenied (the message names the credentials' source),
@@ -97,7 +100,9 @@ class S3Client {
 
  private:
   struct Handle;
-  Response Perform(const Request& r, int64_t timeout_ms) const;
+  // One attempt: ended after `timeout_ms`, or once no byte came for
+  // `stall_ms`; on a connection of its own when `fresh_connection`.
+  Response Perform(const Request& r, int64_t timeout_ms, int64_t stall_ms, bool fresh_connection) const;
   Response PerformWithRetries(const Request& r, int max_attempts, bool retry_connect = true) const;
   // The region requests are signed for and the endpoint they go to: the
   // configured ones until a redirect names the bucket's region.

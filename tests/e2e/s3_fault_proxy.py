@@ -6,6 +6,8 @@ injects the failures object storage shows:
 - ``truncate``: a body cut short with a matching Content-Length (only a
   client that checks the length it asked for sees it);
 - ``stall_headers``: status and headers sent, then not one byte of the body;
+- ``stall_body``: status, headers and the first half of the body sent, then
+  nothing more, the connection held open;
 - ``stall_silent``: the request read, then no answer at all;
 - ``trickle``: status and headers, then one byte of the body every half
   second (never slow enough for a check of bytes per second to call it a
@@ -13,8 +15,11 @@ injects the failures object storage shows:
 - ``forbidden`` (from a script only): 403 AccessDenied, as a bucket policy
   that denies some objects answers.
 
-A stall holds the connection for ``stall_s`` seconds (longer than the
-client's timeout), then closes it; a trickle goes on until the body is sent
+A stall holds the connection open for ``stall_s`` seconds (longer than the
+client's timeout), then closes it; with ``stall_once`` a stall is the fault
+of one connection, not of the object: a request (request line and Range)
+stalled once passes when it comes again (``stall_retried`` counts those), so
+a client that gives up on a stalled answer and asks again gets the bytes; a trickle goes on until the body is sent
 or the proxy is closed. The request bytes go upstream unchanged
 (Host included), so SigV4 signatures still verify. Connections are kept
 alive both ways, as S3's are, so a run of 10^5 requests does not cost 10^5
@@ -39,7 +44,8 @@ import socket
 import threading
 import urllib.parse
 
-KINDS = ("slowdown", "reset", "truncate", "stall_headers", "stall_silent", "trickle")
+KINDS = ("slowdown", "reset", "truncate", "stall_headers", "stall_silent", "trickle", "stall_body")
+STALLS = ("stall_headers", "stall_silent", "stall_body")
 
 FORBIDDEN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>AccessDenied</Code>"
              b"<Message>Access Denied</Message></Error>")
@@ -154,13 +160,17 @@ class LocalListener:
 class FaultProxy(LocalListener):
     def __init__(self, upstream_port: int, seed: int, p_slowdown=0.1, p_reset=0.1, p_truncate=0.1,
                  p_stall_headers=0.0, p_stall_silent=0.0, stall_s: float = 60, ranged_only=False,
+                 p_stall_body=0.0, stall_once=False,
                  script: dict[str, list[str]] | None = None, unconditional=None, strip_etag=False,
                  bucket_region: str | None = None, latency_s: float = 0.0):
         self.upstream_port = upstream_port
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
-        self.set_faults(p_slowdown, p_reset, p_truncate, p_stall_headers, p_stall_silent)
+        self.set_faults(p_slowdown, p_reset, p_truncate, p_stall_headers, p_stall_silent, p_stall_body=p_stall_body)
         self.stall_s = stall_s
+        self.stall_once = stall_once
+        self.stalled: set[tuple[bytes, str | None]] = set()  # (request line, Range) stalled so far
+        self.stall_retried = 0  # requests that came again after their stall
         self.ranged_only = ranged_only
         self.script = {k: list(v) for k, v in (script or {}).items()}
         self.unconditional = unconditional
@@ -179,19 +189,24 @@ class FaultProxy(LocalListener):
         self._listen()
 
     def set_faults(self, p_slowdown=0.0, p_reset=0.0, p_truncate=0.0, p_stall_headers=0.0, p_stall_silent=0.0,
-                   p_trickle=0.0):
+                   p_trickle=0.0, p_stall_body=0.0):
         with self.lock:
-            self.p = dict(zip(KINDS, (p_slowdown, p_reset, p_truncate, p_stall_headers, p_stall_silent, p_trickle)))
+            self.p = dict(zip(KINDS, (p_slowdown, p_reset, p_truncate, p_stall_headers, p_stall_silent, p_trickle,
+                                      p_stall_body)))
 
     def set_script(self, script: dict[str, list[str]]) -> None:
         with self.lock:
             self.script = {k: list(v) for k, v in script.items()}
 
-    def _choose(self, line: bytes, faultable: bool, has_body: bool) -> str:
+    def _choose(self, line: bytes, faultable: bool, has_body: bool, range_: str | None = None) -> str:
         """The fault for one request, counted; a fault that needs a body
-        (reset, truncate, stall_headers) passes a request without one."""
+        (reset, truncate, stall_headers, stall_body) passes a request
+        without one, and with ``stall_once`` a stall passes a request
+        stalled before."""
         with self.lock:
             kind = "passed"
+            seen = (line, range_) in self.stalled
+            self.stall_retried += seen
             scripted = next((v for k, v in self.script.items() if k.encode() in line and v), None)
             if faultable and scripted:
                 kind = scripted.pop(0)
@@ -202,8 +217,12 @@ class FaultProxy(LocalListener):
                     if x < acc:
                         kind = k
                         break
-            if kind in ("reset", "truncate", "stall_headers", "trickle") and not has_body:
+            if kind in ("reset", "truncate", "stall_headers", "trickle", "stall_body") and not has_body:
                 kind = "passed"
+            if kind in STALLS and self.stall_once and seen:
+                kind = "passed"
+            if kind in STALLS:
+                self.stalled.add((line, range_))
             self.counts[kind] += 1
             return kind
 
@@ -271,7 +290,8 @@ class FaultProxy(LocalListener):
         # Whether the answer will have a body of 2 bytes or more is known
         # only from upstream; a fault drawn for one without passes it.
         line = head.partition(b"\r\n")[0]
-        kind = self._choose(line, ranged or not self.ranged_only, has_body=not is_head)
+        kind = self._choose(line, ranged or not self.ranged_only, has_body=not is_head,
+                            range_=_header(head, b"range"))
         if kind == "slowdown":
             conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
                          + str(len(SLOWDOWN)).encode() + b"\r\nConnection: close\r\n\r\n" + SLOWDOWN)
@@ -301,6 +321,9 @@ class FaultProxy(LocalListener):
             return True
         if kind == "stall_headers":
             conn.sendall(status + length + b"\r\n\r\n")
+            self.stopped.wait(self.stall_s)
+        elif kind == "stall_body":
+            conn.sendall(status + length + b"\r\n\r\n" + rbody[: len(rbody) // 2])
             self.stopped.wait(self.stall_s)
         elif kind == "trickle":
             conn.sendall(status + length + b"\r\n\r\n")
