@@ -90,7 +90,8 @@ def test_reads_through_stalling_gets_end_within_seconds_with_exact_bytes(stallin
     stalls = {k: proxy.counts[k] for k in STALLS}
     # Each kind of stall was met, and every stalled GET came again (the
     # bytes could come from nowhere else): retried, not waited out.
-    assert all(v >= 2 for v in stalls.values()), stalls
+    # (~50 GETs drawn at 12% per kind: about 6 of each expected.)
+    assert all(v >= 1 for v in stalls.values()) and sum(stalls.values()) >= 5, stalls
     assert proxy.stall_retried >= sum(stalls.values()), (proxy.stall_retried, stalls)
     # Nothing failed: no read was answered with an error.
     assert not re.search(r"read of .* failed", log), log[-3000:]
