@@ -16,7 +16,10 @@ quiet machine: it measures the disk and memory bandwidth it is given.
 this process) with StorageWriter and with torch's default (FileSystemWriter
 and its stager, which copies the state dict into host memory): the
 training thread's stall (until async_save returns) and the whole save
-(until its future is done), best of --repeat each.
+(until its future is done), best of --repeat each, and with
+StorageWriter(snapshot=True) after one save that allocates the snapshot;
+RSS growth of the process is printed for each (run torch's first: the
+process's allocator may keep what it freed for the runs after it).
 """
 
 from __future__ import annotations
@@ -80,7 +83,19 @@ def run(name: str, fn, sd: dict, base: str, nbytes: int, repeat: int) -> float:
     return best
 
 
-def run_async(name: str, writer_kwargs, sd: dict, base: str, repeat: int) -> None:
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_async(name: str, writer_kwargs, sd: dict, base: str, repeat: int, warmup: bool = False) -> float:
+    """Best stall and whole save of `repeat` async saves (after one save
+    not counted, with `warmup`); prints them and the process's RSS growth."""
+    rss0 = _rss()
+    if warmup:
+        path = os.path.join(base, f"async_{name.replace(' ', '_')}_warmup")
+        dcp.async_save(sd, **writer_kwargs(path)).result()
+        shutil.rmtree(path)
     stall = total = float("inf")
     for i in range(repeat):
         path = os.path.join(base, f"async_{name.replace(' ', '_')}_{i}")
@@ -92,7 +107,9 @@ def run_async(name: str, writer_kwargs, sd: dict, base: str, repeat: int) -> Non
         t2 = time.perf_counter()
         stall, total = min(stall, t1 - t0), min(total, t2 - t0)
         shutil.rmtree(path)
-    print(f"{name:34s} stall {stall:6.2f} s   whole save {total:6.2f} s", flush=True)
+    print(f"{name:34s} stall {stall:6.3f} s   whole save {total:6.2f} s   RSS +{(_rss() - rss0) / (1 << 30):.2f} GiB",
+          flush=True)
+    return stall
 
 
 def async_figures(sd: dict, base: str, repeat: int) -> None:
@@ -103,8 +120,13 @@ def async_figures(sd: dict, base: str, repeat: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
     try:
         print("\ndcp.async_save: the training thread's stall and the whole save (best of each):")
-        run_async("async ckptfs StorageWriter", lambda p: {"storage_writer": StorageWriter(p)}, sd, base, repeat)
-        run_async("async torch default", lambda p: {"checkpoint_id": p}, sd, base, repeat)
+        torch_stall = run_async("async torch default", lambda p: {"checkpoint_id": p}, sd, base, repeat)
+        ring = run_async("async ckptfs StorageWriter", lambda p: {"storage_writer": StorageWriter(p)}, sd, base,
+                         repeat)
+        snap = run_async("async ckptfs snapshot=True", lambda p: {"storage_writer": StorageWriter(p, snapshot=True)},
+                         sd, base, repeat, warmup=True)
+        print(f"stall relative to torch's default stager (lower is better): ring {ring / torch_stall:.2f}x, "
+              f"snapshot (from the second save on) {snap / torch_stall:.2f}x")
     finally:
         dist.destroy_process_group()
 

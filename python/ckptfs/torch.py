@@ -50,6 +50,13 @@ tensors are copied by the CUDA engine and the producer stream is fenced
 after the copies; host tensors are copied), so the state dict may change as
 soon as it returns; draining, fsync, ``.metadata`` (or publishing) and
 the commit record happen in the background save. Host memory is the ring, never a copy of the state dict.
+
+``StorageWriter(path, snapshot=True)`` trades memory for a shorter stall:
+``stage()`` copies the state dict into a host snapshot allocated on the
+first save and reused by the next ones (one copy of this rank's tensors,
+pinned when CUDA is present, filled by several threads) and returns; the
+background save plans and writes from the snapshot, so the training thread
+never waits for the disk or the network (ckptfs/_snapshot.py).
 """
 
 from __future__ import annotations
@@ -84,7 +91,7 @@ from torch.distributed.checkpoint.storage import StorageWriter as _TorchStorageW
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from ckptfs import _writer
+from ckptfs import _snapshot, _writer
 
 __all__ = ["StorageWriter"]
 
@@ -365,13 +372,17 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
     (DCP: each into its own file, with its share of the ring);
     ``zip_crc32`` fills the zip CRC-32 of each torch.save archive (DCP only;
     torch's loader does not check it, other zip readers do; off saves one
-    pass over the bytes).
+    pass over the bytes). ``snapshot=True`` makes ``dcp.async_save`` stage
+    into a host copy of the state dict kept for the process's next saves
+    instead of through the ring: the shortest stall, for one copy of this
+    rank's tensors in host memory (``snapshot_threads`` threads fill it).
     """
 
     _synchronize_after_execute = False
 
     def __init__(self, path: str | os.PathLike, *, layout: str = "dcp", buffer_bytes: int = 256 << 20,
-                 buffers: int = 2, io_threads: int = 2, zip_crc32: bool = True) -> None:
+                 buffers: int = 2, io_threads: int = 2, zip_crc32: bool = True, snapshot: bool = False,
+                 snapshot_threads: int = _snapshot.DEFAULT_THREADS) -> None:
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
@@ -382,6 +393,8 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         self.layout = layout
         self.buffer_bytes, self.buffers, self.io_threads = buffer_bytes, buffers, io_threads
         self.zip_crc32 = zip_crc32 and layout == "dcp"  # safetensors items are raw bytes: no zip
+        self.snapshot, self.snapshot_threads = snapshot, snapshot_threads
+        self._lease: _snapshot.Lease | None = None  # the snapshot's use by the save in flight
         self.save_id = str(uuid.uuid4())
         self.is_coordinator = False
         self.rank = 0
@@ -398,6 +411,8 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        if self._lease is not None:
+            self._lease.thread = threading.current_thread()  # the save's: its end ends the lease
         self.rank = kwargs.get("rank") or (dist.get_rank() if dist.is_initialized() else 0)
         if kwargs.get("use_collectives", True) is False:
             raise ValueError("ckptfs StorageWriter needs use_collectives=True: the commit is global")
@@ -419,6 +434,14 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         return self._name_plans(plans)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        try:
+            return self._write_data(plan, planner)
+        finally:
+            lease, self._lease = self._lease, None
+            if lease is not None:  # every byte read from the snapshot is written
+                lease.done.set()
+
+    def _write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._staged is not None:
             results = self._take_staged(plan)
         else:
@@ -455,7 +478,12 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         """Plans as dcp.save will, then copies every byte this rank saves
         into the ring (and on to the page cache as buffers fill). Returns
         the same state_dict: the background save takes the staged results
-        instead of reading tensors again."""
+        instead of reading tensors again. With ``snapshot=True``: copies
+        the state dict into the snapshot and returns the copy, which the
+        background save plans and writes as dcp.save would."""
+        if self.snapshot:
+            staged, self._lease = _snapshot.snapshot().take(state_dict, self.snapshot_threads)
+            return staged
         rank = dist.get_rank() if dist.is_initialized() else 0
         planner = DefaultSavePlanner()
         planner.set_up_planner(state_dict, self.storage_meta(), rank == 0)

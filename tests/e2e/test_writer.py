@@ -36,7 +36,7 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-@pytest.fixture(scope="module", params=["sync", "async"])
+@pytest.fixture(scope="module", params=["sync", "async", "async-snapshot"])
 def saved(request, tmp_path_factory) -> dict:
     """A checkpoint saved with dcp.save or dcp.async_save, its oracle and rows."""
     base = tmp_path_factory.mktemp(f"writer_{request.param}")

@@ -131,11 +131,52 @@ def _save(sd: dict, job: dict, directory: str) -> None:
         for v in flat_local_tensors(sd):
             v.add_(7) if v.dtype != torch.bool else v.logical_not_()
         fut.result()
+    elif job.get("mode") == "async-snapshot":
+        writer = _save_snapshot(sd, job, directory)
     else:
         dcp.save(sd, storage_writer=writer)
     if dist.get_rank() == 0 and job.get("rows"):
         with open(job["rows"], "w") as f:
             json.dump(writer.last_rows, f)
+
+
+def _save_snapshot(sd: dict, job: dict, directory: str):
+    """async_save with ``snapshot=True``, twice: a first save into a scratch
+    directory allocates the snapshot, the save of the test reuses it. Its
+    background save is held at write_data until the training loop has
+    checked that nothing reached storage (the stall wrote nothing: no rank
+    file exists) and has changed every tensor in place."""
+    import shutil
+    import tempfile
+    import threading
+    from ckptfs import _snapshot
+    from ckptfs.torch import StorageWriter
+
+    class _HeldWriter(StorageWriter):
+        gate = threading.Event()
+
+        def write_data(self, plan, planner):
+            if not self.gate.wait(120):
+                raise TimeoutError("the training loop never released the save")
+            return super().write_data(plan, planner)
+
+    scratch = tempfile.mkdtemp(prefix="snapshot_warmup_") if dist.get_rank() == 0 else None
+    box = [scratch]
+    dist.broadcast_object_list(box)
+    dcp.async_save(sd, storage_writer=StorageWriter(os.path.join(box[0], "step"), snapshot=True)).result()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(box[0])
+    writer = _HeldWriter(directory, buffer_bytes=job.get("buffer_bytes", 4096), buffers=2, snapshot=True)
+    fut = dcp.async_save(sd, storage_writer=writer)
+    written = [n for n in os.listdir(directory) if n.endswith(".distcp")] if os.path.isdir(directory) else []
+    assert not written, f"the training thread wrote rank files before async_save returned: {written}"
+    for v in flat_local_tensors(sd):
+        v.add_(7) if v.dtype != torch.bool else v.logical_not_()
+    _HeldWriter.gate.set()
+    fut.result()
+    assert _snapshot.snapshot().allocations == 1, "the second save did not reuse the snapshot"
+    return writer
 
 
 def flat_local_tensors(sd: dict) -> list[torch.Tensor]:
