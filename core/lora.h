@@ -44,6 +44,11 @@
 // fit. The orientation of a 3-d parameter shows in its shape too, unless
 // d1 == d2; then it is the base's config.json model_type's (is_transposed
 // in transformers 5: gpt_oss, aria, aria_text, openai_privacy_filter).
+// transformers 5 saves most fused experts per expert (conversion_mapping.py:
+// `experts.<e>.gate_proj.weight` + `up_proj` for `gate_up_proj`,
+// `experts.<e>.down_proj.weight`; Mixtral's `block_sparse_moe.experts.<e>.`
+// `w1` + `w3`, `w2`): such a base's tensors are merged as their rows of the
+// fused parameter, which the model holds as [E, out, in].
 //
 // Anything this cannot reproduce exactly (another adapter kind, a LoRA
 // variant, a tensor it does not recognise, shapes that do not fit) is an

@@ -252,23 +252,35 @@ std::optional<ParamTarget> SplitTarget(const std::string& owner, const SplitNami
   }
 }
 
-// The targeted parameters of module `owner` (peft's _inject_parameters: a
-// name that is a target, or ends in "." + one).
-std::vector<ParamTarget> TargetsOf(const std::string& owner, const LoraConfig& config, const SliceList& slices,
-                                   const std::unordered_map<std::string, size_t>& index) {
-  std::vector<ParamTarget> out;
-  auto targeted = [&](const std::string& name) {
-    for (const std::string& t : config.target_parameters)
-      if (name == t || EndsWith(name, "." + t)) return true;
-    return false;
-  };
+// peft's _inject_parameters: `name` ("<module>.<param>") is targeted when it
+// is a target or ends in "." + one.
+bool Targeted(const std::string& name, const LoraConfig& config) {
+  for (const std::string& t : config.target_parameters)
+    if (name == t || EndsWith(name, "." + t)) return true;
+  return false;
+}
+
+// The base tensors peft would target, by module: "<module>" -> slice indices.
+std::map<std::string, std::vector<size_t>> TargetedTensors(const LoraConfig& config,
+                                                           const std::unordered_map<std::string, size_t>& index) {
+  std::map<std::string, std::vector<size_t>> out;
   for (const auto& [name, i] : index)
-    if (name.size() > owner.size() + 1 && name.compare(0, owner.size() + 1, owner + ".") == 0 &&
-        name.find('.', owner.size() + 1) == std::string::npos && targeted(name))
-      out.push_back({name, slices[i].tensor->shape, i, {}});
+    if (const size_t dot = name.rfind('.'); dot != std::string::npos && Targeted(name, config))
+      out[name.substr(0, dot)].push_back(i);
+  return out;
+}
+
+// The targeted parameters of module `owner`: tensors of the base (`direct`,
+// TargetedTensors'), and fused experts the base stores per expert.
+std::vector<ParamTarget> TargetsOf(const std::string& owner, const LoraConfig& config, const SliceList& slices,
+                                   const std::unordered_map<std::string, size_t>& index,
+                                   const std::map<std::string, std::vector<size_t>>& direct) {
+  std::vector<ParamTarget> out;
+  if (auto it = direct.find(owner); it != direct.end())
+    for (size_t i : it->second) out.push_back({slices[i].entry_name(), slices[i].tensor->shape, i, {}});
   for (const SplitNaming& split : kSplits) {
     const std::string name = owner + "." + split.fused;
-    if (!targeted(name) || index.count(name)) continue;
+    if (!Targeted(name, config) || index.count(name)) continue;
     if (auto t = SplitTarget(owner, split, slices, index)) out.push_back(std::move(*t));
   }
   return out;
@@ -358,10 +370,11 @@ Result<const ParamTarget*> FittingTarget(const std::string& owner, const ModuleP
 Status MergeParameters(const LoraMergeInput& in, const std::unordered_map<std::string, size_t>& index,
                        std::map<std::string, ModuleParts>* modules, SliceList& slices) {
   if (in.config.target_parameters.empty()) return Status::OK();
+  const auto direct = TargetedTensors(in.config, index);
   std::map<std::string, std::string> merged;  // parameter -> the adapter tensor merged into it
   for (auto it = modules->begin(); it != modules->end();) {
     const std::string owner = Unwrapped(it->first);
-    const std::vector<ParamTarget> targets = TargetsOf(owner, in.config, slices, index);
+    const std::vector<ParamTarget> targets = TargetsOf(owner, in.config, slices, index, direct);
     if (targets.empty() || it->second.embedding) {
       ++it;
       continue;

@@ -172,7 +172,7 @@ def test_expert_adapter_merged_bf16_is_the_fp32_merge_rounded(expert_mount, adap
         assert bool(((g - w).abs() <= ulp).all()), f"{name}: differs by more than one bf16 ulp"
 
 
-def test_expert_adapter_fitting_no_base_parameter_is_refused_naming_it(tmp_path, mount_factory):
+def test_expert_adapter_fitting_no_base_parameter_is_refused_naming_it(tmp_path, mount_factory, ckptfs):
     """An expert adapter over a base with other expert sizes: no merged/, the factor named."""
     root = str(tmp_path)
     lora_gen.qwen2_moe().save_pretrained(os.path.join(root, "base"))  # moe_intermediate_size 16, not 20
@@ -184,3 +184,7 @@ def test_expert_adapter_fitting_no_base_parameter_is_refused_naming_it(tmp_path,
         assert ("adapter/merged/: not created: adapter tensor "
                 "'base_model.model.model.layers.0.mlp.experts.lora_A.weight' [16, 20] (lora_B [32, 16]) "
                 "fits none of the targeted parameters of 'model.layers.0.mlp.experts'") in m.log(), m.log()
+    r = ckptfs("check", root)
+    out, err = r.stdout.decode(), r.stderr.decode()
+    assert r.returncode == 5, out + err  # a misfit adapter is a problem of the checkpoint
+    assert "adapter: merged/: not created: adapter tensor" in out and "fits none of the targeted" in out, out
