@@ -1,4 +1,4 @@
-"""Base models and PEFT adapters for the merged/ tests (test_merged.py).
+"""Base models and PEFT adapters for the merged/ tests (test_merged.py; the fused-expert ones: test_peft.py).
 
 Every base is a tiny random transformers model saved with save_pretrained
 (or as a DCP step); every adapter is made by peft's get_peft_model with
@@ -16,8 +16,9 @@ import shutil
 import peft
 import torch
 import torch.distributed.checkpoint as dcp
-from transformers import (GPT2Config, GPT2LMHeadModel, Llama4ForCausalLM, Llama4TextConfig, LlamaConfig,
-                          LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM)
+from transformers import (GPT2Config, GPT2LMHeadModel, GptOssConfig, GptOssForCausalLM, Llama4ForCausalLM,
+                          Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM)
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -71,8 +72,26 @@ def llama4(seed: int = 0) -> Llama4ForCausalLM:
         interleave_moe_layer_step=1, max_position_embeddings=64, attn_implementation="eager")).eval()
 
 
+def mixtral(seed: int = 0) -> MixtralForCausalLM:
+    """Saved per expert under Mixtral's names: block_sparse_moe.experts.<e>.w1 / w3 / w2."""
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=20, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)).eval()
+
+
+def gpt_oss(seed: int = 0) -> GptOssForCausalLM:
+    """is_transposed experts: gate_up_proj [E, H, 2I] = [4, 32, 64] and a
+    square down_proj [4, 32, 32], whose orientation only model_type tells."""
+    torch.manual_seed(seed)
+    return GptOssForCausalLM(GptOssConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        layer_types=["full_attention"] * 2)).eval()
+
+
 FAMILIES = {"llama": llama, "qwen2": qwen2, "gpt2": gpt2, "moe": qwen2_moe, "moe_fused": qwen2_moe_fused,
-            "llama4": llama4}
+            "llama4": llama4, "mixtral": mixtral, "gpt_oss": gpt_oss}
 
 # name -> (family, LoraConfig kwargs): fused experts adapted through
 # target_parameters (peft's ParamWrapper) next to ordinary modules.
@@ -88,6 +107,12 @@ EXPERT_ADAPTERS: dict[str, tuple[str, dict]] = {
         target_modules=["q_proj", "v_proj", "o_proj", "shared_expert.up_proj"],
         target_parameters=["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"],
         rank_pattern={"down_proj": 3}, alpha_pattern={"layers.1.feed_forward.experts.gate_up_proj": 2})),
+    "mixtral_experts": ("mixtral", dict(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], rank_pattern={"gate_up_proj": 2})),
+    "gpt_oss_experts": ("gpt_oss", dict(
+        r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], alpha_pattern={"down_proj": 3})),
 }
 
 # name -> (family, LoraConfig kwargs). Each adapter exercises one part of
@@ -154,6 +179,8 @@ def make_expert_root(root: str) -> None:
     fused = os.path.join(root, "base_moe_fused")
     qwen2_moe_fused().save_pretrained(fused)
     llama4().save_pretrained(os.path.join(root, "base_llama4"), max_shard_size="40KB")
+    mixtral().save_pretrained(os.path.join(root, "base_mixtral"))
+    gpt_oss().save_pretrained(os.path.join(root, "base_gpt_oss"))
     save_dcp_base(qwen2_moe_fused(), os.path.join(root, "base_moe_fused_dcp"), fused)
     for name, (family, kwargs) in EXPERT_ADAPTERS.items():
         save_expert_adapter(FAMILIES[family](), os.path.join(root, name), kwargs)
