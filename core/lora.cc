@@ -15,7 +15,7 @@ using Json = nlohmann::ordered_json;
 // Config fields that make PEFT's merge something other than the formulas
 // of lora.h: set (non-null, non-false, non-empty) means no merge on read.
 const char* const kVariantFields[] = {
-    "layer_replication", "target_parameters", "trainable_token_indices", "use_qalora", "use_bdlora",
+    "layer_replication", "trainable_token_indices", "use_qalora", "use_bdlora",
     "alora_invocation_tokens", "arrow_config", "kasa_config", "velora_config", "monteclora_config"};
 
 bool IsSet(const Json& j) {
@@ -50,6 +50,19 @@ double PatternValue(const std::vector<std::pair<std::string, double>>& patterns,
   return fallback;
 }
 
+// target_parameters: a list of names (peft refuses a string for it).
+Result<std::vector<std::string>> Names(const Json& j, const char* field) {
+  std::vector<std::string> out;
+  if (!j.contains(field) || j[field].is_null()) return out;
+  if (!j[field].is_array()) return Status::InvalidArgument(std::string(field) + " is not a JSON list");
+  for (const auto& name : j[field]) {
+    if (!name.is_string() || name.get<std::string>().empty())
+      return Status::InvalidArgument(std::string(field) + " holds " + name.dump() + ", not a parameter name");
+    out.push_back(name.get<std::string>());
+  }
+  return out;
+}
+
 bool Flag(const Json& j, const char* field) { return j.contains(field) && j[field].is_boolean() && j[field].get<bool>(); }
 
 }  // namespace
@@ -79,6 +92,7 @@ Result<LoraConfig> ParseLoraConfig(const std::string& json) {
   c.fan_in_fan_out = Flag(j, "fan_in_fan_out");
   c.use_dora = Flag(j, "use_dora");
   c.lora_bias = Flag(j, "lora_bias");
+  ASSIGN_OR_RETURN(c.target_parameters, Names(j, "target_parameters"));
   ASSIGN_OR_RETURN(c.rank_pattern, Patterns(j, "rank_pattern"));
   ASSIGN_OR_RETURN(c.alpha_pattern, Patterns(j, "alpha_pattern"));
   return c;
@@ -92,6 +106,13 @@ double LoraScaling(const LoraConfig& config, const std::string& module) {
   const double r = LoraRank(config, module);
   const double alpha = PatternValue(config.alpha_pattern, module, config.lora_alpha);
   return config.use_rslora ? alpha / std::sqrt(r) : alpha / r;
+}
+
+bool ExpertsTransposed(const std::string& model_type) {
+  // transformers 5's @use_experts_implementation(is_transposed=True) models.
+  for (const char* t : {"gpt_oss", "aria", "aria_text", "openai_privacy_filter"})
+    if (model_type == t) return true;
+  return false;
 }
 
 Result<std::string> ResolveBaseDir(const std::string& root, const std::string& adapter_dir,

@@ -5,7 +5,11 @@
 //   base_model.model.<module>.lora_magnitude_vector        (DoRA)
 //   base_model.model.<module>.base_layer.<param>           (a saved base weight)
 //   base_model.model.<name>                                (modules_to_save, bias="all")
+//   base_model.model.<module>(.base_layer)*.lora_A.weight  (target_parameters:
+//                                                           one per parameter)
+#include <cstring>
 #include <map>
+#include <optional>
 #include <unordered_map>
 
 #include "core/box.h"
@@ -177,6 +181,224 @@ Status MergeModule(const std::string& module, const ModuleParts& m, const LoraCo
   return Status::OK();
 }
 
+// peft's strip_base_layer_from_name: the module's name in the base model
+// (a nested ParamWrapper's factors are under "<module>.base_layer...").
+std::string Unwrapped(std::string module) {
+  static const std::string kBase = ".base_layer";
+  for (size_t at; (at = module.rfind(kBase)) != std::string::npos;) module.erase(at, kBase.size());
+  return module;
+}
+
+// A targeted parameter as the model holds it, and where the base stores it:
+// whole, or per expert, as transformers 5 saves fused experts.
+struct ParamTarget {
+  std::string name;  // "<module>.<param>": peft's key for rank_pattern / alpha_pattern
+  Shape shape;       // the model's parameter
+  size_t slice = 0;  // the base tensor holding it whole, when `pieces` is empty
+  struct Piece {
+    size_t slice;
+    uint64_t expert, row0;  // rows row0 .. of expert `expert`'s [out, in]
+  };
+  std::vector<Piece> pieces;
+};
+
+// How transformers 5 splits a fused parameter on save (conversion_mapping.py):
+// `<module>.gate_up_proj` [E, 2I, H] into `<module>.<e>.gate_proj.weight` and
+// `up_proj` ([I, H] each, gate first), `down_proj` [E, H, I] into
+// `<module>.<e>.down_proj.weight` (Qwen2/3-MoE, DeepSeek-V2/3, OLMoE, GLM-4
+// MoE, ...); Mixtral's `w1`/`w3`, `w2` under `block_sparse_moe`.
+struct SplitNaming {
+  const char* fused;
+  const char *from, *to;  // module-name rename, the model's to the file's
+  std::vector<const char*> parts;
+};
+const SplitNaming kSplits[] = {{"gate_up_proj", "", "", {"gate_proj", "up_proj"}},
+                               {"down_proj", "", "", {"down_proj"}},
+                               {"gate_up_proj", ".mlp.", ".block_sparse_moe.", {"w1", "w3"}},
+                               {"down_proj", ".mlp.", ".block_sparse_moe.", {"w2"}}};
+
+// `owner`'s parameter `split.fused` from its per-expert parts, if the base
+// has all of them (experts 0, 1, ... each with every part, of one width).
+std::optional<ParamTarget> SplitTarget(const std::string& owner, const SplitNaming& split, const SliceList& slices,
+                                       const std::unordered_map<std::string, size_t>& index) {
+  std::string stored = owner;
+  if (*split.from) {
+    const size_t at = stored.find(split.from);
+    if (at == std::string::npos) return std::nullopt;
+    stored.replace(at, std::strlen(split.from), split.to);
+  }
+  ParamTarget t;
+  t.name = owner + "." + split.fused;
+  uint64_t rows = 0, cols = 0;
+  for (uint64_t e = 0;; ++e) {
+    uint64_t row0 = 0;
+    for (size_t i = 0; i < split.parts.size(); ++i) {
+      auto it = index.find(stored + "." + std::to_string(e) + "." + split.parts[i] + ".weight");
+      if (it == index.end()) {
+        if (i == 0 && e > 0 && !t.pieces.empty()) {
+          t.shape = {e, rows, cols};
+          return t;
+        }
+        return std::nullopt;
+      }
+      const Shape& s = slices[it->second].tensor->shape;
+      if (s.size() != 2 || (cols && s[1] != cols)) return std::nullopt;
+      cols = s[1];
+      t.pieces.push_back({it->second, e, row0});
+      row0 += s[0];
+    }
+    if (e > 0 && row0 != rows) return std::nullopt;
+    rows = row0;
+  }
+}
+
+// peft's _inject_parameters: `name` ("<module>.<param>") is targeted when it
+// is a target or ends in "." + one.
+bool Targeted(const std::string& name, const LoraConfig& config) {
+  for (const std::string& t : config.target_parameters)
+    if (name == t || EndsWith(name, "." + t)) return true;
+  return false;
+}
+
+// The base tensors peft would target, by module: "<module>" -> slice indices.
+std::map<std::string, std::vector<size_t>> TargetedTensors(const LoraConfig& config,
+                                                           const std::unordered_map<std::string, size_t>& index) {
+  std::map<std::string, std::vector<size_t>> out;
+  for (const auto& [name, i] : index)
+    if (const size_t dot = name.rfind('.'); dot != std::string::npos && Targeted(name, config))
+      out[name.substr(0, dot)].push_back(i);
+  return out;
+}
+
+// The targeted parameters of module `owner`: tensors of the base (`direct`,
+// TargetedTensors'), and fused experts the base stores per expert.
+std::vector<ParamTarget> TargetsOf(const std::string& owner, const LoraConfig& config, const SliceList& slices,
+                                   const std::unordered_map<std::string, size_t>& index,
+                                   const std::map<std::string, std::vector<size_t>>& direct) {
+  std::vector<ParamTarget> out;
+  if (auto it = direct.find(owner); it != direct.end())
+    for (size_t i : it->second) out.push_back({slices[i].entry_name(), slices[i].tensor->shape, i, {}});
+  for (const SplitNaming& split : kSplits) {
+    const std::string name = owner + "." + split.fused;
+    if (!Targeted(name, config) || index.count(name)) continue;
+    if (auto t = SplitTarget(owner, split, slices, index)) out.push_back(std::move(*t));
+  }
+  return out;
+}
+
+// Whether a wrapper's factors fit parameter shape `w` with rank `r` as peft
+// lays them out (lora.h): as [E, out, in] (*plain) or [E, in, out] (*transposed).
+bool Fits(const ModuleParts& m, const Shape& w, double r, bool* plain, bool* transposed) {
+  const Shape &a = m.a->shape, &b = m.b->shape;
+  const uint64_t experts = w.size() == 3 ? w[0] : 1;
+  if (a.size() != 2 || b.size() != 2 || (w.size() != 2 && w.size() != 3) || double(a[0]) != r * double(experts) ||
+      b[1] != a[0])
+    return false;
+  const uint64_t d1 = w[w.size() - 2], d2 = w[w.size() - 1];
+  *plain = b[0] == d1 && a[1] == d2;
+  *transposed = w.size() == 3 && a[1] == d1 && b[0] == d2;
+  return *plain || *transposed;
+}
+
+// The merge of parameter `t` with wrapper `m` into its slices.
+Status MergeParameter(const ParamTarget& t, const ModuleParts& m, const LoraMergeInput& in, bool plain,
+                      bool transposed, SliceList& slices) {
+  const double r = LoraRank(in.config, t.name), scaling = LoraScaling(in.config, t.name);
+  auto merge = [&](TensorSlice& w, LoraExpertTerm term) -> Status {
+    const DType to = w.cast.value_or(w.tensor->dtype);
+    term.base = w.tensor;
+    ASSIGN_OR_RETURN(w.computed, MakeLoraExpertMerge(std::move(term), to));
+    w.cast = to;
+    return Status::OK();
+  };
+  if (t.shape.size() == 2) {  // ParamWrapper with one expert: a Linear's merge
+    TensorSlice& w = slices[t.slice];
+    const DType to = w.cast.value_or(w.tensor->dtype);
+    ASSIGN_OR_RETURN(w.computed, MakeLoraMerge({w.tensor, m.a, m.b, nullptr, scaling, false}, to));
+    w.cast = to;
+    return Status::OK();
+  }
+  if (!t.pieces.empty()) {  // per-expert Linear weights: [E, out, in] by construction
+    if (!plain)
+      return Status::InvalidArgument("adapter tensor '" + m.a->fqn + "' fits '" + t.name + "' " +
+                                     ShapeToString(t.shape) + " only as [E, in, out], which its per-expert weights "
+                                     "are not");
+    for (const ParamTarget::Piece& p : t.pieces)
+      RETURN_IF_ERROR(merge(slices[p.slice], {nullptr, m.a, m.b, scaling, uint64_t(r), false, t.shape[0], p.expert,
+                                              p.row0}));
+    return Status::OK();
+  }
+  if (plain && transposed) {  // [E, d, d]: the model's type says
+    if (in.base_model_type.empty())
+      return Status::InvalidArgument("expert parameter '" + t.name + "' is " + ShapeToString(t.shape) +
+                                     ": whether it is stored [E, in, out] or [E, out, in] is the model's, and the base "
+                                     "has no config.json stating its model_type");
+    transposed = ExpertsTransposed(in.base_model_type);
+  }
+  if (transposed && t.shape[0] == 1)
+    return Status::NotSupported("expert parameter '" + t.name + "' holds one expert stored [1, in, out]: peft merges "
+                                "it as a Linear, which this does not reproduce; merge it with peft's "
+                                "PeftModel.merge_and_unload()");
+  return merge(slices[t.slice], {nullptr, m.a, m.b, scaling, uint64_t(r), transposed, t.shape[0], 0, 0});
+}
+
+// The one targeted parameter of `targets` the wrapper `m` fits.
+Result<const ParamTarget*> FittingTarget(const std::string& owner, const ModuleParts& m,
+                                         const std::vector<ParamTarget>& targets, const LoraConfig& config,
+                                         bool* plain, bool* transposed) {
+  const ParamTarget* found = nullptr;
+  for (const ParamTarget& t : targets) {
+    bool p = false, tr = false;
+    if (!Fits(m, t.shape, LoraRank(config, t.name), &p, &tr)) continue;
+    if (found)
+      return Status::InvalidArgument("adapter tensor '" + m.a->fqn + "' fits both '" + found->name + "' and '" +
+                                     t.name + "' (target_parameters); which one peft wrapped is not in the file");
+    found = &t;
+    *plain = p;
+    *transposed = tr;
+  }
+  if (!found)
+    return Status::InvalidArgument("adapter tensor '" + m.a->fqn + "' " + ShapeToString(m.a->shape) + " (lora_B " +
+                                   ShapeToString(m.b->shape) + ") fits none of the targeted parameters of '" + owner +
+                                   "' at the rank adapter_config.json gives; is base_model_name_or_path the model "
+                                   "this adapter was trained on?");
+  return found;
+}
+
+// The wrappers of target_parameters (taken out of `modules`), each merged
+// into the one targeted parameter of its module its factors fit.
+Status MergeParameters(const LoraMergeInput& in, const std::unordered_map<std::string, size_t>& index,
+                       std::map<std::string, ModuleParts>* modules, SliceList& slices) {
+  if (in.config.target_parameters.empty()) return Status::OK();
+  const auto direct = TargetedTensors(in.config, index);
+  std::map<std::string, std::string> merged;  // parameter -> the adapter tensor merged into it
+  for (auto it = modules->begin(); it != modules->end();) {
+    const std::string owner = Unwrapped(it->first);
+    const std::vector<ParamTarget> targets = TargetsOf(owner, in.config, slices, index, direct);
+    if (targets.empty() || it->second.embedding) {
+      ++it;
+      continue;
+    }
+    const ModuleParts& m = it->second;
+    if (!m.a || !m.b)
+      return Status::InvalidArgument("adapter module '" + it->first + "' has " + (m.a ? "lora_A" : "lora_B") +
+                                     " without its other half; not merged");
+    if (m.bias || m.magnitude)
+      return Status::InvalidArgument("adapter tensor '" + (m.bias ? m.bias : m.magnitude)->fqn +
+                                     "' is a lora_bias or DoRA tensor, which peft's target_parameters do not have");
+    RETURN_IF_ERROR(CheckGathered(m));
+    bool plain = false, transposed = false;
+    ASSIGN_OR_RETURN(const ParamTarget* t, FittingTarget(owner, m, targets, in.config, &plain, &transposed));
+    if (auto twice = merged.find(t->name); twice != merged.end())
+      return Status::InvalidArgument("adapter tensors '" + twice->second + "' and '" + m.a->fqn + "' both fit '" +
+                                     t->name + "' and no other targeted parameter; not merged");
+    merged[t->name] = m.a->fqn;
+    RETURN_IF_ERROR(MergeParameter(*t, m, in, plain, transposed, slices));
+    it = modules->erase(it);
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 Result<std::vector<ViewFile>> MergedView(const LoraMergeInput& in, const ConsolidatedOptions& options,
@@ -199,6 +421,7 @@ Result<std::vector<ViewFile>> MergedView(const LoraMergeInput& in, const Consoli
     slices[it->second].tensor = t;
   }
   if (dtype) RETURN_IF_ERROR(CastSlices(slices, *dtype));
+  RETURN_IF_ERROR(MergeParameters(in, index, &modules, slices));
   for (const auto& [module, parts] : modules) RETURN_IF_ERROR(MergeModule(module, parts, in.config, index, slices));
   return HfFolderOf(in.joined, in.joined.files, slices, options, dtype);
 }

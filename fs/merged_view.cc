@@ -1,5 +1,7 @@
 #include "fs/merged_view.h"
 
+#include "core/sharding.h"
+
 namespace ckptfs {
 namespace {
 
@@ -24,6 +26,12 @@ std::string NoBaseCheckpoint(const LoraConfig& config, const std::string& base_d
          "base's folder, relative to the adapter or absolute, inside the mounted root";
 }
 
+Result<std::string> BaseModelType(const Source& source, const Checkpoint& joined) {
+  if (!joined.sidecars.count("config.json")) return std::string();
+  ASSIGN_OR_RETURN(std::string text, ReadText(source, joined, "config.json"));
+  return ParseModelFacts(text).model_type;
+}
+
 std::optional<std::string> MergedViewSuffix(const std::string& name) {
   if (name == "merged") return "";
   if (name.rfind("merged.", 0) == 0 && name.size() > 7) return name.substr(7);
@@ -37,6 +45,7 @@ Result<MergedBuild> BuildMergedView(std::shared_ptr<const Source> source, const 
   out.sources = std::make_shared<MergedSources>();
   out.sources->input = JoinAdapter(adapter, base, std::move(config));
   const Checkpoint& joined = out.sources->input.joined;
+  ASSIGN_OR_RETURN(out.sources->input.base_model_type, BaseModelType(*source, joined));
   if (dtype && joined.sidecars.count("config.json")) {
     ASSIGN_OR_RETURN(dtype->config_json, ReadText(*source, joined, "config.json"));
   }

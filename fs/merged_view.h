@@ -42,6 +42,10 @@ Result<std::pair<LoraConfig, std::string>> MergeTarget(const Source& source, con
 // checkpoint of the mount.
 std::string NoBaseCheckpoint(const LoraConfig& config, const std::string& base_dir);
 
+// config.json's model_type in `joined` (JoinAdapter's), "" without one:
+// LoraMergeInput::base_model_type.
+Result<std::string> BaseModelType(const Source& source, const Checkpoint& joined);
+
 // "merged" -> ""; "merged.bf16" -> "bf16"; nullopt for a name that is no
 // merged view.
 std::optional<std::string> MergedViewSuffix(const std::string& name);

@@ -318,7 +318,10 @@ void CheckMerge(const Source& source, const Catalog& catalog, const Checkpoint& 
     std::fprintf(stderr, "ckptfs: note: %s: merged/: not created: %s\n", Where(ck).c_str(), why.c_str());
     return;
   }
-  auto view = MergedView(JoinAdapter(ck, *base, target->first), {});
+  LoraMergeInput input = JoinAdapter(ck, *base, target->first);
+  auto model_type = BaseModelType(source, input.joined);
+  if (model_type.ok()) input.base_model_type = *model_type;
+  auto view = model_type.ok() ? MergedView(input, {}) : Result<std::vector<ViewFile>>(model_type.status());
   if (view.ok()) return;
   if (view.status().code() == Status::Code::kNotSupported)  // a layer kind not merged on read
     std::fprintf(stderr, "ckptfs: note: %s: merged/: not created: %s\n", Where(ck).c_str(),

@@ -46,16 +46,21 @@ Array Random(Shape shape, uint32_t seed) {
   return a;
 }
 
-// The row-major float32 bytes of `box` of `a` (rank 1 or 2).
+// The row-major float32 bytes of `box` of `a` (any rank), dims from `d` on,
+// starting at flat element `base`.
+void CutDims(const Array& a, const Box& box, size_t d, uint64_t base, std::string* out) {
+  if (d == box.rank()) {
+    out->append(reinterpret_cast<const char*>(&a.v[base]), 4);
+    return;
+  }
+  uint64_t stride = 1;
+  for (size_t k = d + 1; k < a.shape.size(); ++k) stride *= a.shape[k];
+  for (uint64_t i = 0; i < box.lengths[d]; ++i) CutDims(a, box, d + 1, base + (box.offsets[d] + i) * stride, out);
+}
+
 std::string Cut(const Array& a, const Box& box) {
   std::string out;
-  const uint64_t rows = box.lengths[0], cols = box.rank() > 1 ? box.lengths[1] : 1;
-  const uint64_t r0 = box.offsets[0], c0 = box.rank() > 1 ? box.offsets[1] : 0;
-  for (uint64_t i = 0; i < rows; ++i)
-    for (uint64_t j = 0; j < cols; ++j) {
-      float x = a.at(r0 + i, c0 + j);
-      out.append(reinterpret_cast<const char*>(&x), 4);
-    }
+  CutDims(a, box, 0, 0, &out);
   return out;
 }
 
@@ -207,6 +212,75 @@ TEST(LoraMerge, RowsTooWideToMergeOnReadAreRefused) {
   EXPECT_EQ((*fits)->BlockBox(1), (Box{{1, 0}, {1, wide - 1}}));
 }
 
+// W[e][x][y] + s * ΔW[e][x][y] for a fused expert parameter W [E, d1, d2],
+// from peft's layout (A [r*E, in]: expert e's rows e*r + k; B [out, r*E]:
+// expert e's columns k*E + e), spelled out index by index.
+double ExpertReference(const Array& w, const Array& a, const Array& b, uint64_t r, double s, bool transposed,
+                       uint64_t e, uint64_t x, uint64_t y) {
+  const uint64_t E = w.shape[0];
+  double d = 0;
+  for (uint64_t k = 0; k < r; ++k)
+    d += transposed ? double(b.at(y, k * E + e)) * a.at(e * r + k, x) : double(b.at(x, k * E + e)) * a.at(e * r + k, y);
+  return w.v[(e * w.shape[1] + x) * w.shape[2] + y] + s * d;
+}
+
+void ExpectExpertMerged(const Array& w, const Array& a, const Array& b, uint64_t r, double s, bool transposed) {
+  auto merge = MakeLoraExpertMerge({Meta("w", w.shape), Meta("a", a.shape), Meta("b", b.shape), s, r, transposed, 0, 0, 0},
+                                   DType::kF32);
+  ASSERT_TRUE(merge.ok()) << merge.status().ToString();
+  auto out = RunAll(**merge, {{"w", &w}, {"a", &a}, {"b", &b}});
+  for (uint64_t e = 0; e < w.shape[0]; ++e)
+    for (uint64_t x = 0; x < w.shape[1]; ++x)
+      for (uint64_t y = 0; y < w.shape[2]; ++y) {
+        const double want = ExpertReference(w, a, b, r, s, transposed, e, x, y);
+        ASSERT_NEAR(F32At(out, (e * w.shape[1] + x) * w.shape[2] + y), want, 1e-5 * (1 + std::fabs(want)))
+            << e << "," << x << "," << y;
+      }
+}
+
+TEST(LoraExpertMerge, OutInExpertsTakeTheirRowsOfAAndInterleavedColumnsOfB) {
+  // Qwen-MoE / Mixtral gate_up_proj [E, 2I, H] = [3, 10, 7]: A [r*E, H], B [2I, r*E].
+  ExpectExpertMerged(Random({3, 10, 7}, 1), Random({6, 7}, 2), Random({10, 6}, 3), 2, 1.5, false);
+}
+
+TEST(LoraExpertMerge, TransposedExpertsAddEachExpertsProductTransposed) {
+  // gpt-oss gate_up_proj [E, H, 2I] = [3, 7, 10] (is_transposed): A [r*E, H], B [2I, r*E].
+  ExpectExpertMerged(Random({3, 7, 10}, 4), Random({12, 7}, 5), Random({10, 12}, 6), 4, 0.25, true);
+}
+
+TEST(LoraExpertMerge, BlocksWithinAnExpertReadOnlyThatExpertsRowsOfA) {
+  // An expert of 1100 x 1000 float32 (4.4 MB) is two blocks; A's rows for
+  // one expert only, B's rows for the block's output rows only.
+  Array w = Random({2, 1100, 1000}, 7), a = Random({6, 1000}, 8), b = Random({1100, 6}, 9);
+  auto merge = MakeLoraExpertMerge({Meta("w", w.shape), Meta("a", a.shape), Meta("b", b.shape), 0.5, 3, false, 0, 0, 0},
+                                   DType::kF32);
+  ASSERT_TRUE(merge.ok()) << merge.status().ToString();
+  ASSERT_EQ((*merge)->block_count(), 4u);
+  const auto in = (*merge)->InputsOf(3);  // expert 1, rows 1048..1099
+  EXPECT_EQ(in[0].box, (Box{{1, 1048, 0}, {1, 52, 1000}}));
+  EXPECT_EQ(in[1].box, (Box{{3, 0}, {3, 1000}}));
+  EXPECT_EQ(in[2].box, (Box{{1048, 0}, {52, 6}}));
+  ExpectExpertMerged(w, a, b, 3, 0.5, false);
+}
+
+TEST(LoraExpertMerge, FactorsThatDoNotFitAreNamed) {
+  auto merge = MakeLoraExpertMerge({Meta("w", {3, 10, 7}), Meta("a", {6, 7}), Meta("lora_B", {10, 6}), 1, 3, false, 0, 0, 0},
+                                   DType::kF32);  // r = 3 wants A [9, 7]
+  ASSERT_FALSE(merge.ok());
+  EXPECT_NE(merge.status().message().find("'lora_B' does not fit expert parameter 'w' [3, 10, 7]"), std::string::npos)
+      << merge.status().message();
+}
+
+TEST(LoraConfigTest, TargetParametersAreAListOfNames) {
+  auto c = ParseLoraConfig(R"({"peft_type": "LORA", "target_parameters": ["mlp.experts.gate_up_proj", "down_proj"]})");
+  ASSERT_TRUE(c.ok()) << c.status().ToString();
+  EXPECT_EQ(c->target_parameters, (std::vector<std::string>{"mlp.experts.gate_up_proj", "down_proj"}));
+  EXPECT_EQ(ParseLoraConfig(R"({"peft_type": "LORA", "target_parameters": "down_proj"})").status().code(),
+            Status::Code::kInvalidArgument);
+  EXPECT_TRUE(ExpertsTransposed("gpt_oss"));
+  EXPECT_FALSE(ExpertsTransposed("llama4_text"));  // Llama4TextExperts: [E, H, 2I] but not is_transposed
+}
+
 TEST(LoraConfigTest, OtherAdapterKindsAndVariantsAreNotSupported) {
   auto loha = ParseLoraConfig(R"({"peft_type": "LOHA", "r": 4})");
   ASSERT_EQ(loha.status().code(), Status::Code::kNotSupported);
@@ -340,6 +414,144 @@ TEST(MergedViewTest, AnUngatheredFactorIsNamedAsSuch) {
               std::string::npos)
         << files.status().message();
   }
+}
+
+// A MoE layer: gate_up_proj [E=2, 2I=6, H=4], down_proj [2, 4, 3], each
+// adapted through target_parameters; peft nests the wrappers, the second
+// registered parameter outermost ("experts.lora_A"), the first under it
+// ("experts.base_layer.lora_A").
+Pair ExpertPair(uint64_t down_rank = 2) {
+  Pair p;
+  p.base.dir = "base";
+  p.base.files = {File("base/model.safetensors"), File("base/config.json")};
+  p.base.tensors = {Meta("m.experts.gate_up_proj", {2, 6, 4}), Meta("m.experts.down_proj", {2, 4, 3})};
+  p.base.sidecars = {{"config.json", 1}};
+  p.adapter.dir = "adapter";
+  p.adapter.files = {File("adapter/adapter_model.safetensors"), File("adapter/adapter_config.json")};
+  p.adapter.tensors = {Meta("base_model.model.m.experts.base_layer.lora_A.weight", {4, 4}),
+                       Meta("base_model.model.m.experts.base_layer.lora_B.weight", {6, 4}),
+                       Meta("base_model.model.m.experts.lora_A.weight", {2 * down_rank, 3}),
+                       Meta("base_model.model.m.experts.lora_B.weight", {4, 2 * down_rank})};
+  p.adapter.sidecars = {{"adapter_config.json", 1}};
+  return p;
+}
+
+LoraConfig ExpertConfig() {
+  LoraConfig config;
+  config.r = 2;
+  config.target_parameters = {"experts.gate_up_proj", "experts.down_proj"};
+  return config;
+}
+
+// The computed segment of `name` in merged/'s model.safetensors.
+const Computation* MergeOf(const std::vector<ViewFile>& files, const std::string& name) {
+  for (const ViewFile& f : files)
+    for (const Segment& s : f.layout->segments())
+      if (s.kind == Segment::Kind::kComputed && s.computed->shape().size() == 3 &&
+          s.computed->what().find("'" + name + "'") != std::string::npos)
+        return s.computed.get();
+  return nullptr;
+}
+
+TEST(MergedViewTest, EachParamWrapperMergesIntoTheParameterItsFactorsFit) {
+  Pair p = ExpertPair(/*down_rank=*/3);
+  LoraConfig config = ExpertConfig();
+  config.rank_pattern = {{"down_proj", 3}};  // matched against "m.experts.down_proj", as peft's current_key
+  config.lora_alpha = 6;
+  auto files = MergedView(JoinAdapter(p.adapter, p.base, config), {});
+  ASSERT_TRUE(files.ok()) << files.status().ToString();
+  const Computation* gate_up = MergeOf(*files, "m.experts.gate_up_proj");
+  const Computation* down = MergeOf(*files, "m.experts.down_proj");
+  ASSERT_TRUE(gate_up && down);
+  EXPECT_EQ(gate_up->InputsOf(0)[1].tensor->fqn, "base_model.model.m.experts.base_layer.lora_A.weight");
+  EXPECT_EQ(down->InputsOf(0)[1].tensor->fqn, "base_model.model.m.experts.lora_A.weight");
+  EXPECT_EQ(down->InputsOf(0)[1].box, (Box{{0, 0}, {6, 3}}));  // rank 3 x 2 experts, in = I
+  // Values: down_proj with scaling 6 / 3, against the naive reference.
+  Array w = Random({2, 4, 3}, 1), a = Random({6, 3}, 2), b = Random({4, 6}, 3);
+  auto out = RunAll(*down, {{"m.experts.down_proj", &w}, {"base_model.model.m.experts.lora_A.weight", &a},
+                            {"base_model.model.m.experts.lora_B.weight", &b}});
+  for (uint64_t e = 0; e < 2; ++e)
+    for (uint64_t x = 0; x < 4; ++x)
+      for (uint64_t y = 0; y < 3; ++y) {
+        const double want = ExpertReference(w, a, b, 3, 2.0, false, e, x, y);
+        EXPECT_NEAR(F32At(out, (e * 4 + x) * 3 + y), want, 1e-5 * (1 + std::fabs(want)));
+      }
+}
+
+TEST(MergedViewTest, ASquareExpertParameterTakesItsOrientationFromTheModelType) {
+  Pair p = ExpertPair();
+  p.base.tensors[0] = Meta("m.experts.gate_up_proj", {2, 4, 4});  // 2I == H
+  p.adapter.tensors[1] = Meta("base_model.model.m.experts.base_layer.lora_B.weight", {4, 4});
+  LoraMergeInput in = JoinAdapter(p.adapter, p.base, ExpertConfig());
+  auto unknown = MergedView(in, {});
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.status().message().find("expert parameter 'm.experts.gate_up_proj' is [2, 4, 4]"),
+            std::string::npos)
+      << unknown.status().message();
+  for (const char* type : {"qwen2_moe", "gpt_oss"}) {
+    in.base_model_type = type;
+    auto files = MergedView(in, {});
+    ASSERT_TRUE(files.ok()) << files.status().ToString();
+    const Computation* gate_up = MergeOf(*files, "m.experts.gate_up_proj");
+    ASSERT_TRUE(gate_up);
+    // gpt-oss's experts are is_transposed: ΔW[e] = (B_e A_e)^T.
+    const bool transposed = std::string(type) == "gpt_oss";
+    Array w = Random({2, 4, 4}, 1), a = Random({4, 4}, 2), b = Random({4, 4}, 3);
+    auto out = RunAll(*gate_up, {{"m.experts.gate_up_proj", &w},
+                                 {"base_model.model.m.experts.base_layer.lora_A.weight", &a},
+                                 {"base_model.model.m.experts.base_layer.lora_B.weight", &b}});
+    for (uint64_t e = 0; e < 2; ++e)
+      for (uint64_t x = 0; x < 4; ++x)
+        for (uint64_t y = 0; y < 4; ++y) {
+          const double want = ExpertReference(w, a, b, 2, 4.0, transposed, e, x, y);
+          EXPECT_NEAR(F32At(out, (e * 4 + x) * 4 + y), want, 1e-5 * (1 + std::fabs(want))) << type;
+        }
+  }
+}
+
+// transformers 5 saves Qwen-MoE's fused experts per expert:
+// experts.<e>.gate_proj.weight [I, H] and up_proj (gate_up_proj[e]'s first
+// and last I rows), experts.<e>.down_proj.weight [H, I].
+TEST(MergedViewTest, PerExpertWeightsOfTheFileMergeAsTheirRowsOfTheFusedParameter) {
+  Pair p = ExpertPair();
+  p.base.tensors.clear();
+  for (int e = 0; e < 2; ++e)
+    for (const char* part : {"gate_proj", "up_proj"})
+      p.base.tensors.push_back(Meta("m.experts." + std::to_string(e) + "." + part + ".weight", {3, 4}));
+  for (int e = 0; e < 2; ++e) p.base.tensors.push_back(Meta("m.experts." + std::to_string(e) + ".down_proj.weight", {4, 3}));
+  auto files = MergedView(JoinAdapter(p.adapter, p.base, ExpertConfig()), {});
+  ASSERT_TRUE(files.ok()) << files.status().ToString();
+  // The fused expert 1 of gate_up_proj [2, 6, 4], and its up_proj rows 3..5.
+  Array fused = Random({2, 6, 4}, 1), a = Random({4, 4}, 2), b = Random({6, 4}, 3);
+  Array up{{3, 4}, std::vector<float>(fused.v.begin() + 24 + 12, fused.v.begin() + 48)};
+  const Computation* merge = nullptr;
+  for (const ViewFile& f : *files)
+    for (const Segment& s : f.layout->segments())
+      if (s.kind == Segment::Kind::kComputed && s.computed->what().find("'m.experts.1.up_proj.weight'") != std::string::npos)
+        merge = s.computed.get();
+  ASSERT_TRUE(merge);
+  auto out = RunAll(*merge, {{"m.experts.1.up_proj.weight", &up},
+                             {"base_model.model.m.experts.base_layer.lora_A.weight", &a},
+                             {"base_model.model.m.experts.base_layer.lora_B.weight", &b}});
+  for (uint64_t x = 0; x < 3; ++x)
+    for (uint64_t y = 0; y < 4; ++y) {
+      const double want = ExpertReference(fused, a, b, 2, 4.0, false, 1, 3 + x, y);
+      EXPECT_NEAR(F32At(out, x * 4 + y), want, 1e-5 * (1 + std::fabs(want))) << x << "," << y;
+    }
+  int merged = 0;
+  for (const ViewFile& f : *files)
+    for (const Segment& s : f.layout->segments()) merged += s.kind == Segment::Kind::kComputed;
+  EXPECT_EQ(merged, 6);  // every expert's gate, up and down
+}
+
+TEST(MergedViewTest, FactorsFittingNoTargetedParameterAreNamed) {
+  Pair p = ExpertPair();
+  auto config = ExpertConfig();
+  config.r = 3;  // the factors were saved with r = 2
+  auto files = MergedView(JoinAdapter(p.adapter, p.base, config), {});
+  ASSERT_FALSE(files.ok());
+  EXPECT_NE(files.status().message().find("fits none of the targeted parameters of 'm.experts'"), std::string::npos)
+      << files.status().message();
 }
 
 }  // namespace

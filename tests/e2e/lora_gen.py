@@ -1,4 +1,4 @@
-"""Base models and PEFT adapters for the merged/ tests (test_merged.py).
+"""Base models and PEFT adapters for the merged/ tests (test_merged.py; the fused-expert ones: test_peft.py).
 
 Every base is a tiny random transformers model saved with save_pretrained
 (or as a DCP step); every adapter is made by peft's get_peft_model with
@@ -16,8 +16,9 @@ import shutil
 import peft
 import torch
 import torch.distributed.checkpoint as dcp
-from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM)
+from transformers import (GPT2Config, GPT2LMHeadModel, GptOssConfig, GptOssForCausalLM, Llama4ForCausalLM,
+                          Llama4TextConfig, LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM,
+                          Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig, Qwen2MoeForCausalLM)
 
 ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
@@ -51,7 +52,68 @@ def qwen2_moe(seed: int = 0) -> Qwen2MoeForCausalLM:
         num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)).eval()
 
 
-FAMILIES = {"llama": llama, "qwen2": qwen2, "gpt2": gpt2, "moe": qwen2_moe}
+def qwen2_moe_fused(seed: int = 0) -> Qwen2MoeForCausalLM:
+    """Fused experts gate_up_proj [E, 2I, H] = [4, 40, 32], down_proj
+    [4, 32, 20]: no square one, so the factors' shapes say which is which."""
+    torch.manual_seed(seed)
+    return Qwen2MoeForCausalLM(Qwen2MoeConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=20,
+        shared_expert_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, max_position_embeddings=64)).eval()
+
+
+def llama4(seed: int = 0) -> Llama4ForCausalLM:
+    """Llama-4's text model: gate_up_proj [E, H, 2I] = [4, 32, 48], down_proj
+    [4, 24, 32], a shared expert, MoE on every layer."""
+    torch.manual_seed(seed)
+    return Llama4ForCausalLM(Llama4TextConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=24, intermediate_size_mlp=40, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=1, max_position_embeddings=64, attn_implementation="eager")).eval()
+
+
+def mixtral(seed: int = 0) -> MixtralForCausalLM:
+    """Saved per expert under Mixtral's names: block_sparse_moe.experts.<e>.w1 / w3 / w2."""
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=20, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)).eval()
+
+
+def gpt_oss(seed: int = 0) -> GptOssForCausalLM:
+    """is_transposed experts: gate_up_proj [E, H, 2I] = [4, 32, 64] and a
+    square down_proj [4, 32, 32], whose orientation only model_type tells."""
+    torch.manual_seed(seed)
+    return GptOssForCausalLM(GptOssConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        layer_types=["full_attention"] * 2)).eval()
+
+
+FAMILIES = {"llama": llama, "qwen2": qwen2, "gpt2": gpt2, "moe": qwen2_moe, "moe_fused": qwen2_moe_fused,
+            "llama4": llama4, "mixtral": mixtral, "gpt_oss": gpt_oss}
+
+# name -> (family, LoraConfig kwargs): fused experts adapted through
+# target_parameters (peft's ParamWrapper) next to ordinary modules.
+EXPERT_ADAPTERS: dict[str, tuple[str, dict]] = {
+    "qwen_moe_experts": ("moe_fused", dict(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "shared_expert.gate_proj",
+                                           "shared_expert.down_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        rank_pattern={"layers.1.mlp.experts.down_proj": 2, "o_proj": 6},
+        alpha_pattern={"gate_up_proj": 3, "layers.0.self_attn.q_proj": 5})),
+    "llama4_experts": ("llama4", dict(
+        r=4, lora_alpha=16, use_rslora=True,
+        target_modules=["q_proj", "v_proj", "o_proj", "shared_expert.up_proj"],
+        target_parameters=["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"],
+        rank_pattern={"down_proj": 3}, alpha_pattern={"layers.1.feed_forward.experts.gate_up_proj": 2})),
+    "mixtral_experts": ("mixtral", dict(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], rank_pattern={"gate_up_proj": 2})),
+    "gpt_oss_experts": ("gpt_oss", dict(
+        r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], alpha_pattern={"down_proj": 3})),
+}
 
 # name -> (family, LoraConfig kwargs). Each adapter exercises one part of
 # PEFT's merge; all are checked against merge_and_unload().
@@ -98,12 +160,41 @@ def save_adapter(model, adapter_dir: str, lora_kwargs: dict, seed: int = 1, conf
     pm.save_pretrained(adapter_dir)
 
 
+def save_expert_adapter(model, adapter_dir: str, lora_kwargs: dict, seed: int = 1) -> None:
+    """An adapter with random A and B (peft would start B at zero)."""
+    pm = peft.get_peft_model(model, peft.LoraConfig(**lora_kwargs))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.1)
+    pm.save_pretrained(adapter_dir)
+
+
+def make_expert_root(root: str) -> None:
+    """base_<family>/ for the expert families (Llama-4's in sharded
+    safetensors, the Qwen-MoE one also as a DCP step) and an adapter per
+    EXPERT_ADAPTERS entry; qwen_moe_experts_on_dcp is the Qwen-MoE one
+    pointed at the DCP step."""
+    fused = os.path.join(root, "base_moe_fused")
+    qwen2_moe_fused().save_pretrained(fused)
+    llama4().save_pretrained(os.path.join(root, "base_llama4"), max_shard_size="40KB")
+    mixtral().save_pretrained(os.path.join(root, "base_mixtral"))
+    gpt_oss().save_pretrained(os.path.join(root, "base_gpt_oss"))
+    save_dcp_base(qwen2_moe_fused(), os.path.join(root, "base_moe_fused_dcp"), fused)
+    for name, (family, kwargs) in EXPERT_ADAPTERS.items():
+        save_expert_adapter(FAMILIES[family](), os.path.join(root, name), kwargs)
+        point_at_base(os.path.join(root, name), f"../base_{family}")
+    shutil.copytree(os.path.join(root, "qwen_moe_experts"), os.path.join(root, "qwen_moe_experts_on_dcp"))
+    point_at_base(os.path.join(root, "qwen_moe_experts_on_dcp"), "../base_moe_fused_dcp")
+
+
 def make_root(root: str) -> None:
-    """base_<family>/ for every family (llama also in bf16 and as a DCP
+    """base_<family>/ for the families of ADAPTERS (llama also in bf16 and as a DCP
     step), and one adapter folder per ADAPTERS entry, plus adapters that
     must get no merged/ (refused_*)."""
-    for family, make in FAMILIES.items():
-        make().save_pretrained(os.path.join(root, f"base_{family}"))
+    for family in sorted({family for family, _ in ADAPTERS.values()}):
+        FAMILIES[family]().save_pretrained(os.path.join(root, f"base_{family}"))
     llama().to(torch.bfloat16).save_pretrained(os.path.join(root, "base_llama_bf16"))
     save_dcp_base(llama(), os.path.join(root, "base_llama_dcp"), os.path.join(root, "base_llama"))
     for name, (family, kwargs) in ADAPTERS.items():
