@@ -168,3 +168,20 @@ def test_a_dtype_a_layout_cannot_hold_is_refused_before_any_file_is_written(tmp_
     assert f"'{fqn}'" in str(refusal) and f"torch.{dtype}" in str(refusal) and "'w'" not in str(refusal), refusal
     left = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "run") for f in files]
     assert left == []
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_refusal_on_one_rank_fails_every_rank_before_any_file_is_written(tmp_path, mode):
+    """Rank 1 alone holds a complex32 tensor (HF layout): every rank raises
+    (async_save's staging gathers the refusal, so rank 0 does not wait on
+    rank 1 forever) and the step directory holds no file."""
+    step = tmp_path / "run" / "step_1"
+    job = {"dtypes": ["float32"], "layout": "hf", "mode": mode, "dir": str(step), "refused_on_rank": 1,
+           "refused_dtype": "complex32"}
+    with pytest.raises(RuntimeError) as e:
+        spawn_ranks(GEN, WORLD, job, name=f"refused on rank 1 ({mode})", timeout=180)
+    assert "timed out" not in str(e.value) and "torch.complex32" in str(e.value), str(e.value)[-3000:]
+    ranks = str(e.value).split("--- rank ")[1:]  # each failed rank's output
+    assert [r[:1] for r in ranks] == ["0", "1"] and all("torch.complex32" in r for r in ranks), str(e.value)[-3000:]
+    left = [os.path.join(d, f) for d, _, files in os.walk(tmp_path / "run") for f in files]
+    assert left == []

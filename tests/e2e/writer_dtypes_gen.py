@@ -25,7 +25,9 @@ into ``job["dir"]`` with ``job["writer"]``: "ckptfs" (StorageWriter,
 ``job["layout"]``, ``job["mode"]`` "sync" or "async"), "stock" (torch's
 FileSystemWriter) or "stock-hf" (torch's HuggingFaceStorageWriter,
 save_distributed=True). With ``job["torch_dir"]`` the ranks then save the
-same state there with torch's writer of the same layout.
+same state there with torch's writer of the same layout. With
+``job["refused_on_rank"] = R`` rank R alone adds a tensor "refused" of
+dtype ``job["refused_dtype"]``.
 """
 
 from __future__ import annotations
@@ -119,7 +121,10 @@ def _job(job: dict, mesh) -> None:
     full = full_values(job["dtypes"], dist.get_world_size(), job.get("seed", 1), job.get("scalars", False))
     if dist.get_rank() == 0 and job.get("oracle"):
         torch.save(full, job["oracle"])
-    save(state(full, mesh), job, job["dir"], job.get("writer", "ckptfs"))
+    sd = state(full, mesh)
+    if job.get("refused_on_rank") == dist.get_rank():  # a tensor of a dtype the layout refuses, on one rank only
+        sd["refused"] = torch.zeros(4, dtype=getattr(torch, job["refused_dtype"]))
+    save(sd, job, job["dir"], job.get("writer", "ckptfs"))
     if job.get("torch_dir"):
         stock = "stock-hf" if job.get("layout") == "hf" else "stock"
         save(state(full, mesh), job, job["torch_dir"], stock)
