@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <set>
 #include <tuple>
 #include <unistd.h>
 
@@ -78,6 +79,36 @@ Result<Checkpoint> ReadRecordOf(const Source& source, const std::string& rel, co
   return record;
 }
 
+// The files a record is judged by, relative to the root: DCP's .metadata,
+// the save's commit point, when the directory has one; else every file the
+// record describes and every data file the scan read (a re-save by another
+// writer rewrites at least one of them). Never the sidecars: a config.json,
+// tokenizer or README written next to the shards after the save is not a
+// new save.
+std::set<std::string> SaveFiles(const Source& source, const Checkpoint& record, const Checkpoint& scanned) {
+  const std::string metadata = JoinRel(scanned.dir, ".metadata");
+  if (source.ModifyTimeNs(metadata)) return {metadata};
+  std::set<FileId> sidecars;
+  for (const auto& [name, id] : scanned.sidecars) sidecars.insert(id);
+  std::set<std::string> out;
+  for (FileId id = 0; id < record.files.size(); ++id) out.insert(JoinRel(scanned.dir, InDir(record, id)));
+  for (FileId id = 0; id < scanned.files.size(); ++id)
+    if (!sidecars.count(id) && !scanned.files[id].derived()) out.insert(scanned.files[id].path);
+  return out;
+}
+
+// True when the record was written no earlier than the save it describes
+// (modification times, so a copy that keeps them keeps its record; a file
+// of the record that is gone is for ApplyCommitRecord to find).
+bool RecordIsCurrentFor(const Source& source, const std::string& rel, const Checkpoint& record,
+                        const Checkpoint& scanned) {
+  auto written = source.ModifyTimeNs(rel);
+  if (!written) return false;
+  for (const std::string& f : SaveFiles(source, record, scanned))
+    if (source.ModifyTimeNs(f).value_or(INT64_MIN) > *written) return false;
+  return true;
+}
+
 }  // namespace
 
 Status ApplyCommitRecord(const Checkpoint& record, Checkpoint& scanned) {
@@ -124,9 +155,9 @@ Status UseCommitRecord(const Source& source, Checkpoint& ckpt) {
     if (!::realpath(sst.c_str(), real) || sst != real)
       return Status::InvalidArgument("it is reached through a symlink");
   }
-  if (!CommitRecordIsCurrent(source, ckpt.dir))
-    return Status::Stale("it is older than the save the directory holds (another writer saved into it since)");
   ASSIGN_OR_RETURN(Checkpoint record, ReadRecordOf(source, rel, sst));
+  if (!RecordIsCurrentFor(source, rel, record, ckpt))
+    return Status::Stale("it is older than the save the directory holds (another writer saved into it since)");
   Status applied = ApplyCommitRecord(record, ckpt);
   return applied.ok() ? applied : applied.WithContext("it disagrees with the files");
 }

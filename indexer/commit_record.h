@@ -30,8 +30,11 @@ Status ApplyCommitRecord(const Checkpoint& record, Checkpoint& scanned);
 
 // The commit record of `ckpt` (whose directory is relative to `source`'s
 // root), read through `source` and applied. OK once applied; NotFound when the
-// directory has none; Stale when it is not current (CommitRecordIsCurrent:
-// another save replaced the one it describes); any other error when it
+// directory has none; Stale when it is not current: older than the
+// directory's .metadata or, without one, than a file it describes or a data
+// file of `ckpt` (another save replaced the one it describes); sidecars
+// (config.json, tokenizer files, README, any file `ckpt` lists in
+// `sidecars`) written after the save do not count. Any other error when it
 // cannot be read or disagrees with the files, saying why ("it is older
 // than…", "it disagrees with the files: …"). `ckpt` changes only when OK.
 Status UseCommitRecord(const Source& source, Checkpoint& ckpt);

@@ -214,7 +214,11 @@ void PlaceChunk(const TorchArchive& archive, const std::string& rel, FileId data
 void AddTensorChunk(const DirListing& dir, FileTable& files, const DcpPlan& plan, const std::string& fqn,
                            const Box& box, TensorMeta& t, ObjectCache& objects, Checkpoint& out) {
   const std::string who = "tensor '" + fqn + "' chunk " + ToString(box);
-  auto it = plan.storage.find({fqn, box.offsets});
+  // An F4 tensor was float4_e2m1fn_x2: storage_data keys its chunks by
+  // torch's offsets, whose last dim counts bytes of two values.
+  std::vector<uint64_t> key = box.offsets;
+  if (t.dtype == DType::kF4 && !key.empty()) key.back() /= 2;
+  auto it = plan.storage.find({fqn, key});
   if (it == plan.storage.end()) return AddProblem(out, who + ": no item in the metadata's storage_data", false);
   const StorageInfo& si = it->second;
   const std::string rel = JoinPath(dir.rel, si.relative_path);

@@ -102,6 +102,9 @@ void AddEntries(const std::string& rel, const std::string& name, FileId id, uint
       continue;
     }
     Box box{offsets ? *offsets : Dims(e.shape.size(), 0), e.shape};
+    // An F4 entry was a torch.float4_e2m1fn_x2 chunk: its saved_offsets count
+    // torch elements (bytes of two values), its header shape values.
+    if (offsets && e.dtype == DType::kF4 && !box.offsets.empty()) box.offsets.back() *= 2;
     Chunk c(box, {id, header.data_start() + e.begin, e.end - e.begin}, e.dtype);
     if (c.offset() + c.length() > file_size)
       c.set_unavailable(rel + " is truncated: " + std::to_string(file_size) + " bytes, but this chunk ends at byte " +

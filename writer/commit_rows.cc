@@ -78,6 +78,29 @@ Status ChecksumTheRest(const std::string& abs_root, const Checkpoint& ckpt, File
   return Status::OK();
 }
 
+// torch.float4_e2m1fn_x2: each element a byte of two E2M1 values.
+constexpr std::string_view kFloat4x2 = "float4_e2m1fn_x2";
+
+// The index's dtype for a written tensor, as a scan reads its files: a
+// float4_e2m1fn_x2 tensor is F4 (indexer/dcp_metadata.h), a 0-d one has no
+// F4 shape; a dtype without a safetensors equivalent (complex128,
+// complex32) cannot be indexed. Such tensors are left out, as by the scan.
+Result<DType> IndexedDType(const WrittenTensor& wt) {
+  if (wt.dtype == kFloat4x2)
+    return wt.shape.empty() ? Result<DType>(Status::NotSupported("a 0-d float4_e2m1fn_x2 has no F4 shape"))
+                            : Result<DType>(DType::kF4);
+  auto dtype = DTypeFromTorchName(wt.dtype);
+  if (!dtype) return Status::NotSupported("dtype " + wt.dtype + " cannot be indexed");
+  return *dtype;
+}
+
+// `dims` (a shape, or a box's offsets or sizes) with the last counted in
+// values rather than torch elements of `unpack` values each.
+std::vector<uint64_t> Unpacked(std::vector<uint64_t> dims, uint64_t unpack) {
+  if (!dims.empty()) dims.back() *= unpack;
+  return dims;
+}
+
 }  // namespace
 
 Result<Checkpoint> BuildCommitRows(const std::string& abs_root, const WrittenCheckpoint& w) {
@@ -90,21 +113,22 @@ Result<Checkpoint> BuildCommitRows(const std::string& abs_root, const WrittenChe
   std::vector<WrittenTensor> tensors = w.tensors;
   std::sort(tensors.begin(), tensors.end(), [](auto& a, auto& b) { return a.fqn < b.fqn; });
   for (const WrittenTensor& wt : tensors) {
-    auto dtype = DTypeFromTorchName(wt.dtype);
-    if (!dtype) {
-      out.problems.push_back(wt.fqn + ": dtype " + wt.dtype + " cannot be indexed; left out of the commit");
+    auto dtype = IndexedDType(wt);
+    if (!dtype.ok()) {
+      out.problems.push_back(wt.fqn + ": " + dtype.status().message() + "; left out of the commit");
       continue;
     }
+    const uint64_t unpack = wt.dtype == kFloat4x2 ? 2 : 1;
     auto t = std::make_shared<TensorMeta>();
     t->fqn = wt.fqn;
     t->path = wt.path.empty() ? std::vector<std::string>{wt.fqn} : wt.path;
     t->dtype = *dtype;
-    t->shape = wt.shape;
+    t->shape = Unpacked(wt.shape, unpack);
     auto chunks = by_fqn[wt.fqn];
     std::sort(chunks.begin(), chunks.end(), [](auto* a, auto* b) { return a->offsets < b->offsets; });
     for (const WrittenChunk* c : chunks) {
       ASSIGN_OR_RETURN(FileId file, ids.Get(c->file));
-      Chunk ch(Box{c->offsets, c->sizes}, {file, c->offset, c->length}, *dtype);
+      Chunk ch(Box{Unpacked(c->offsets, unpack), Unpacked(c->sizes, unpack)}, {file, c->offset, c->length}, *dtype);
       ch.set_crc32c(c->crc32c);
       t->chunks.push_back(std::move(ch));
     }

@@ -21,7 +21,7 @@ namespace ckptfs {
 
 struct WrittenChunk {
   std::string fqn;
-  std::vector<uint64_t> offsets, sizes;  // the box in the global tensor
+  std::vector<uint64_t> offsets, sizes;  // the box in the global tensor, in torch elements
   std::string file;                      // relative to the checkpoint directory
   uint64_t offset = 0, length = 0;       // the raw row-major bytes in `file`
   uint32_t crc32c = 0;
@@ -31,7 +31,7 @@ struct WrittenTensor {
   std::string fqn;
   std::vector<std::string> path;  // nested keys (DCP planner_data); empty: {fqn}
   std::string dtype;              // torch's name
-  std::vector<uint64_t> shape;
+  std::vector<uint64_t> shape;    // torch's (float4_e2m1fn_x2: in torch elements)
 };
 
 struct WrittenBytes {
@@ -53,8 +53,11 @@ struct WrittenCheckpoint {
 // abs_root/dir (after the writer fsynced them), and
 // checks that each tensor's chunks tile it exactly once (a hole or an
 // overlap is InvalidArgument naming the tensor: the save is refused, not
-// committed with a problem). Tensors whose dtype the index cannot hold are
-// listed in ckpt.problems and left out.
+// committed with a problem). The rows are what a scan of the files reads: a
+// torch.float4_e2m1fn_x2 tensor is F4, its shape's and boxes' last dim
+// counted in values (twice torch's); tensors whose dtype the index cannot
+// hold (complex128, complex32, a 0-d float4_e2m1fn_x2) are listed in
+// ckpt.problems and left out.
 Result<Checkpoint> BuildCommitRows(const std::string& abs_root, const WrittenCheckpoint& w);
 
 // Writes `ckpt`'s commit record (the store's WriteCommitRecord, an SST of

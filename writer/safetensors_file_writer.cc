@@ -12,10 +12,23 @@ int SafetensorsDTypeOrder(DType t) {
   // The crate's `Dtype` enum, in declaration order (its derived Ord).
   static constexpr DType kOrder[] = {
       DType::kBOOL,    DType::kF4,      DType::kF6_E2M3, DType::kF6_E3M2, DType::kU8,  DType::kI8,
-      DType::kF8_E5M2, DType::kF8_E4M3, DType::kF8_E8M0, DType::kI16,     DType::kU16, DType::kF16,
-      DType::kBF16,    DType::kI32,     DType::kU32,     DType::kF32,     DType::kC64, DType::kF64,
-      DType::kI64,     DType::kU64};
+      DType::kF8_E5M2, DType::kF8_E4M3, DType::kF8_E8M0, DType::kF8_E4M3FNUZ, DType::kF8_E5M2FNUZ,
+      DType::kI16,     DType::kU16,     DType::kF16,     DType::kBF16,    DType::kI32, DType::kU32,
+      DType::kF32,     DType::kC64,     DType::kF64,     DType::kI64,     DType::kU64};
   return int(std::find(std::begin(kOrder), std::end(kOrder), t) - std::begin(kOrder));
+}
+
+Result<SafetensorsType> SafetensorsTypeOf(const std::string& torch_dtype, std::vector<uint64_t> shape) {
+  if (torch_dtype == "float4_e2m1fn_x2") {
+    if (shape.empty())
+      return Status::NotSupported("a 0-d torch.float4_e2m1fn_x2 has no F4 shape (one byte is two values; "
+                                  "safetensors refuses it too)");
+    shape.back() *= 2;
+    return SafetensorsType{DType::kF4, std::move(shape)};
+  }
+  auto dt = DTypeFromTorchName(torch_dtype);
+  if (!dt) return Status::NotSupported("safetensors has no dtype for torch." + torch_dtype);
+  return SafetensorsType{*dt, std::move(shape)};
 }
 
 Result<std::unique_ptr<SafetensorsFileWriter>> SafetensorsFileWriter::Create(Stager* stager, const std::string& path) {
@@ -26,15 +39,15 @@ Result<std::unique_ptr<SafetensorsFileWriter>> SafetensorsFileWriter::Create(Sta
 Result<uint32_t> SafetensorsFileWriter::AddTensor(const std::string& name, const std::string& dtype,
                                                   const std::vector<uint64_t>& shape, uint64_t nbytes) {
   if (sealed_) return Status::InvalidArgument(path() + ": tensor '" + name + "' added after Seal");
-  auto dt = DTypeFromTorchName(dtype);
-  if (!dt) return Status::NotSupported("tensor '" + name + "': safetensors has no dtype for torch." + dtype);
-  const uint64_t numel = std::accumulate(shape.begin(), shape.end(), uint64_t(1), std::multiplies<>());
-  if (ByteSize(*dt, numel) != nbytes)
+  Result<SafetensorsType> st = SafetensorsTypeOf(dtype, shape);
+  if (!st.ok()) return st.status().WithContext("tensor '" + name + "'");
+  const uint64_t numel = std::accumulate(st->shape.begin(), st->shape.end(), uint64_t(1), std::multiplies<>());
+  if (ByteSize(st->dtype, numel) != nbytes)
     return Status::InvalidArgument("tensor '" + name + "': " + std::to_string(nbytes) + " bytes do not hold " +
                                    std::to_string(numel) + " elements of " + dtype);
   if (!names_.insert(name).second)
     return Status::InvalidArgument(path() + ": tensor '" + name + "' twice (a safetensors file holds one entry per name)");
-  entries_.push_back({name, *dt, shape, 0, nbytes});  // `end` holds the size until Seal
+  entries_.push_back({name, st->dtype, st->shape, 0, nbytes});  // `end` holds the size until Seal
   return uint32_t(entries_.size() - 1);
 }
 

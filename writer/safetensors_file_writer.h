@@ -41,13 +41,27 @@ struct SafetensorsItemResult {
 // enum; a file holds larger positions first).
 int SafetensorsDTypeOrder(DType t);
 
+// How safetensors.torch.save stores a tensor of torch dtype `torch_dtype`
+// and `shape`: its dtype and header shape. torch.float4_e2m1fn_x2 (bytes of
+// two E2M1 values) is F4 with the last dim doubled, counted in values.
+// NotSupported (naming the dtype) for what safetensors cannot hold, as
+// torch's HuggingFaceStorageWriter fails on it too: complex128, complex32,
+// a 0-d float4_e2m1fn_x2, sub-byte/bits/quantized dtypes. Lets a save be
+// refused before anything is written.
+struct SafetensorsType {
+  DType dtype;
+  std::vector<uint64_t> shape;
+};
+Result<SafetensorsType> SafetensorsTypeOf(const std::string& torch_dtype, std::vector<uint64_t> shape);
+
 class SafetensorsFileWriter {
  public:
   // Creates `path` through `stager` (which must outlive this writer).
   static Result<std::unique_ptr<SafetensorsFileWriter>> Create(Stager* stager, const std::string& path);
 
-  // Planning. `dtype` is torch's name ("bfloat16"); the bytes are row-major.
-  // Fails for a dtype safetensors cannot name, a size that does not match
+  // Planning. `dtype` is torch's name ("bfloat16"), `shape` torch's; the
+  // bytes are row-major. Fails for a dtype safetensors cannot hold
+  // (SafetensorsTypeOf), a size that does not match
   // the shape, a name given twice, or after Seal.
   Result<uint32_t> AddTensor(const std::string& name, const std::string& dtype, const std::vector<uint64_t>& shape,
                              uint64_t nbytes);

@@ -33,6 +33,7 @@ const std::map<std::string, DTypeInfo>& DTypes() {
       {"uint64", {8, nullptr}},             {"float8_e4m3fn", {1, nullptr}},
       {"float8_e5m2", {1, nullptr}},        {"float8_e4m3fnuz", {1, nullptr}},
       {"float8_e5m2fnuz", {1, nullptr}},    {"float8_e8m0fnu", {1, nullptr}},
+      {"complex32", {4, nullptr}},          {"float4_e2m1fn_x2", {1, nullptr}},  // an element: 2 F4 values
   };
   return m;
 }

@@ -50,7 +50,9 @@ class TorchSaveFraming {
   std::string Head(uint32_t data_crc32) const;
   std::string Tail(uint32_t data_crc32) const;
 
-  // Element size of a torch dtype name; 0 when unknown.
+  // Element size of a torch dtype name; 0 when unknown. Known: every dtype
+  // torch's FileSystemWriter saves (torch 2.x: the legacy typed storages,
+  // uint16/32/64, complex32, the float8 variants, float4_e2m1fn_x2).
   static uint64_t ElementSize(const std::string& dtype);
 
  private:

@@ -23,6 +23,11 @@ the ring); only JSON key order may differ (safetensors hashes
 available, ckptfs by plan). Tensors only: a non-tensor item is refused before anything is written
 (torch's writer would put it in front of the header and break the file).
 
+Every dtype torch's writer of the layout saves is taken (float8 variants,
+float4_e2m1fn_x2, uint16/32/64, complex ...); any other is refused in
+``prepare_local_plan``, naming the tensor and dtype, before any rank writes
+(docs/WRITER.md, "Element types").
+
 Save protocol (every step durable before the next):
   1. coordinator, before any rank writes (``prepare_global_plan``): remove
      ``.ckptfs/commit.sst`` and ``.metadata`` of an earlier save into the
@@ -418,8 +423,9 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
             raise ValueError("ckptfs StorageWriter needs use_collectives=True: the commit is global")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        _check_dtypes(plan, self.layout)  # before anything is removed or written
         if self.layout == "hf":
-            _check_hf_plan(plan)  # before anything is removed or written
+            _check_hf_plan(plan)
         self.path.mkdir(parents=True, exist_ok=True)
         return plan
 
@@ -487,12 +493,7 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         rank = dist.get_rank() if dist.is_initialized() else 0
         planner = DefaultSavePlanner()
         planner.set_up_planner(state_dict, self.storage_meta(), rank == 0)
-        local = self.prepare_local_plan(planner.create_local_plan())
-        if dist.is_initialized():
-            plans: list = [None] * dist.get_world_size()
-            dist.all_gather_object(plans, local)
-        else:
-            plans = [local]
+        plans = _gather_local_plans(lambda: self.prepare_local_plan(planner.create_local_plan()))
         global_plans, _ = planner.create_global_plan(plans)
         # The coordinator uncommits; the others only name the plans alike.
         global_plans = self.prepare_global_plan(global_plans) if rank == 0 else self._name_plans(global_plans)
@@ -619,6 +620,64 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
                     byte_items.append((key, name, off, length))
         root, rel = str(self.path.parent.resolve()), self.path.name
         return _writer.commit(root, rel, tensors, chunks, byte_items, format=FORMATS[self.layout])
+
+
+def _gather_local_plans(make_plan) -> list[SavePlan]:
+    """Every rank's local plan (``make_plan()`` here). A rank whose plan is
+    refused still takes part in the gather, so that every rank raises
+    rather than some waiting forever: its own error, or a RuntimeError
+    naming the first rank that refused."""
+    try:
+        local, refusal = make_plan(), None
+    except (TypeError, ValueError) as e:
+        local, refusal = None, e
+    if not dist.is_initialized():
+        if refusal is not None:
+            raise refusal
+        return [local]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (local, None if refusal is None else str(refusal)))
+    if refusal is not None:
+        raise refusal
+    for rank, (_, why) in enumerate(gathered):
+        if why is not None:
+            raise RuntimeError(f"ckptfs StorageWriter: rank {rank} refused the save, nothing was written: {why}")
+    return [p for p, _ in gathered]
+
+
+def _dtype_refusal(layout: str, dtype: torch.dtype, sizes) -> str | None:
+    """Why this layout's files cannot hold a chunk of ``dtype`` and ``sizes``,
+    or None. DCP: every dtype torch.save archives hold (what torch's
+    FileSystemWriter saves). HF: what safetensors.torch.save, and so torch's
+    HuggingFaceStorageWriter, holds (not complex128, complex32 or a 0-d
+    float4_e2m1fn_x2)."""
+    name = str(dtype).removeprefix("torch.")
+    if layout == "dcp":
+        if _writer.torch_save_element_size(name):
+            return None
+        return f"torch.{name} has no torch.save storage (torch's FileSystemWriter cannot save it either)"
+    try:
+        _writer.safetensors_type(name, list(sizes))
+        return None
+    except TypeError as e:
+        return str(e).removeprefix("NotSupported: ")
+
+
+def _check_dtypes(plan: SavePlan, layout: str) -> None:
+    """Every tensor chunk of the plan is of a dtype the layout's files hold;
+    else TypeError naming each refused tensor and its dtype, while planning,
+    before any rank writes a byte."""
+    refused: dict[str, str] = {}
+    for wi in plan.items:
+        if wi.type == WriteItemType.BYTE_IO or wi.tensor_data is None or wi.index.fqn in refused:
+            continue
+        why = _dtype_refusal(layout, wi.tensor_data.properties.dtype, wi.tensor_data.chunk.sizes)
+        if why is not None:
+            refused[wi.index.fqn] = why
+    if refused:
+        named = "; ".join(f"{fqn!r}: {why}" for fqn, why in refused.items())
+        raise TypeError(f"ckptfs StorageWriter(layout={layout!r}) cannot save {len(refused)} tensor(s), nothing "
+                        f"was written: {named}")
 
 
 def _check_hf_plan(plan: SavePlan) -> None:

@@ -12,6 +12,7 @@
 #include "writer/dcp_file_writer.h"
 #include "writer/safetensors_file_writer.h"
 #include "writer/stager.h"
+#include "writer/torch_save_framing.h"
 
 namespace py = pybind11;
 using namespace ckptfs;
@@ -198,6 +199,18 @@ void BindSafetensorsFile(py::module_& m) {
   DefWrite<PySafetensorsFile>(cls, "Queue the tensor's next bytes. With copy_host=False host memory must stay unchanged until finish().");
 }
 
+// What each layout's files can hold, asked while planning (before a byte is written).
+void BindDTypes(py::module_& m) {
+  m.def("torch_save_element_size", [](const std::string& dtype) { return TorchSaveFraming::ElementSize(dtype); },
+        py::arg("dtype"), "Bytes per element of torch dtype name `dtype` in a DcpFile archive; 0: not framed.");
+  m.def("safetensors_type", [](const std::string& dtype, const std::vector<uint64_t>& shape) {
+    SafetensorsType t = Take(SafetensorsTypeOf(dtype, shape));
+    return py::make_tuple(std::string(DTypeName(t.dtype)), t.shape);
+  }, py::arg("dtype"), py::arg("shape"),
+     "(safetensors dtype, header shape) of a torch tensor, as safetensors.torch.save stores it; "
+     "TypeError naming the dtype when safetensors cannot hold it.");
+}
+
 void BindCommit(py::module_& m) {
   m.def("commit_rows", [](const std::string& abs_root, const std::string& dir, const py::list& tensors,
                           const py::list& chunks, const py::list& bytes, const std::string& format) {
@@ -244,5 +257,6 @@ PYBIND11_MODULE(_writer, m) {
   BindStager(m);
   BindDcpFile(m);
   BindSafetensorsFile(m);
+  BindDTypes(m);
   BindCommit(m);
 }

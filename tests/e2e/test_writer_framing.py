@@ -13,14 +13,24 @@ import torch
 import writer_util
 from ckptfs import _writer
 
+# Every dtype torch's FileSystemWriter saves.
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32,
-          torch.int16, torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32,
-          torch.float8_e4m3fn, torch.float8_e5m2, torch.complex64]
+          torch.int16, torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64,
+          torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+          torch.float8_e8m0fnu, torch.float4_e2m1fn_x2, torch.complex64, torch.complex128, torch.complex32]
 
 
 def _tensor(dtype, shape, seed):
+    """Random bytes viewed as `dtype` (bool: 0 or 1)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 100, shape, generator=g).to(dtype)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    esize = torch.empty((), dtype=dtype).element_size()
+    return torch.randint(0, 256, (*shape, esize), generator=g, dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _raw(t):
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 @pytest.mark.parametrize("zip64", [False, True])
@@ -45,7 +55,7 @@ def test_every_item_torch_loads_to_the_written_tensor(tmp_path, zip64):
     for t, (off, length, doff, dlen, crc) in zip(tensors, results):
         item = data[off:off + length]
         got = torch.load(io.BytesIO(item), weights_only=True)
-        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(got, t)
+        assert got.dtype == t.dtype and got.shape == t.shape and torch.equal(_raw(got), _raw(t))
         assert zipfile.ZipFile(io.BytesIO(item)).testzip() is None
         assert doff % 64 == 0 and dlen == t.numel() * t.element_size()
         assert data[doff:doff + dlen] == t.reshape(-1).view(torch.uint8).numpy().tobytes()

@@ -36,7 +36,8 @@ SHARDS = ["shard-00001-model-00001-of-00001.safetensors", "shard-00002-model-000
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
-          torch.float8_e5m2, torch.float8_e8m0fnu, torch.complex64]
+          torch.float8_e5m2, torch.float8_e8m0fnu, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz,
+          torch.float4_e2m1fn_x2, torch.complex64]
 
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:

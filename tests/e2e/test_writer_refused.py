@@ -4,8 +4,9 @@ processes that exit through the refusal exit 1, with neither a writer
 thread nor a gloo thread left running into the interpreter's finalization
 (where a gloo worker that takes the GIL aborts the process).
 
-Real torch, CPU, gloo; the refused dtype is complex32 (torch.save framing
-has no storage for it)."""
+Real torch, CPU, gloo; the refused dtype is complex32 with layout="hf"
+(safetensors has no dtype for it), refused while planning: no file is
+written."""
 
 from __future__ import annotations
 
@@ -47,13 +48,12 @@ def test_a_refused_save_leaves_no_writer_thread_running(tmp_path):
     assert io_threads() == 0
     refused = {"w": torch.arange(3000, dtype=torch.float32), "c": torch.zeros(8, dtype=torch.complex32)}
     with pytest.raises(CheckpointException) as e:
-        dcp.save(refused, storage_writer=StorageWriter(tmp_path / "refused", buffer_bytes=4096))
+        dcp.save(refused, storage_writer=StorageWriter(tmp_path / "refused", layout="hf", buffer_bytes=4096))
     refusal = e.value.failures[0][0]  # (exception, traceback) per rank
     assert isinstance(refusal, TypeError) and "complex32" in str(refusal)
-    # The traceback still references the failed files: their threads are
-    # joined all the same.
     assert e.tb is not None
     assert io_threads() == 0
+    assert not (tmp_path / "refused").exists() or os.listdir(tmp_path / "refused") == []
 
 
 # Runs a script as __main__ after registering, before anything else can, an
@@ -141,7 +141,7 @@ def _check_rank(trial: int, rank: int, code: int, log: str) -> str | None:
 
 
 def test_ranks_that_exit_through_a_refused_save_exit_1_every_time(tmp_path):
-    """Rank 1 refuses; rank 0 wrote its files and pooled its stagers. Both
+    """Both ranks refuse while planning, before any file is written, and
     exit through the interpreter with the CheckpointException. A thread left
     running into finalization is what aborted such ranks, seldom (about 1
     exit in 30, when a gloo worker freed the last collective's tensors just
@@ -154,4 +154,7 @@ def test_ranks_that_exit_through_a_refused_save_exit_1_every_time(tmp_path):
         for rank, (code, log) in enumerate(_run_ranks(job, 2, tmpd)):
             if (why := _check_rank(trial, rank, code, log)) is not None:
                 failures.append(why)
+        left = [os.path.join(d, f) for d, _, files in os.walk(job["dir"]) for f in files]
+        if left:
+            failures.append(f"trial {trial}: a refused save left files: {left}")
     assert not failures, "\n".join(failures)

@@ -29,8 +29,10 @@ Jobs (``spawn_ranks(__file__, world, job)``; ``job["kind"]``):
   saves it into ``job["dir"]`` with ckptfs's StorageWriter
   (``job["writer"] == "ckptfs"``, ``job["layout"]`` "dcp" or "hf") or
   torch's own FileSystemWriter (``"stock"``).
-- ``refused``: ``save``'s state plus a complex32 tensor, which the writer
-  refuses: every rank raises and exits 1 through the interpreter.
+- ``refused``: ``save``'s tensors plus a complex32 tensor, saved with
+  layout="hf": safetensors has no dtype for it, so the writer refuses the
+  save while planning; every rank raises and exits 1 through the
+  interpreter.
 - ``steps``: saves ``job["steps"]`` one after another into
   ``job["root"]/step_<n>`` (for the crash tests: the parent SIGKILLs a rank
   at a random moment; rank 0 appends ``ready N`` before and ``done N``
@@ -256,12 +258,12 @@ def _job_steps(job: dict, mesh) -> None:
 
 
 def _job_refused(job: dict, mesh) -> None:
-    """The state of ``save`` plus a complex32 tensor, which the writer
-    refuses (torch.save framing has no storage for it): the save raises on
-    every rank and the rank exits through the interpreter."""
-    sd = state(job["seed"], mesh)
+    """The tensors of ``save`` plus a complex32 tensor, which the writer
+    refuses with layout="hf" (safetensors has no dtype for it): the save
+    raises on every rank and the rank exits through the interpreter."""
+    sd = tensors_only(state(job["seed"], mesh))
     sd["refused"] = torch.zeros(8, dtype=torch.complex32)
-    _save(sd, job, job["dir"])
+    _save(sd, {**job, "layout": "hf"}, job["dir"])
 
 
 def _worker(rank: int, world: int, init_file: str, job: dict) -> None:

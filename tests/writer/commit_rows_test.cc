@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <fstream>
 #include <thread>
 
@@ -86,6 +87,29 @@ TEST(CommitRows, UnindexableDTypesAreProblemsNotRows) {
   EXPECT_EQ(rows->tensors.size(), 2u);
   ASSERT_EQ(rows->problems.size(), 1u);
   EXPECT_NE(rows->problems[0].find("complex128"), std::string::npos);
+}
+
+TEST(CommitRows, Float4x2IsF4CountedInValuesAsAScanReadsIt) {
+  WrittenCheckpoint w = TwoRankSave();
+  // 3 x 4 float4_e2m1fn_x2 sharded on its last dim: 3 x 8 F4 values.
+  w.tensors.push_back({"q", {}, "float4_e2m1fn_x2", {3, 4}});
+  w.chunks.push_back({"q", {0, 0}, {3, 2}, "__0_0.distcp", 600, 6, 1});
+  w.chunks.push_back({"q", {0, 2}, {3, 2}, "__1_0.distcp", 300, 6, 2});
+  w.tensors.push_back({"s", {}, "float4_e2m1fn_x2", {}});  // 0-d: no F4 shape
+  w.chunks.push_back({"s", {}, {}, "__0_0.distcp", 700, 1, 3});
+  auto rows = BuildCommitRows(MakeRoot(), w);
+  ASSERT_TRUE(rows.ok()) << rows.status().ToString();
+  auto q = std::find_if(rows->tensors.begin(), rows->tensors.end(), [](auto& t) { return t->fqn == "q"; });
+  ASSERT_NE(q, rows->tensors.end());
+  EXPECT_EQ((*q)->dtype, DType::kF4);
+  EXPECT_EQ((*q)->shape, (std::vector<uint64_t>{3, 8}));
+  ASSERT_EQ((*q)->chunks.size(), 2u);
+  EXPECT_EQ((*q)->chunks[1].box().offsets, (std::vector<uint64_t>{0, 4}));
+  EXPECT_EQ((*q)->chunks[1].box().lengths, (std::vector<uint64_t>{3, 4}));
+  EXPECT_EQ((*q)->chunks[1].length(), 6u);
+  ASSERT_EQ(rows->problems.size(), 1u);
+  EXPECT_EQ(rows->problems[0].rfind("s: ", 0), 0u) << rows->problems[0];
+  EXPECT_NE(rows->problems[0].find("0-d"), std::string::npos) << rows->problems[0];
 }
 
 TEST(CommitRows, GatherWrittenCollectsEveryRanksChunksInRankOrder) {

@@ -91,11 +91,30 @@ TEST(SafetensorsFileWriter, RefusesWhatAFileCannotHold) {
   EXPECT_FALSE((*w)->Finish().ok());  // "w" got none of its 8 bytes
 }
 
+TEST(SafetensorsFileWriter, TypesAreThoseSafetensorsTorchSaveWrites) {
+  auto f4 = SafetensorsTypeOf("float4_e2m1fn_x2", {3, 4});  // bytes of two values: the last dim doubles
+  ASSERT_TRUE(f4.ok()) << f4.status().ToString();
+  EXPECT_EQ(f4->dtype, DType::kF4);
+  EXPECT_EQ(f4->shape, (std::vector<uint64_t>{3, 8}));
+  EXPECT_EQ(SafetensorsTypeOf("float8_e8m0fnu", {2})->dtype, DType::kF8_E8M0);
+  EXPECT_EQ(SafetensorsTypeOf("float8_e5m2fnuz", {2})->dtype, DType::kF8_E5M2FNUZ);
+  EXPECT_EQ(SafetensorsTypeOf("uint64", {})->shape, std::vector<uint64_t>{});
+  for (const char* refused : {"complex128", "complex32", "uint4", "bits8"}) {
+    auto r = SafetensorsTypeOf(refused, {2});
+    EXPECT_EQ(r.status().code(), Status::Code::kNotSupported) << refused;
+    EXPECT_NE(r.status().message().find(std::string("torch.") + refused), std::string::npos) << r.status().message();
+  }
+  EXPECT_EQ(SafetensorsTypeOf("float4_e2m1fn_x2", {}).status().code(), Status::Code::kNotSupported);  // 0-d
+}
+
 TEST(SafetensorsFileWriter, DTypeOrderIsTheCratesEnumOrder) {
-  // Larger first in a file: U64 I64 F64 C64 F32 U32 I32 BF16 F16 U16 I16 F8_E8M0 F8_E4M3 F8_E5M2 I8 U8 BOOL.
+  // Larger first in a file, as safetensors.torch.save 0.8 lays out one
+  // tensor of each: U64 I64 F64 C64 F32 U32 I32 BF16 F16 U16 I16
+  // F8_E5M2FNUZ F8_E4M3FNUZ F8_E8M0 F8_E4M3 F8_E5M2 I8 U8 F4 BOOL.
   const DType file_order[] = {DType::kU64, DType::kI64, DType::kF64, DType::kC64, DType::kF32, DType::kU32,
-                              DType::kI32, DType::kBF16, DType::kF16, DType::kU16, DType::kI16, DType::kF8_E8M0,
-                              DType::kF8_E4M3, DType::kF8_E5M2, DType::kI8, DType::kU8, DType::kBOOL};
+                              DType::kI32, DType::kBF16, DType::kF16, DType::kU16, DType::kI16,
+                              DType::kF8_E5M2FNUZ, DType::kF8_E4M3FNUZ, DType::kF8_E8M0, DType::kF8_E4M3,
+                              DType::kF8_E5M2, DType::kI8, DType::kU8, DType::kF4, DType::kBOOL};
   for (size_t i = 1; i < std::size(file_order); ++i)
     EXPECT_GT(SafetensorsDTypeOrder(file_order[i - 1]), SafetensorsDTypeOrder(file_order[i])) << i;
 }

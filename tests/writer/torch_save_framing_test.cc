@@ -64,7 +64,8 @@ TEST(TorchSaveFraming, IndexerReadsTheTensorWhereTheLayoutSays) {
 
 TEST(TorchSaveFraming, DTypesWithoutALegacyStorageUseRebuildV3) {
   std::string data(8, '\x7f');
-  for (const char* dt : {"uint16", "float8_e4m3fn", "bfloat16", "bool", "int64"}) {
+  for (const char* dt :
+       {"uint16", "float8_e4m3fn", "bfloat16", "bool", "int64", "float4_e2m1fn_x2", "float8_e8m0fnu"}) {
     uint64_t es = TorchSaveFraming::ElementSize(dt);
     Written w = WriteArchive(dt, {8 / es}, data, 0, false);
     auto a = ReadTorchArchiveFile(w.path);
