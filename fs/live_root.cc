@@ -88,22 +88,23 @@ void LiveRoot::Offer(const std::string& rel, bool replacing) {
         "); the next `ckptfs index` or mount records it");
 }
 
-bool LiveRoot::Gone(const std::string& dir) {
-  if (!IsDir(fs_->tree(), dir)) return true;
+std::string LiveRoot::Gone(const std::string& dir) {
+  if (!IsDir(fs_->tree(), dir)) return "its directory is gone";
   // An emptied directory, or one whose .metadata or shards were deleted
   // while subdirectories stayed (a cleanup that deletes files; an object
   // store that keeps listing emptied prefixes), has no commit point left.
   std::optional<std::string> mark = hooks_.mark ? hooks_.mark(dir) : std::optional<std::string>();
-  if (!mark) return false;  // cannot tell now: kept until it can be listed
-  if (mark->empty()) return true;
+  if (!mark) return "";  // cannot tell now: kept until it can be listed
+  if (mark->empty()) return "no commit point left";
   auto [it, first] = marks_.emplace(dir, *mark);
-  return !first && it->second != *mark;
+  if (first || it->second == *mark) return "";
+  return "its commit point changed: read as " + it->second + " when served, as " + *mark + " now";
 }
 
-void LiveRoot::Remove(const std::string& dir) {
+void LiveRoot::Remove(const std::string& dir, const std::string& why) {
   marks_.erase(dir);
   fs_->RemoveCheckpoint(dir);
-  Log(Join(dir, "") + ": gone; no longer served (no commit point left)");
+  Log(Join(dir, "") + ": gone; no longer served (" + why + ")");
   if (hooks_.remove) (void)hooks_.remove(dir);
 }
 
@@ -111,7 +112,7 @@ void LiveRoot::Refresh() {
   // Removals first: what remains of a removed checkpoint's directory is
   // walked (and offered again) on this same pass.
   for (const std::string& dir : fs_->CheckpointDirs())
-    if (Gone(dir)) Remove(dir);
+    if (std::string why = Gone(dir); !why.empty()) Remove(dir, why);
   std::vector<std::string> dirs = fs_->CheckpointDirs();
   std::set<std::string> served(dirs.begin(), dirs.end());
   for (const std::string& rel : Walk(served)) Offer(rel, /*replacing=*/false);

@@ -64,9 +64,10 @@ class LiveRoot {
   // Directories under the root, checkpoints served now not descended into.
   std::vector<std::string> Walk(const std::set<std::string>& served);
   void Offer(const std::string& rel, bool replacing);
-  // True once served checkpoint `dir`'s commit point is gone (above).
-  bool Gone(const std::string& dir);
-  void Remove(const std::string& dir);
+  // Why served checkpoint `dir` is gone (its commit point, above), or ""
+  // while it is not.
+  std::string Gone(const std::string& dir);
+  void Remove(const std::string& dir, const std::string& why);
   void Log(const std::string& line) const;
 
   VirtualFs* fs_;
