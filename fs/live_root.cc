@@ -24,14 +24,10 @@ std::string Signature(const SourceTree& tree, const std::string& rel) {
   return sig;
 }
 
-// A checkpoint's directory is gone once it is not a directory or holds
-// nothing: an object store keeps no empty prefix (some servers list one
-// for a while), and an emptied directory holds no checkpoint either.
-bool Exists(const SourceTree& tree, const std::string& dir) {
+// Not a directory any more (deleted, or replaced by a file or a link).
+bool IsDir(const SourceTree& tree, const std::string& dir) {
   auto st = tree.Lstat(dir);
-  if (!st.ok() || !S_ISDIR(st->st_mode)) return false;
-  auto names = tree.List(dir);
-  return !names.ok() || !names->empty();
+  return st.ok() && S_ISDIR(st->st_mode);
 }
 
 }  // namespace
@@ -85,22 +81,41 @@ void LiveRoot::Offer(const std::string& rel, bool replacing) {
   std::optional<Checkpoint> copy;
   if (hooks_.commit) copy = ckpt;
   fs_->AddCheckpoint(rel, std::move(ckpt));
+  marks_.erase(rel);  // taken again from what was served now
   if (!copy) return;
   if (Status st = hooks_.commit(*copy); !st.ok())
     Log(Join(rel, "") + ": served, but not recorded in the index (" + st.message() +
         "); the next `ckptfs index` or mount records it");
 }
 
+std::string LiveRoot::Gone(const std::string& dir) {
+  if (!IsDir(fs_->tree(), dir)) return "its directory is gone";
+  // An emptied directory, or one whose .metadata or shards were deleted
+  // while subdirectories stayed (a cleanup that deletes files; an object
+  // store that keeps listing emptied prefixes), has no commit point left.
+  std::optional<std::string> mark = hooks_.mark ? hooks_.mark(dir) : std::optional<std::string>();
+  if (!mark) return "";  // cannot tell now: kept until it can be listed
+  if (mark->empty()) return "no commit point left";
+  auto [it, first] = marks_.emplace(dir, *mark);
+  if (first || it->second == *mark) return "";
+  return "its commit point changed: read as " + it->second + " when served, as " + *mark + " now";
+}
+
+void LiveRoot::Remove(const std::string& dir, const std::string& why) {
+  marks_.erase(dir);
+  fs_->RemoveCheckpoint(dir);
+  Log(Join(dir, "") + ": gone; no longer served (" + why + ")");
+  if (hooks_.remove) (void)hooks_.remove(dir);
+}
+
 void LiveRoot::Refresh() {
+  // Removals first: what remains of a removed checkpoint's directory is
+  // walked (and offered again) on this same pass.
+  for (const std::string& dir : fs_->CheckpointDirs())
+    if (std::string why = Gone(dir); !why.empty()) Remove(dir, why);
   std::vector<std::string> dirs = fs_->CheckpointDirs();
   std::set<std::string> served(dirs.begin(), dirs.end());
   for (const std::string& rel : Walk(served)) Offer(rel, /*replacing=*/false);
-  for (const std::string& dir : dirs) {
-    if (Exists(fs_->tree(), dir)) continue;
-    fs_->RemoveCheckpoint(dir);
-    if (hooks_.remove) (void)hooks_.remove(dir);
-    Log(Join(dir, "") + ": gone; no longer served");
-  }
   for (const std::string& dir : fs_->CheckpointDirs(/*stale_only=*/true))
     if (hooks_.resaved && hooks_.resaved(dir)) Offer(dir, /*replacing=*/true);
 }

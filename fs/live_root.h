@@ -6,7 +6,14 @@
 //    exists: DCP's .metadata renamed into place, every rank's shard and the
 //    index of torch's HF writer, ckptfs's writer's commit record; and no
 //    problem found) is served, then committed to the store;
-//  - a served checkpoint whose directory is gone (or empty) is removed;
+//  - a served checkpoint whose commit point is gone is removed: its
+//    directory is gone, or no longer reads as the checkpoint it was served
+//    as (`mark` changed: .metadata or every shard deleted, the writer's
+//    commit record deleted), also when emptied subdirectories stay behind.
+//    Its views go (the kernel's entries for them are invalidated) and what
+//    remains of the directory shows as plain directories; a directory that
+//    still reads as a checkpoint (a commit record deleted, the files kept)
+//    is offered again on the same pass and served from what it holds now;
 //  - a served checkpoint with a changed source reads as EIO; it is read
 //    again and replaced only once `resaved` says its commit point is newer
 //    than its data (a complete re-save into the same directory).
@@ -36,6 +43,10 @@ class LiveRoot {
     // True when a served checkpoint whose sources changed may be read
     // again: its commit point is newer than its data (a complete re-save).
     std::function<bool(const std::string& rel)> resaved;
+    // What makes directory `rel` a checkpoint now, from its file names
+    // (indexer/scan.h, CheckpointMark): "" when nothing does, nullopt when
+    // it cannot be listed now (kept served until it can).
+    std::function<std::optional<std::string>(const std::string& rel)> mark;
     // Persists (or forgets) a checkpoint's rows; may be empty (nothing persisted).
     std::function<Status(const Checkpoint&)> commit;
     std::function<Status(const std::string& dir)> remove;
@@ -53,6 +64,10 @@ class LiveRoot {
   // Directories under the root, checkpoints served now not descended into.
   std::vector<std::string> Walk(const std::set<std::string>& served);
   void Offer(const std::string& rel, bool replacing);
+  // Why served checkpoint `dir` is gone (its commit point, above), or ""
+  // while it is not.
+  std::string Gone(const std::string& dir);
+  void Remove(const std::string& dir, const std::string& why);
   void Log(const std::string& line) const;
 
   VirtualFs* fs_;
@@ -61,6 +76,8 @@ class LiveRoot {
   // Directories found not (yet) servable, by a signature of their files:
   // they are read again only once something in them changed.
   std::map<std::string, std::string> waiting_;
+  // Served checkpoints' marks, taken when first seen served.
+  std::map<std::string, std::string> marks_;
 };
 
 }  // namespace ckptfs

@@ -197,6 +197,18 @@ std::vector<std::string> FindInterruptedSaves(const Source& source) {
   return out;
 }
 
+std::optional<std::string> CheckpointMark(const Source& source, const std::string& rel) {
+  auto listing = ListDir(source, rel);
+  if (!listing.ok()) return std::nullopt;
+  for (const auto& r : AllReaders()) {
+    if (!r->Recognise(*listing)) continue;
+    const bool record = std::binary_search(listing->dirs.begin(), listing->dirs.end(), std::string(".ckptfs")) &&
+                        source.ModifyTimeNs(CommitRecordRel(rel)).has_value();
+    return r->name() + (record ? "+record" : "");
+  }
+  return std::string();
+}
+
 Result<std::optional<Checkpoint>> ScanCheckpointDir(const Source& source, const std::string& rel,
                                                     const ScanOptions& options) {
   ASSIGN_OR_RETURN(DirListing listing, ListDir(source, rel));

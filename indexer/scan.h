@@ -69,6 +69,15 @@ bool CommitRecordIsCurrent(const std::string& root, const std::string& rel);
 // they are indexed again only by `ckptfs index`.
 bool CommitPointIsNewest(const Source& source, const std::string& rel);
 
+// What makes directory `rel` of the source a checkpoint now, judged from
+// its file names alone (as FindCheckpointDirs judges): the name of the
+// reader that recognises it, with "+record" while ckptfs's writer's commit
+// record is there. "" when no reader does: its commit point (DCP's
+// .metadata, the safetensors shards, ...) is gone. nullopt when the
+// directory cannot be listed now (an I/O error): nothing is known. A live
+// mount compares it with what it was when the checkpoint was served.
+std::optional<std::string> CheckpointMark(const Source& source, const std::string& rel);
+
 // Reads directory `rel` of the source alone, as the scan would: a
 // checkpoint, or nullopt when no reader recognises it.
 Result<std::optional<Checkpoint>> ScanCheckpointDir(const Source& source, const std::string& rel,

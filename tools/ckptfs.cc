@@ -264,6 +264,7 @@ int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::f
     return ScanCheckpointDir(*source, rel, so);
   };
   mo.live.resaved = [source](const std::string& rel) { return CommitPointIsNewest(*source, rel); };
+  mo.live.mark = [source](const std::string& rel) { return CheckpointMark(*source, rel); };
   mo.live.commit = [store](const Checkpoint& ckpt) { return store->Commit(ckpt); };
   mo.live.remove = [store](const std::string& dir) { return store->Remove(dir); };
   Status st = MountAndServe(std::move(fs), mountpoint, mo);
