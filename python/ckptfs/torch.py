@@ -61,6 +61,7 @@ import io
 import json
 import os
 import pickle
+import re
 import threading
 import uuid
 import weakref
@@ -96,6 +97,17 @@ LAYOUTS = ("dcp", "hf")
 FORMATS = {"dcp": "dcp", "hf": "sharded-safetensors"}  # the index's name for each (indexer/readers)
 HF_SHARDS = "shard-*-model-*-of-*" + SUFFIX  # torch's names of sharded safetensors (_hf_utils)
 HF_TMP_SUFFIX = ".tmp"  # a shard file until the coordinator publishes it
+_URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")  # RFC 3986's scheme, then "//"
+
+
+def _local_path(path: str | os.PathLike) -> Path:
+    """``path`` as a directory, or ValueError for a URL: pathlib would
+    make ``gs://b/p`` the relative folder ``gs:/b/p`` and save there."""
+    m = _URL_SCHEME.match(os.fspath(path)) if isinstance(path, str) else None
+    if m:
+        raise ValueError(f"ckptfs StorageWriter: {path!r} is a {m.group(1)}:// URL, not a directory; "
+                         "it saves into a local or network directory path")
+    return Path(path)
 
 
 @dataclass(frozen=True)
@@ -378,7 +390,7 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         if min(buffer_bytes, buffers, io_threads) < 1:
             raise ValueError(f"buffer_bytes, buffers and io_threads must be >= 1, not {buffer_bytes}, {buffers}, "
                              f"{io_threads}")
-        self.path = Path(path)
+        self.path = _local_path(path)
         self.layout = layout
         self.buffer_bytes, self.buffers, self.io_threads = buffer_bytes, buffers, io_threads
         self.zip_crc32 = zip_crc32 and layout == "dcp"  # safetensors items are raw bytes: no zip
@@ -393,7 +405,7 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self.path = _local_path(checkpoint_id)
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
