@@ -9,6 +9,7 @@
 #include "writer/commit_rows.h"
 #include "writer/copy_engine.h"
 #include "core/crc32c.h"
+#include "python/src/s3_module.h"
 #include "writer/dcp_file_writer.h"
 #include "writer/safetensors_file_writer.h"
 #include "writer/stager.h"
@@ -245,4 +246,5 @@ PYBIND11_MODULE(_writer, m) {
   BindDcpFile(m);
   BindSafetensorsFile(m);
   BindCommit(m);
+  BindS3(m);
 }

@@ -11,7 +11,9 @@ injects the failures object storage shows:
   second (never slow enough for a check of bytes per second to call it a
   stall);
 - ``forbidden`` (from a script only): 403 AccessDenied, as a bucket policy
-  that denies some objects answers.
+  that denies some objects answers;
+- ``drop`` (from a script only): the request read, never forwarded, and the
+  connection reset (what an upload sees when its connection breaks).
 
 A stall holds the connection for ``stall_s`` seconds (longer than the
 client's timeout), then closes it; a trickle goes on until the body is sent
@@ -172,7 +174,7 @@ class FaultProxy(LocalListener):
         self.redirected = 0  # requests answered so
         self.signed_for: dict[str, int] = {}  # region in the credential scope -> requests
         self.ignored_if_match = 0  # 412s answered with the current version
-        self.counts = {k: 0 for k in (*KINDS, "forbidden", "passed")}
+        self.counts = {k: 0 for k in (*KINDS, "forbidden", "drop", "passed")}
         self.ranged_gets = 0  # GETs with a Range header, faulted or not
         self.ranged_in_flight = 0
         self.peak_ranged_in_flight = 0  # most ranged GETs answered at once
@@ -218,6 +220,10 @@ class FaultProxy(LocalListener):
                     if not head:
                         return
                     body_len = _content_length(head) or 0
+                    # As an HTTP/1.1 server does: a client that asked waits
+                    # for this before sending the body (curl's large PUTs).
+                    if (_header(head, b"expect") or "").lower() == "100-continue":
+                        conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                     while len(rest) < body_len:
                         chunk = conn.recv(65536)
                         if not chunk:
@@ -279,11 +285,15 @@ class FaultProxy(LocalListener):
         if kind == "stall_silent":
             self.stopped.wait(self.stall_s)
             return False
+        if kind == "drop":  # scripted only
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            return False
         if kind == "forbidden":  # scripted only: as a bucket policy that denies one object
             conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: "
                          + str(len(FORBIDDEN)).encode() + b"\r\n\r\n" + FORBIDDEN)
             return True
-        request = b"\r\n".join(_without(head, b"connection")) + b"\r\n\r\n" + body
+        # The body goes with the head: upstream has nothing to continue.
+        request = b"\r\n".join(_without(head, b"connection", b"expect")) + b"\r\n\r\n" + body
         status, rbody = upstream.exchange(request, is_head)
         answered()
         if ranged and self.unconditional and status.startswith((b"HTTP/1.1 412", b"HTTP/1.0 412")):
