@@ -101,7 +101,9 @@ class _Upstream:
                 rhead, body = _read_head(self.sock)
                 if not rhead:
                     raise ConnectionError("upstream closed")
-                n = 0 if is_head else _content_length(rhead)
+                # A HEAD's answer, a 204 (DELETE) and a 304 have no body, whatever their headers say.
+                status = rhead.split(b" ", 2)[1] if rhead.count(b" ") >= 1 else b""
+                n = 0 if is_head or status in (b"204", b"304") else _content_length(rhead)
                 keep = n is not None and b"connection: close" not in rhead.lower()
                 while n is None or len(body) < n:
                     chunk = self.sock.recv(1 << 20)
