@@ -87,6 +87,13 @@ class S3Target:
     def put(self, name: str, data: bytes) -> None:
         self.client.put(self.key(name), data)
 
+    def discard(self, name: str) -> None:
+        """Best effort, after a failure whose own error is being raised."""
+        try:
+            self.client.delete(self.key(name))
+        except Exception:
+            pass
+
     def commit(self, tensors: list, chunks: list, byte_items: list, format: str) -> dict:
         return _writer.commit_s3(self.client, self.dir, tensors, chunks, byte_items, format=format)
 

@@ -43,6 +43,9 @@ complete checkpoint), and fsyncs the directory.
 A crash anywhere leaves earlier steps untouched and this one without a
 commit record, and a new save into the directory starts over at 1.
 
+``StorageWriter("s3://BUCKET/PREFIX/STEP")`` uploads the same files to
+object storage (ckptfs._s3_save; docs/WRITER.md, "Object storage").
+
 ``dcp.async_save(sd, storage_writer=StorageWriter(...))``: ``stage()`` runs
 the planning (one all_gather_object on the default group, as ``dcp.save``
 would) and pushes every byte into the ring on the training thread (device
@@ -381,6 +384,12 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
     ``zip_crc32`` fills the zip CRC-32 of each torch.save archive (DCP only;
     torch's loader does not check it, other zip readers do; off saves one
     pass over the bytes).
+
+    ``path`` may be ``s3://BUCKET/PREFIX/STEP`` (DCP layout): one multipart
+    upload per rank from the ring (parts of at least ``part_size``,
+    ``max_threads`` in flight), committed once every rank's upload
+    completed; ``endpoint_url``, ``region`` and ``force_path_style``
+    override the AWS configuration ``ckptfs mount s3://`` reads.
     """
 
     _synchronize_after_execute = False
@@ -458,7 +467,11 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self._s3 is not None:
             self._s3.put(METADATA, self._metadata_bytes(metadata, results))
-            self.last_rows = self._commit(metadata, results)
+            try:
+                self.last_rows = self._commit(metadata, results)
+            except BaseException:  # no step without its record: .metadata goes again
+                self._s3.discard(METADATA)
+                raise
             return
         if self.layout == "hf":
             self._publish_shards(results)
