@@ -568,8 +568,9 @@ Result<Checkpoint> ReadCommitRecord(const std::string& sst_path) {
 }
 
 Status WriteCommitRecord(const std::string& abs_root, const Checkpoint& ckpt, const std::string& sst_path) {
-  if (abs_root.empty() || abs_root[0] != '/')
-    return Status::InvalidArgument("commit record: the source root must be an absolute path, not '" + abs_root + "'");
+  if (abs_root.empty() || (abs_root[0] != '/' && abs_root.rfind("s3://", 0) != 0))
+    return Status::InvalidArgument("commit record: the source root must be an absolute path or an s3:// URL, not '" +
+                                   abs_root + "'");
   ASSIGN_OR_RETURN(std::vector<rows::Row> all, rows::EncodeCheckpoint(ckpt, rows::kSourceWriter, NowNs()));
   std::sort(all.begin(), all.end(), [](const rows::Row& a, const rows::Row& b) { return a.key < b.key; });
   rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), StoreOptions());

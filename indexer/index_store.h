@@ -137,7 +137,8 @@ class Store {
 
 // Writes a writer's commit record: the rows Commit() would write for `ckpt`
 // (source "writer"), sorted, as an SST file at `sst_path`. `ckpt.dir` and
-// every file path are relative to `abs_root`.
+// every file path are relative to `abs_root` (an absolute path, or the
+// s3://BUCKET/PREFIX root the writer uploaded under).
 Status WriteCommitRecord(const std::string& abs_root, const Checkpoint& ckpt, const std::string& sst_path);
 
 // The checkpoint a writer's commit record (WriteCommitRecord) describes,

@@ -2,6 +2,9 @@
 
 #include <curl/curl.h>
 
+#include "core/crc32c.h"
+#include "core/digest.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -14,7 +17,7 @@
 namespace ckptfs {
 namespace {
 
-// SHA-256 of the empty body: every request here is a GET or HEAD.
+// SHA-256 of the empty body: GET, HEAD, DELETE.
 constexpr char kEmptySha256[] = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855";
 // A request that receives no byte (of headers or body) for this long is a
 // stall: abandoned, and sent again on a new connection. Listings and HEADs
@@ -29,6 +32,9 @@ constexpr int64_t kStallMs = 15'000;
 // doubles the window (2, 2, 4, 8, then 15 s), so a server that is merely
 // slow to start its answers is still read, not failed in 8 quick tries.
 constexpr int64_t kGetStallMs = 2'000;
+// A body's payload hash is not computed (a second pass over gigabytes):
+// its integrity is the checksum header the server verifies.
+constexpr char kUnsignedPayload[] = "UNSIGNED-PAYLOAD";
 constexpr long kConnectTimeoutMs = 5000;
 // Error and listing bodies are kept up to this size (a page of 1000 keys
 // is well under it).
@@ -132,6 +138,10 @@ struct S3Client::Handle {
 
 struct S3Client::Request {
   bool head = false;
+  std::string method;            // "" for GET or HEAD (head); else PUT, POST or DELETE
+  const S3Body* body = nullptr;  // what a PUT or POST sends
+  std::vector<std::string> headers;  // more "Name: value" lines
+  bool completion = false;       // CompleteMultipartUpload: a 200 may carry an <Error>
   std::string key;    // full key ("" for the bucket)
   std::string query;  // sorted, encoded
   std::string if_match;
@@ -140,6 +150,7 @@ struct S3Client::Request {
   char* dst = nullptr;  // ranged GETs write here
   bool listing = false;  // a ListObjectsV2 page: must end with its closing tag
   std::string What() const {
+    if (!method.empty()) return method + " " + key + (query.empty() ? "" : "?" + query);
     if (key.empty()) return "listing";
     std::string w = std::string(head ? "HEAD " : "GET ") + key;
     if (ranged) w += " bytes [" + std::to_string(offset) + ", " + std::to_string(offset + len) + ")";
@@ -174,18 +185,75 @@ struct Sink {
   const S3Client::Request* req;
   S3Client::Response* resp;
   int64_t stall_ms;
-  Clock::time_point last_byte = Clock::now();  // of headers or body
+  Clock::time_point last_byte = Clock::now();  // of headers or body received, or of the body sent
+  curl_off_t sent = 0;
 };
 
 // libcurl's progress callback, called as bytes arrive and about once a
 // second while none do: ends the transfer once no byte came for the stall
 // window. (CURLOPT_LOW_SPEED_TIME averages over a window of several
 // seconds, so a stall in the middle of a body is seen seconds late.)
-int OnProgress(void* user, curl_off_t, curl_off_t, curl_off_t, curl_off_t) {
+// Bytes sent count as progress too: an upload receives nothing until the
+// server has taken its whole body.
+int OnProgress(void* user, curl_off_t, curl_off_t, curl_off_t, curl_off_t ulnow) {
   auto* s = static_cast<Sink*>(user);
+  if (ulnow != s->sent) s->sent = ulnow, s->last_byte = Clock::now();
   if (MsSince(s->last_byte) < s->stall_ms) return 0;
   s->resp->stalled = true;
   return 1;  // CURLE_ABORTED_BY_CALLBACK
+}
+
+// Feeds a body's spans to libcurl; rewound for a resend.
+struct BodyReader {
+  const S3Body* body;
+  size_t span = 0;
+  uint64_t at = 0;  // within spans[span]
+};
+
+size_t OnRead(char* out, size_t size, size_t n, void* user) {
+  auto* r = static_cast<BodyReader*>(user);
+  size_t done = 0;
+  const size_t room = size * n;
+  while (done < room && r->span < r->body->spans.size()) {
+    const auto& [p, len] = r->body->spans[r->span];
+    const size_t take = size_t(std::min<uint64_t>(room - done, len - r->at));
+    std::memcpy(out + done, p + r->at, take);
+    done += take;
+    r->at += take;
+    if (r->at == len) ++r->span, r->at = 0;
+  }
+  return done;
+}
+
+int OnSeek(void* user, curl_off_t offset, int origin) {
+  auto* r = static_cast<BodyReader*>(user);
+  if (origin != SEEK_SET || offset != 0) return CURL_SEEKFUNC_CANTSEEK;
+  r->span = 0, r->at = 0;
+  return CURL_SEEKFUNC_OK;
+}
+
+// The verb and body of a PUT, POST or DELETE.
+void SetMethod(CURL* c, const S3Client::Request& r, BodyReader* reader) {
+  const curl_off_t size = r.body ? curl_off_t(r.body->size()) : 0;
+  if (r.method == "PUT") {
+    curl_easy_setopt(c, CURLOPT_UPLOAD, 1L);
+    curl_easy_setopt(c, CURLOPT_INFILESIZE_LARGE, size);
+  } else if (r.method == "POST") {
+    curl_easy_setopt(c, CURLOPT_POST, 1L);
+    curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, size);
+  } else {
+    curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, r.method.c_str());
+  }
+  if (r.body) {
+    curl_easy_setopt(c, CURLOPT_READFUNCTION, OnRead);
+    curl_easy_setopt(c, CURLOPT_READDATA, reader);
+    curl_easy_setopt(c, CURLOPT_SEEKFUNCTION, OnSeek);
+    curl_easy_setopt(c, CURLOPT_SEEKDATA, reader);
+    curl_easy_setopt(c, CURLOPT_UPLOAD_BUFFERSIZE, 1L << 20);  // fewer callbacks per part
+  }
+  // SeaweedFS leaves a connection unusable after answering a PUT of an
+  // empty body; such a request does not keep its connection.
+  if (size == 0) curl_easy_setopt(c, CURLOPT_FORBID_REUSE, 1L);
 }
 
 }  // namespace
@@ -314,8 +382,11 @@ S3Client::Response S3Client::Perform(const Request& r, int64_t timeout_ms, int64
   curl_easy_setopt(c, CURLOPT_TCP_KEEPALIVE, 1L);
   if (!config_.ca_bundle.empty()) curl_easy_setopt(c, CURLOPT_CAINFO, config_.ca_bundle.c_str());
   if (r.head) curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
+  BodyReader reader{r.body};
+  if (!r.method.empty()) SetMethod(c, r, &reader);
   struct curl_slist* headers = nullptr;
-  headers = curl_slist_append(headers, (std::string("x-amz-content-sha256: ") + kEmptySha256).c_str());
+  headers = curl_slist_append(headers, (std::string("x-amz-content-sha256: ") + (r.body ? kUnsignedPayload : kEmptySha256)).c_str());
+  for (const std::string& h : r.headers) headers = curl_slist_append(headers, h.c_str());
   if (config_.sign && !config_.credentials.session_token.empty())
     headers = curl_slist_append(headers, ("x-amz-security-token: " + config_.credentials.session_token).c_str());
   if (!r.if_match.empty()) headers = curl_slist_append(headers, ("If-Match: " + r.if_match).c_str());
@@ -393,6 +464,9 @@ std::string RetryCause(const S3Client::Response& resp, const S3Client::Request& 
     const std::string code = XmlFirst(resp.body, "Code");
     return "HTTP " + std::to_string(resp.http) + (code.empty() ? "" : " " + code);
   }
+  // S3 may answer a completion 200 and then fail it in the body.
+  if (r.completion && resp.http == 200 && resp.body.find("<Error>") != std::string::npos)
+    return "HTTP 200 with error " + XmlFirst(resp.body, "Code");
   if (ranged && (resp.http == 206 || resp.http == 200) && resp.received != want && !resp.overflow)
     return "short body (" + std::to_string(resp.received) + " of " + std::to_string(want) + " bytes)";
   // A page cut short but consistent with its Content-Length would
@@ -598,6 +672,156 @@ std::string S3Client::Stats::Describe() const {
   char gb[32];
   std::snprintf(gb, sizeof gb, "%.2f", double(bytes) / 1e9);
   return "s3: " + std::to_string(gets) + " ranged GETs, " + gb + " GB received";
+}
+
+// --- Uploads -----------------------------------------------------------------
+
+uint64_t S3Body::size() const {
+  uint64_t n = 0;
+  for (const auto& [p, len] : spans) n += len;
+  return n;
+}
+
+namespace {
+
+// A request with a verb.
+S3Client::Request Upload(const std::string& method, const std::string& key, const std::string& query,
+                         const S3Body* body) {
+  S3Client::Request r;
+  r.method = method;
+  r.key = key;
+  r.query = query;
+  r.body = body;
+  return r;
+}
+
+bool Answered(const S3Client::Response& resp, long http) {
+  return resp.curl == CURLE_OK && resp.http == http && resp.last_retry_cause.empty();
+}
+
+}  // namespace
+
+Result<std::pair<std::string, S3PartCheck>> S3Client::CreateMultipartUpload(const std::string& key,
+                                                                             bool ask_crc32c) const {
+  Request r = Upload("POST", key, "uploads=", nullptr);
+  if (ask_crc32c) r.headers.push_back("x-amz-checksum-algorithm: CRC32C");
+  Response resp = PerformWithRetries(r, kMaxAttempts);
+  if (!Answered(resp, 200)) return Explain(r, resp);
+  const std::string id = XmlFirst(resp.body, "UploadId");
+  if (id.empty()) return Status::IOError(r.What() + " (s3://" + config_.location.bucket + "): no UploadId in the answer");
+  // A server that takes CRC32C part checksums says so; one that ignores
+  // the header gets Content-MD5 instead.
+  const auto it = resp.headers.find("x-amz-checksum-algorithm");
+  const bool crc = ask_crc32c && ((it != resp.headers.end() && Lower(it->second) == "crc32c") ||
+                                  Lower(XmlFirst(resp.body, "ChecksumAlgorithm")) == "crc32c");
+  return std::make_pair(id, crc ? S3PartCheck::kCrc32c : S3PartCheck::kMd5);
+}
+
+Result<std::string> S3Client::UploadPart(const std::string& key, const std::string& upload_id, int number,
+                                         const S3Body& body, S3PartCheck check, uint32_t crc32c,
+                                         const std::string& md5_base64) const {
+  // Sorted by name: the canonical query string of SigV4.
+  Request r = Upload("PUT", key, "partNumber=" + std::to_string(number) + "&uploadId=" + Encode(upload_id, false), &body);
+  if (check == S3PartCheck::kCrc32c) r.headers.push_back("x-amz-checksum-crc32c: " + Crc32cBase64(crc32c));
+  else r.headers.push_back("Content-MD5: " + md5_base64);
+  Response resp = PerformWithRetries(r, kMaxAttempts);
+  if (!Answered(resp, 200)) return Explain(r, resp);
+  std::string etag = resp.headers["etag"];
+  if (etag.empty()) return Status::IOError(r.What() + " (s3://" + config_.location.bucket + "): no ETag in the answer");
+  if (check == S3PartCheck::kCrc32c) {
+    // A server that echoes the checksum checked it; one that echoes another
+    // value saw other bytes.
+    auto it = resp.headers.find("x-amz-checksum-crc32c");
+    if (it != resp.headers.end() && it->second != Crc32cBase64(crc32c))
+      return Status::IOError(r.What() + ": the server stored CRC32C " + it->second + ", not the " +
+                             Crc32cBase64(crc32c) + " sent");
+  }
+  return etag;
+}
+
+std::string S3Client::CompletionXml(const std::vector<S3CompletedPart>& parts, S3PartCheck check) {
+  std::string xml = "<CompleteMultipartUpload xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">";
+  for (const S3CompletedPart& p : parts) {
+    xml += "<Part><PartNumber>" + std::to_string(p.number) + "</PartNumber><ETag>" + p.etag + "</ETag>";
+    if (check == S3PartCheck::kCrc32c) xml += "<ChecksumCRC32C>" + Crc32cBase64(p.crc32c) + "</ChecksumCRC32C>";
+    xml += "</Part>";
+  }
+  return xml + "</CompleteMultipartUpload>";
+}
+
+Status S3Client::CompleteMultipartUpload(const std::string& key, const std::string& upload_id,
+                                         const std::vector<S3CompletedPart>& parts, S3PartCheck check) const {
+  const std::string xml = CompletionXml(parts, check);
+  S3Body body{{{xml.data(), xml.size()}}};
+  Request r = Upload("POST", key, "uploadId=" + Encode(upload_id, false), &body);
+  r.completion = true;
+  r.headers.push_back("Content-Type: application/xml");
+  Response resp = PerformWithRetries(r, kMaxAttempts);
+  if (Answered(resp, 200)) return Status::OK();
+  // Retried after the server completed it (the answer was lost): the
+  // upload is gone and the object is there, of as many parts.
+  if (resp.attempts > 1 && resp.curl == CURLE_OK && resp.http == 404 && XmlFirst(resp.body, "Code") == "NoSuchUpload") {
+    auto head = Head(key);
+    if (head.ok() && BareEtag(head->etag).ends_with("-" + std::to_string(parts.size()))) return Status::OK();
+  }
+  return Explain(r, resp);
+}
+
+Status S3Client::AbortMultipartUpload(const std::string& key, const std::string& upload_id) const {
+  Request r = Upload("DELETE", key, "uploadId=" + Encode(upload_id, false), nullptr);
+  Response resp = PerformWithRetries(r, kMaxAttempts);
+  if (Answered(resp, 204) || Answered(resp, 200) || (resp.curl == CURLE_OK && resp.http == 404)) return Status::OK();
+  return Explain(r, resp);
+}
+
+Result<std::vector<S3MultipartUploadInfo>> S3Client::ListMultipartUploads(const std::string& prefix) const {
+  std::vector<S3MultipartUploadInfo> out;
+  std::string key_marker, id_marker;
+  for (int page = 0; page < 1'000'000; ++page) {
+    std::string q;
+    if (!key_marker.empty()) q += "key-marker=" + Encode(key_marker, false) + "&";
+    q += "prefix=" + Encode(prefix, false) + "&";
+    if (!id_marker.empty()) q += "upload-id-marker=" + Encode(id_marker, false) + "&";
+    Request r = Upload("GET", "", q + "uploads=", nullptr);
+    Response resp = PerformWithRetries(r, kMaxAttempts);
+    if (!Answered(resp, 200)) return Explain(r, resp);
+    const std::string& xml = resp.body;
+    for (size_t at = xml.find("<Upload>"); at != std::string::npos; at = xml.find("<Upload>", at + 1)) {
+      const size_t end = xml.find("</Upload>", at);
+      if (end == std::string::npos) break;
+      out.push_back({XmlFirst(xml, "Key", at, end), XmlFirst(xml, "UploadId", at, end)});
+    }
+    if (XmlFirst(xml, "IsTruncated") != "true") return out;
+    key_marker = XmlFirst(xml, "NextKeyMarker");
+    id_marker = XmlFirst(xml, "NextUploadIdMarker");
+    if (key_marker.empty() && id_marker.empty())
+      return Status::IOError("listing uploads under s3://" + config_.location.bucket + "/" + prefix +
+                             ": truncated page without a marker");
+  }
+  return Status::IOError("listing uploads under s3://" + config_.location.bucket + "/" + prefix + ": too many pages");
+}
+
+Status S3Client::Put(const std::string& key, const S3Body& body) const {
+  Request r = Upload("PUT", key, "", &body);
+  Md5 md5;
+  uint32_t crc = 0;
+  for (const auto& [p, len] : body.spans) {
+    md5.Update(p, len);
+    crc = Crc32c(crc, p, len);
+  }
+  const auto digest = md5.Final();
+  r.headers.push_back("Content-MD5: " + Base64(digest.data(), digest.size()));
+  r.headers.push_back("x-amz-checksum-crc32c: " + Crc32cBase64(crc));
+  Response resp = PerformWithRetries(r, kMaxAttempts);
+  if (Answered(resp, 200)) return Status::OK();
+  return Explain(r, resp);
+}
+
+Status S3Client::Delete(const std::string& key) const {
+  Request r = Upload("DELETE", key, "", nullptr);
+  Response resp = PerformWithRetries(r, kMaxAttempts);
+  if (Answered(resp, 204) || Answered(resp, 200) || (resp.curl == CURLE_OK && resp.http == 404)) return Status::OK();
+  return Explain(r, resp);
 }
 
 }  // namespace ckptfs

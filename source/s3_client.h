@@ -1,8 +1,11 @@
 // HTTP to an S3 server: the only code that knows libcurl.
 //
 // Requests are signed by libcurl (CURLOPT_AWS_SIGV4); we send
-// x-amz-content-sha256 ourselves (the hash of the empty body: every request
-// here is a GET or HEAD), and x-amz-security-token for session credentials.
+// x-amz-content-sha256 ourselves (the hash of the empty body for GET, HEAD
+// and DELETE; UNSIGNED-PAYLOAD for a body, whose integrity a checksum header
+// the server verifies carries instead: x-amz-checksum-crc32c, or
+// Content-MD5 where the server takes no CRC32C), and x-amz-security-token
+// for session credentials.
 // Easy handles are pooled, so connections are kept alive and reused.
 //
 // Failures that may pass (HTTP 5xx, 429 and SlowDown, timeouts, stalls,
@@ -43,6 +46,31 @@ struct S3ObjectInfo {
   int64_t last_modified_ns = 0;
 };
 
+// A request body: spans of memory sent in order, never copied (an upload
+// part straight from the writer's ring). They must stay unchanged until the
+// call returns (a retried request sends them again).
+struct S3Body {
+  std::vector<std::pair<const char*, uint64_t>> spans;
+  uint64_t size() const;
+};
+
+// How an upload's parts are checked by the server.
+enum class S3PartCheck {
+  kCrc32c,  // x-amz-checksum-crc32c per part, ChecksumCRC32C in the completion
+  kMd5,     // Content-MD5 per part (a server that ignores the CRC32C headers)
+};
+
+struct S3CompletedPart {
+  int number = 0;       // 1..10000
+  std::string etag;     // as UploadPart's answer sent it
+  uint32_t crc32c = 0;  // sent in the completion with S3PartCheck::kCrc32c
+};
+
+struct S3MultipartUploadInfo {
+  std::string key;
+  std::string upload_id;
+};
+
 struct S3ListPage {
   std::vector<S3ObjectInfo> objects;
   std::vector<std::string> common_prefixes;  // full prefixes, ending in '/'
@@ -67,6 +95,38 @@ class S3Client {
   // Bytes [offset, offset + len) of `key` into dst, with If-Match: `etag`
   // (none when empty).
   Status Get(const std::string& key, const std::string& etag, uint64_t offset, uint64_t len, char* dst) const;
+
+  // --- Uploads (the writer's side). Each is retried as a GET is (below);
+  // an answer the server gave in full is not sent again.
+
+  // CreateMultipartUpload of `key`, asking for CRC32C part checksums
+  // (unless `ask_crc32c` is false: tests reach the Content-MD5 path so).
+  // Returns the upload id and how parts are to be checked: kCrc32c when
+  // the server named the algorithm back, else kMd5.
+  Result<std::pair<std::string, S3PartCheck>> CreateMultipartUpload(const std::string& key,
+                                                                    bool ask_crc32c = true) const;
+  // UploadPart `number` (1..10000) of `body`, checked by `crc32c` (the
+  // body's CRC32C) or by `md5_base64` as `check` says. Returns its ETag.
+  Result<std::string> UploadPart(const std::string& key, const std::string& upload_id, int number, const S3Body& body,
+                                 S3PartCheck check, uint32_t crc32c, const std::string& md5_base64) const;
+  // CompleteMultipartUpload: `key` appears, whole, at once. `parts` in
+  // ascending number. A completion whose answer was lost and is retried
+  // finds the upload gone (NoSuchUpload): then the object is HEADed, and
+  // an object of as many parts counts as completed.
+  Status CompleteMultipartUpload(const std::string& key, const std::string& upload_id,
+                                 const std::vector<S3CompletedPart>& parts, S3PartCheck check) const;
+  // AbortMultipartUpload; an upload already gone (404) is OK.
+  Status AbortMultipartUpload(const std::string& key, const std::string& upload_id) const;
+  // Every multipart upload in progress under `prefix` (all pages).
+  Result<std::vector<S3MultipartUploadInfo>> ListMultipartUploads(const std::string& prefix) const;
+  // PutObject of a small object, with both Content-MD5 and
+  // x-amz-checksum-crc32c (a server checks what it knows).
+  Status Put(const std::string& key, const S3Body& body) const;
+  // DeleteObject; a key that is not there is OK (S3 answers 204 either way).
+  Status Delete(const std::string& key) const;
+
+  // The XML body of CompleteMultipartUpload (exposed for tests).
+  static std::string CompletionXml(const std::vector<S3CompletedPart>& parts, S3PartCheck check);
 
   // What a mount checks first: a wrong endpoint, secret or bucket, or
   // credentials that may list but not read, fail at once (no server at all

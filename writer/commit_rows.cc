@@ -3,7 +3,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -23,56 +26,45 @@ namespace {
 
 std::string Join(const std::string& a, const std::string& b) { return a.empty() ? b : a + "/" + b; }
 
-// The indexer's own identity (size, mtime, ctime, inode), so the store
-// sees exactly what a scan would have recorded.
-Result<SourceFile> Stat(const std::string& abs_root, const std::string& rel) {
-  ASSIGN_OR_RETURN(SourceFile f, StatSource(Join(abs_root, rel)));
-  f.path = rel;
-  return f;
-}
-
 class FileIds {
  public:
-  FileIds(std::string abs_root, std::string dir) : root_(std::move(abs_root)), dir_(std::move(dir)) {}
+  FileIds(const Source& source, std::string dir) : source_(source), dir_(std::move(dir)) {}
+  // The indexer's own identity (POSIX: size, mtime, ctime, inode; S3: size
+  // and ETag), so the store sees exactly what a scan would have recorded.
   Result<FileId> Get(const std::string& name) {
     const std::string rel = Join(dir_, name);
     auto it = ids_.find(rel);
     if (it != ids_.end()) return it->second;
-    ASSIGN_OR_RETURN(SourceFile f, Stat(root_, rel));
+    ASSIGN_OR_RETURN(SourceFile f, source_.Identify(rel));
+    f.path = rel;
     files_.push_back(std::move(f));
     return ids_[rel] = FileId(files_.size() - 1);
   }
   std::vector<SourceFile> Take() { return std::move(files_); }
 
  private:
-  std::string root_, dir_;
+  const Source& source_;
+  std::string dir_;
   std::map<std::string, FileId> ids_;
   std::vector<SourceFile> files_;
 };
 
 // The CRC32C of every byte of `f` outside the tensor chunks (framing,
 // headers, BYTE_IO items), read back now that the ranks have written and
-// fsynced it: a few small reads per item, so `verify` covers every byte
-// the writer wrote and not only tensor data.
-Status ChecksumTheRest(const std::string& abs_root, const Checkpoint& ckpt, FileId id, SourceFile& f) {
-  const std::string path = Join(abs_root, f.path);
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::IOError("open " + path + ": " + std::strerror(errno));
+// fsynced (or uploaded) it: a few small reads per item, so `verify` covers
+// every byte the writer wrote and not only tensor data.
+Status ChecksumTheRest(const Source& source, const Checkpoint& ckpt, FileId id, SourceFile& f) {
+  ASSIGN_OR_RETURN(auto object, source.Open(f.path));
   uint32_t crc = 0;
   std::vector<char> buf;
-  Status st;
   for (const ByteMeta& r : BytesOutsideChunks(ckpt, id, f.size)) {
     buf.resize(r.length);
-    ssize_t n = ::pread(fd, buf.data(), r.length, off_t(r.offset));
-    if (n != ssize_t(r.length)) {
-      st = Status::IOError("read back " + path + " bytes [" + std::to_string(r.offset) + ", " +
-                           std::to_string(r.offset + r.length) + "): " + (n < 0 ? std::strerror(errno) : "short read"));
-      break;
-    }
+    Status st = object->ReadAt(r.offset, r.length, buf.data());
+    if (!st.ok())
+      return st.WithContext("read back " + f.path + " bytes [" + std::to_string(r.offset) + ", " +
+                            std::to_string(r.offset + r.length) + ")");
     crc = Crc32c(crc, buf.data(), r.length);
   }
-  ::close(fd);
-  RETURN_IF_ERROR(st);
   f.rest_crc32c = crc;
   f.has_rest_crc32c = true;
   return Status::OK();
@@ -104,10 +96,14 @@ std::vector<uint64_t> Unpacked(std::vector<uint64_t> dims, uint64_t unpack) {
 }  // namespace
 
 Result<Checkpoint> BuildCommitRows(const std::string& abs_root, const WrittenCheckpoint& w) {
+  return BuildCommitRows(PosixSource(abs_root), w);
+}
+
+Result<Checkpoint> BuildCommitRows(const Source& source, const WrittenCheckpoint& w) {
   Checkpoint out;
   out.dir = w.dir;
   out.format = w.format;
-  FileIds ids(abs_root, w.dir);
+  FileIds ids(source, w.dir);
   std::map<std::string, std::vector<const WrittenChunk*>> by_fqn;
   for (const WrittenChunk& c : w.chunks) by_fqn[c.fqn].push_back(&c);
   std::vector<WrittenTensor> tensors = w.tensors;
@@ -146,7 +142,7 @@ Result<Checkpoint> BuildCommitRows(const std::string& abs_root, const WrittenChe
   for (const auto& [fqn, cs] : by_fqn)
     if (!known.count(fqn)) return Status::InvalidArgument("chunk of '" + fqn + "' names no tensor of the checkpoint");
   out.files = ids.Take();
-  for (FileId id = 0; id < out.files.size(); ++id) RETURN_IF_ERROR(ChecksumTheRest(abs_root, out, id, out.files[id]));
+  for (FileId id = 0; id < out.files.size(); ++id) RETURN_IF_ERROR(ChecksumTheRest(source, out, id, out.files[id]));
   return out;
 }
 
@@ -164,6 +160,26 @@ Status WriteCommitRecordFile(const std::string& abs_root, const Checkpoint& ckpt
   if (::rename(tmp.c_str(), final_path.c_str()) != 0)
     return Status::IOError("rename " + tmp + " to commit.sst: " + std::strerror(errno));
   return SyncDir(dir);
+}
+
+Status PutCommitRecord(const S3Client& client, const Checkpoint& ckpt) {
+  const char* tmpdir = std::getenv("TMPDIR");
+  std::string tmp = std::string(tmpdir && *tmpdir ? tmpdir : "/tmp") + "/ckptfs-commit-XXXXXX";
+  int fd = ::mkstemp(tmp.data());
+  if (fd < 0) return Status::IOError("commit record: cannot create " + tmp + ": " + std::strerror(errno));
+  ::close(fd);
+  ::unlink(tmp.c_str());  // RocksDB creates it
+  Status st = WriteCommitRecord(client.config().Root(), ckpt, tmp);
+  std::string bytes;
+  if (st.ok()) {
+    std::ifstream in(tmp, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+    if (!in.good() && !in.eof()) st = Status::IOError("commit record: cannot read back " + tmp);
+  }
+  ::unlink(tmp.c_str());
+  RETURN_IF_ERROR(st);
+  const std::string key = client.config().location.prefix + Join(ckpt.dir, ".ckptfs/commit.sst");
+  return client.Put(key, S3Body{{{bytes.data(), bytes.size()}}});
 }
 
 Result<std::vector<WrittenChunk>> GatherWritten(Collective& c, const std::vector<WrittenChunk>& mine) {

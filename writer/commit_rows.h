@@ -15,6 +15,8 @@
 
 #include "core/meta.h"
 #include "core/status.h"
+#include "source/s3_client.h"
+#include "source/source.h"
 #include "writer/collective.h"
 
 namespace ckptfs {
@@ -59,6 +61,9 @@ struct WrittenCheckpoint {
 // hold (complex128, complex32, a 0-d float4_e2m1fn_x2) are listed in
 // ckpt.problems and left out.
 Result<Checkpoint> BuildCommitRows(const std::string& abs_root, const WrittenCheckpoint& w);
+// The same over any source: an object store's root (source/s3_source.h),
+// whose objects are identified (size, ETag) and read back with ranged GETs.
+Result<Checkpoint> BuildCommitRows(const Source& source, const WrittenCheckpoint& w);
 
 // Writes `ckpt`'s commit record (the store's WriteCommitRecord, an SST of
 // its rows) as abs_root/ckpt.dir/.ckptfs/commit.sst: into a temporary
@@ -66,6 +71,12 @@ Result<Checkpoint> BuildCommitRows(const std::string& abs_root, const WrittenChe
 // after every shard and .metadata are durable: the record's presence is
 // what makes the checkpoint committed for `ckptfs index` and live mounts.
 Status WriteCommitRecordFile(const std::string& abs_root, const Checkpoint& ckpt);
+
+// Writes `ckpt`'s commit record as the object `.ckptfs/commit.sst` of its
+// directory under `client`'s root (PutObject: it appears whole or not at
+// all; RocksDB writes the SST into a temporary local file first). Call it
+// last, after every rank file and .metadata are uploaded.
+Status PutCommitRecord(const S3Client& client, const Checkpoint& ckpt);
 
 // Every rank's chunks, in rank order, at every rank (AllGather of JSON).
 Result<std::vector<WrittenChunk>> GatherWritten(Collective& c, const std::vector<WrittenChunk>& mine);

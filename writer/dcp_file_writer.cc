@@ -41,6 +41,34 @@ Result<std::unique_ptr<DcpFileWriter>> DcpFileWriter::Create(Stager* stager, con
   return std::unique_ptr<DcpFileWriter>(new DcpFileWriter(stager, file, path));
 }
 
+Result<std::unique_ptr<DcpFileWriter>> DcpFileWriter::CreateS3(S3Stager* stager, const std::string& key) {
+  std::unique_ptr<DcpFileWriter> w(new DcpFileWriter(nullptr, -1, key));
+  w->s3_ = stager;
+  return w;
+}
+
+Status DcpFileWriter::Seal() {
+  if (!s3_ || sealed_) return Status::OK();
+  ASSIGN_OR_RETURN(file_, s3_->OpenObject(path_, end_));
+  sealed_ = true;
+  for (uint32_t i = 0; i < items_.size(); ++i) {
+    const Item& it = items_[i];
+    if (!it.archive) continue;
+    const TorchSaveFraming archive = *it.archive;
+    RETURN_IF_ERROR(s3_->AddHole(file_, it.offset, it.data_offset - it.offset, Tag(i), it.data_length,
+                                 [archive](const Checksums& c) { return archive.Head(c.zip_crc32); }));
+    RETURN_IF_ERROR(s3_->AddHole(file_, it.data_offset + it.data_length, it.offset + it.length - it.data_offset - it.data_length,
+                                 Tag(i), it.data_length,
+                                 [archive](const Checksums& c) { return archive.Tail(c.zip_crc32); }));
+  }
+  return Status::OK();
+}
+
+Status DcpFileWriter::Abort() {
+  if (!s3_ || !sealed_) return Status::OK();
+  return s3_->Abort(file_);
+}
+
 Result<uint32_t> DcpFileWriter::AddTensor(const std::string& dtype, const std::vector<uint64_t>& shape, uint64_t nbytes,
                                           bool force_zip64) {
   TorchSaveSpec spec{dtype, shape, nbytes, end_, SerializationId(ProcessSeed(), items_.size()), force_zip64};
@@ -73,7 +101,12 @@ Status DcpFileWriter::Write(uint32_t item, const Slice& src, bool copy_host) {
     return Status::InvalidArgument(path_ + ": item " + std::to_string(item) + " is " + std::to_string(it.data_length) +
                                    " bytes; a slice of " + std::to_string(src.size) + " after " +
                                    std::to_string(it.written) + " overruns it");
-  RETURN_IF_ERROR(stager_->Write(file_, it.data_offset + it.written, src, Tag(item), it.written, copy_host));
+  if (s3_) {
+    if (!sealed_) return Status::InvalidArgument(path_ + ": write before Seal");
+    RETURN_IF_ERROR(s3_->Write(file_, it.data_offset + it.written, src, Tag(item), it.written));
+  } else {
+    RETURN_IF_ERROR(stager_->Write(file_, it.data_offset + it.written, src, Tag(item), it.written, copy_host));
+  }
   it.written += src.size;
   return Status::OK();
 }
@@ -81,8 +114,12 @@ Status DcpFileWriter::Write(uint32_t item, const Slice& src, bool copy_host) {
 Result<std::vector<DcpItemResult>> DcpFileWriter::Finish() {
   if (finished_) return Status::InvalidArgument(path_ + ": Finish called twice");
   finished_ = true;
-  RETURN_IF_ERROR(stager_->Drain());
   std::vector<DcpItemResult> out;
+  if (s3_) {
+    RETURN_IF_ERROR(FinishS3(&out));
+    return out;
+  }
+  RETURN_IF_ERROR(stager_->Drain());
   const int fd = stager_->fd(file_);
   for (uint32_t i = 0; i < items_.size(); ++i) {
     Item& it = items_[i];
@@ -104,6 +141,26 @@ Result<std::vector<DcpItemResult>> DcpFileWriter::Finish() {
   RETURN_IF_ERROR(stager_->SyncFile(file_));
   RETURN_IF_ERROR(stager_->CloseFile(file_));
   return out;
+}
+
+// Every item got its bytes, then the stager sealed the last parts and
+// uploaded every part (the framing filled in as CRCs became known).
+Status DcpFileWriter::FinishS3(std::vector<DcpItemResult>* out) {
+  RETURN_IF_ERROR(Seal());  // an object with no item written
+  for (uint32_t i = 0; i < items_.size(); ++i)
+    if (items_[i].written != items_[i].data_length)
+      return Status::InvalidArgument(path_ + ": item " + std::to_string(i) + " got " + std::to_string(items_[i].written) +
+                                     " of its " + std::to_string(items_[i].data_length) + " bytes");
+  ASSIGN_OR_RETURN(upload_, s3_->FinishObject(file_));
+  for (uint32_t i = 0; i < items_.size(); ++i) {
+    const Item& it = items_[i];
+    Checksums c;
+    if (it.data_length > 0) {
+      ASSIGN_OR_RETURN(c, s3_->TakeChecksums(Tag(i)));
+    }
+    out->push_back({it.offset, it.length, it.data_offset, it.data_length, c.crc32c});
+  }
+  return Status::OK();
 }
 
 }  // namespace ckptfs

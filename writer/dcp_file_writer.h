@@ -11,6 +11,13 @@
 // Finish drains the stager, writes the framing, fsyncs the file and returns
 // per item what DCP's `_StorageInfo` needs (offset, length of the item) and
 // what a commit row needs (where the raw tensor bytes lie and their CRC32C).
+//
+// On object storage (CreateS3) the file is an S3 multipart upload through
+// an S3Stager: Seal, once every item is planned, opens the upload (its size
+// is known then) and leaves each archive's framing as holes the stager
+// fills once the item's zip CRC-32 is known; Finish waits until every part
+// is uploaded, and `upload()` holds the parts to complete it with (the
+// caller completes it when the save's protocol says; Abort, after a failure).
 #pragma once
 
 #include <cstdint>
@@ -20,6 +27,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "writer/s3_stager.h"
 #include "writer/stager.h"
 #include "writer/torch_save_framing.h"
 
@@ -35,6 +43,16 @@ class DcpFileWriter {
  public:
   // Creates `path` through `stager` (which must outlive this writer).
   static Result<std::unique_ptr<DcpFileWriter>> Create(Stager* stager, const std::string& path);
+  // An S3 object `key` (a full key) through `stager` (which must outlive this writer).
+  static Result<std::unique_ptr<DcpFileWriter>> CreateS3(S3Stager* stager, const std::string& key);
+
+  // After the last Add*: S3 opens the upload and plans the framing holes
+  // (a POSIX file needs nothing). Writes need it on S3.
+  Status Seal();
+  // S3: the uploaded parts, after Finish.
+  const S3ObjectUpload& upload() const { return upload_; }
+  // S3: aborts the upload (after a failure); a POSIX file: nothing.
+  Status Abort();
 
   // Planning. `dtype` is torch's name ("bfloat16"); the bytes are row-major.
   Result<uint32_t> AddTensor(const std::string& dtype, const std::vector<uint64_t>& shape, uint64_t nbytes,
@@ -57,8 +75,12 @@ class DcpFileWriter {
   };
   DcpFileWriter(Stager* stager, int file, std::string path) : stager_(stager), file_(file), path_(std::move(path)) {}
   uint64_t Tag(uint32_t item) const { return (uint64_t(file_) << 40) | item; }
+  Status FinishS3(std::vector<DcpItemResult>* out);
 
   Stager* stager_;
+  S3Stager* s3_ = nullptr;
+  S3ObjectUpload upload_;
+  bool sealed_ = false;
   int file_;
   std::string path_;
   std::vector<Item> items_;

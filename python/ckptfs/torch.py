@@ -48,6 +48,9 @@ complete checkpoint), and fsyncs the directory.
 A crash anywhere leaves earlier steps untouched and this one without a
 commit record, and a new save into the directory starts over at 1.
 
+``StorageWriter("s3://BUCKET/PREFIX/STEP")`` uploads the same files to
+object storage (ckptfs._s3_save; docs/WRITER.md, "Object storage").
+
 ``dcp.async_save(sd, storage_writer=StorageWriter(...))``: ``stage()`` runs
 the planning (one all_gather_object on the default group, as ``dcp.save``
 would) and pushes every byte into the ring on the training thread (device
@@ -73,6 +76,7 @@ import io
 import json
 import os
 import pickle
+import re
 import threading
 import uuid
 import weakref
@@ -108,6 +112,20 @@ LAYOUTS = ("dcp", "hf")
 FORMATS = {"dcp": "dcp", "hf": "sharded-safetensors"}  # the index's name for each (indexer/readers)
 HF_SHARDS = "shard-*-model-*-of-*" + SUFFIX  # torch's names of sharded safetensors (_hf_utils)
 HF_TMP_SUFFIX = ".tmp"  # a shard file until the coordinator publishes it
+_URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")  # RFC 3986's scheme, then "//"
+
+
+def _local_path(path: str | os.PathLike) -> Path | str:
+    """``path`` as a directory, an ``s3://`` URL as it is (str), or
+    ValueError for any other URL: pathlib would make ``gs://b/p`` the
+    relative folder ``gs:/b/p`` and save there."""
+    m = _URL_SCHEME.match(os.fspath(path)) if isinstance(path, str) else None
+    if m and m.group(1) == "s3":
+        return path.rstrip("/")
+    if m:
+        raise ValueError(f"ckptfs StorageWriter: {path!r} is a {m.group(1)}:// URL, not a directory; "
+                         "it saves into a local or network directory path or an s3:// URL")
+    return Path(path)
 
 
 @dataclass(frozen=True)
@@ -381,21 +399,32 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
     into a host copy of the state dict kept for the process's next saves
     instead of through the ring: the shortest stall, for one copy of this
     rank's tensors in host memory (``snapshot_threads`` threads fill it).
+
+    ``path`` may be ``s3://BUCKET/PREFIX/STEP`` (DCP layout): one multipart
+    upload per rank from the ring (parts of at least ``part_size``,
+    ``max_threads`` in flight), committed once every rank's upload
+    completed; ``endpoint_url``, ``region`` and ``force_path_style``
+    override the AWS configuration ``ckptfs mount s3://`` reads.
     """
 
     _synchronize_after_execute = False
 
     def __init__(self, path: str | os.PathLike, *, layout: str = "dcp", buffer_bytes: int = 256 << 20,
                  buffers: int = 2, io_threads: int = 2, zip_crc32: bool = True, snapshot: bool = False,
-                 snapshot_threads: int = _snapshot.DEFAULT_THREADS) -> None:
+                 snapshot_threads: int = _snapshot.DEFAULT_THREADS, part_size: int = 16 << 20,
+                 max_threads: int = 8, endpoint_url: str | None = None, region: str | None = None,
+                 force_path_style: bool = False) -> None:
         super().__init__()
         if layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {LAYOUTS}, not {layout!r}")
         if min(buffer_bytes, buffers, io_threads) < 1:
             raise ValueError(f"buffer_bytes, buffers and io_threads must be >= 1, not {buffer_bytes}, {buffers}, "
                              f"{io_threads}")
-        self.path = Path(path)
+        self.s3_options = dict(part_size=part_size, max_threads=max_threads, endpoint_url=endpoint_url,
+                               region=region, force_path_style=force_path_style)
         self.layout = layout
+        self.path = _local_path(path)
+        self._s3 = self._s3_target()
         self.buffer_bytes, self.buffers, self.io_threads = buffer_bytes, buffers, io_threads
         self.zip_crc32 = zip_crc32 and layout == "dcp"  # safetensors items are raw bytes: no zip
         self.snapshot, self.snapshot_threads = snapshot, snapshot_threads
@@ -411,7 +440,8 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id:
-            self.path = Path(checkpoint_id)
+            self.path = _local_path(checkpoint_id)
+            self._s3 = self._s3_target()
         self.save_id = str(uuid.uuid4())
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
@@ -426,7 +456,8 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         _check_dtypes(plan, self.layout)  # before anything is removed or written
         if self.layout == "hf":
             _check_hf_plan(plan)
-        self.path.mkdir(parents=True, exist_ok=True)
+        if self._s3 is None:
+            self.path.mkdir(parents=True, exist_ok=True)
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
@@ -441,6 +472,8 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         try:
+            if self._s3 is not None:
+                return self._s3_write_data(plan, planner)
             return self._write_data(plan, planner)
         finally:
             lease, self._lease = self._lease, None
@@ -461,6 +494,14 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self._s3 is not None:
+            self._s3.put(METADATA, self._metadata_bytes(metadata, results))
+            try:
+                self.last_rows = self._commit(metadata, results)
+            except BaseException:  # no step without its record: .metadata goes again
+                self._s3.discard(METADATA)
+                raise
+            return
         if self.layout == "hf":
             self._publish_shards(results)
         else:
@@ -476,7 +517,7 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return "://" not in str(checkpoint_id)
+        return "://" not in str(checkpoint_id) or str(checkpoint_id).startswith("s3://")
 
     # --- AsyncStager -----------------------------------------------------------
 
@@ -534,7 +575,12 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         stager and I/O thread, so no two threads write into one file. HF:
         the rank's one shard, or none when it has nothing to save (torch's
         writer writes no file then)."""
-        if self.layout == "hf":
+        if self._s3 is not None:  # one object per rank, its parts uploaded by max_threads threads
+            prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{self.rank}_"
+            files.append(_s3_rank_file()(self._s3, f"{prefix}0.distcp", self.buffer_bytes * self.buffers,
+                                         self.zip_crc32))
+            buckets = [_split_items(plan.items, 1)[0]]
+        elif self.layout == "hf":
             if not plan.items:
                 return
             shard = plan.storage_data.get("shard_index", self.rank + 1)
@@ -563,14 +609,18 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
                                f"did not write (first: {missing[0]}); async_save needs torch's DefaultSavePlanner")
         return [results[wi.index] for wi in plan.items]
 
-    def _write_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """DCP's commit point: ``.metadata``, durably, after every rank file."""
+    def _metadata_bytes(self, metadata: Metadata, results: list[list[WriteResult]]) -> bytes:
         metadata.version = DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for rl in results for wr in rl}
         metadata.storage_meta = self.storage_meta()
+        return pickle.dumps(metadata)
+
+    def _write_metadata(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """DCP's commit point: ``.metadata``, durably, after every rank file."""
+        data = self._metadata_bytes(metadata, results)
         _writer.sync_dir(str(self.path))  # every rank fsynced its file; now their directory entries
         tmp = self.path / (METADATA + ".tmp")
-        _fsync_write(tmp, pickle.dumps(metadata))
+        _fsync_write(tmp, data)
         os.replace(tmp, self.path / METADATA)
         _writer.sync_dir(str(self.path))
 
@@ -584,6 +634,9 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         _writer.sync_dir(str(self.path))
 
     def _uncommit(self) -> None:
+        if self._s3 is not None:
+            self._s3.uncommit(f"{COMMIT_DIR}/{COMMIT_RECORD}", METADATA)
+            return
         self.path.mkdir(parents=True, exist_ok=True)
         removed = _remove(self.path / COMMIT_DIR / COMMIT_RECORD)
         removed |= _remove(self.path / METADATA)
@@ -618,8 +671,54 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
                 else:
                     _, key, name, off, length, _crc = row
                     byte_items.append((key, name, off, length))
+        if self._s3 is not None:
+            return self._s3.commit(tensors, chunks, byte_items, FORMATS[self.layout])
         root, rel = str(self.path.parent.resolve()), self.path.name
         return _writer.commit(root, rel, tensors, chunks, byte_items, format=FORMATS[self.layout])
+
+    # --- object storage (ckptfs._s3_save) --------------------------------------
+
+    def _s3_target(self):
+        if not isinstance(self.path, str):
+            return None
+        if self.layout != "dcp":
+            raise ValueError("ckptfs StorageWriter: layout='hf' is not supported on s3:// (use layout='dcp')")
+        from ckptfs._s3_save import S3Target
+        return S3Target(self.path, **self.s3_options)
+
+    def _s3_write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Uploads this rank's file (or finishes the staged one), then every
+        rank's ok/error flag is exchanged: a failure anywhere is raised on
+        every rank and nothing is committed (ckptfs._s3_save)."""
+        from ckptfs._s3_save import agree_or_raise
+        files: list[_StagedFile] = []
+        error, results = None, []
+        try:
+            if self._staged is not None:
+                files = list(self._staged_files)
+                results = self._take_staged(plan)
+            else:
+                with _abandon_on_error(files):
+                    self._plan_files(plan, planner, files)
+                    _write_files(files, copy_host=False)
+                    results = _finish_files(files)
+        except BaseException as e:  # KeyboardInterrupt included: every rank must hear of it
+            error = e
+        agree_or_raise(self._s3, self.rank, files, error)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+
+def _s3_rank_file():
+    from ckptfs._s3_save import make_rank_file_class
+    global _S3_RANK_FILE
+    if _S3_RANK_FILE is None:
+        _S3_RANK_FILE = make_rank_file_class(_StagedFile, _RankFile)
+    return _S3_RANK_FILE
+
+
+_S3_RANK_FILE = None
 
 
 def _gather_local_plans(make_plan) -> list[SavePlan]:

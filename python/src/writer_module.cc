@@ -6,9 +6,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "source/s3_client.h"
+#include "source/s3_source.h"
 #include "writer/commit_rows.h"
 #include "writer/copy_engine.h"
 #include "core/crc32c.h"
+#include "python/src/s3_module.h"
 #include "writer/dcp_file_writer.h"
 #include "writer/safetensors_file_writer.h"
 #include "writer/stager.h"
@@ -232,6 +235,25 @@ void BindCommit(py::module_& m) {
   }, py::arg("abs_root"), py::arg("dir"), py::arg("tensors"), py::arg("chunks"), py::arg("bytes"),
      py::arg("format") = "dcp",
      "Builds the rows like commit_rows, then writes <abs_root>/<dir>/.ckptfs/commit.sst (durably, last).");
+
+  m.def("commit_s3", [](const std::shared_ptr<S3Client>& client, const std::string& dir, const py::list& tensors,
+                        const py::list& chunks, const py::list& bytes, const std::string& format) {
+    WrittenCheckpoint written = ToWritten(dir, format, tensors, chunks, bytes);
+    Result<Checkpoint> ckpt = Status::Incomplete("not run");
+    Status s;
+    {
+      py::gil_scoped_release nogil;
+      S3Source source(client->config());
+      ckpt = BuildCommitRows(source, written);
+      if (ckpt.ok()) s = PutCommitRecord(*client, *ckpt);
+    }
+    Checkpoint rows = Take(std::move(ckpt));
+    Check(s);
+    return RowsSummary(rows);
+  }, py::arg("client"), py::arg("dir"), py::arg("tensors"), py::arg("chunks"), py::arg("bytes"),
+     py::arg("format") = "dcp",
+     "As commit, for the objects under the client's root: identified and read back through S3, the record "
+     "PUT last as <root>/<dir>/.ckptfs/commit.sst.");
 }
 
 }  // namespace
@@ -259,4 +281,5 @@ PYBIND11_MODULE(_writer, m) {
   BindSafetensorsFile(m);
   BindDTypes(m);
   BindCommit(m);
+  BindS3(m);
 }

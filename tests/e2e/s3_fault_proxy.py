@@ -13,7 +13,9 @@ injects the failures object storage shows:
   second (never slow enough for a check of bytes per second to call it a
   stall);
 - ``forbidden`` (from a script only): 403 AccessDenied, as a bucket policy
-  that denies some objects answers.
+  that denies some objects answers;
+- ``drop`` (from a script only): the request read, never forwarded, and the
+  connection reset (what an upload sees when its connection breaks).
 
 A stall holds the connection open for ``stall_s`` seconds (longer than the
 client's timeout), then closes it; with ``stall_once`` a stall is the fault
@@ -105,7 +107,9 @@ class _Upstream:
                 rhead, body = _read_head(self.sock)
                 if not rhead:
                     raise ConnectionError("upstream closed")
-                n = 0 if is_head else _content_length(rhead)
+                # A HEAD's answer, a 204 (DELETE) and a 304 have no body, whatever their headers say.
+                status = rhead.split(b" ", 2)[1] if rhead.count(b" ") >= 1 else b""
+                n = 0 if is_head or status in (b"204", b"304") else _content_length(rhead)
                 keep = n is not None and b"connection: close" not in rhead.lower()
                 while n is None or len(body) < n:
                     chunk = self.sock.recv(1 << 20)
@@ -182,7 +186,7 @@ class FaultProxy(LocalListener):
         self.redirected = 0  # requests answered so
         self.signed_for: dict[str, int] = {}  # region in the credential scope -> requests
         self.ignored_if_match = 0  # 412s answered with the current version
-        self.counts = {k: 0 for k in (*KINDS, "forbidden", "passed")}
+        self.counts = {k: 0 for k in (*KINDS, "forbidden", "drop", "passed")}
         self.ranged_gets = 0  # GETs with a Range header, faulted or not
         self.ranged_in_flight = 0
         self.peak_ranged_in_flight = 0  # most ranged GETs answered at once
@@ -237,6 +241,10 @@ class FaultProxy(LocalListener):
                     if not head:
                         return
                     body_len = _content_length(head) or 0
+                    # As an HTTP/1.1 server does: a client that asked waits
+                    # for this before sending the body (curl's large PUTs).
+                    if (_header(head, b"expect") or "").lower() == "100-continue":
+                        conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                     while len(rest) < body_len:
                         chunk = conn.recv(65536)
                         if not chunk:
@@ -299,11 +307,15 @@ class FaultProxy(LocalListener):
         if kind == "stall_silent":
             self.stopped.wait(self.stall_s)
             return False
+        if kind == "drop":  # scripted only
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            return False
         if kind == "forbidden":  # scripted only: as a bucket policy that denies one object
             conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: "
                          + str(len(FORBIDDEN)).encode() + b"\r\n\r\n" + FORBIDDEN)
             return True
-        request = b"\r\n".join(_without(head, b"connection")) + b"\r\n\r\n" + body
+        # The body goes with the head: upstream has nothing to continue.
+        request = b"\r\n".join(_without(head, b"connection", b"expect")) + b"\r\n\r\n" + body
         status, rbody = upstream.exchange(request, is_head)
         answered()
         if ranged and self.unconditional and status.startswith((b"HTTP/1.1 412", b"HTTP/1.0 412")):

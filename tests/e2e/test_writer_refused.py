@@ -158,3 +158,20 @@ def test_ranks_that_exit_through_a_refused_save_exit_1_every_time(tmp_path):
         if left:
             failures.append(f"trial {trial}: a refused save left files: {left}")
     assert not failures, "\n".join(failures)
+
+
+@pytest.mark.parametrize("url", ["gs://bucket/run/step_1", "hdfs://nn:8020/run/step_1", "file:///tmp/run/step_1"])
+def test_a_url_is_refused_never_saved_into_a_local_folder(tmp_path, monkeypatch, url):
+    """pathlib turns `gs://bucket/run` into the relative folder `gs:/bucket/run`;
+    the writer refuses the URL instead, in the constructor and in reset (the
+    checkpoint_id dcp.save passes), and nothing is created where the folder
+    would have gone."""
+    from ckptfs.torch import StorageWriter
+    monkeypatch.chdir(tmp_path)
+    scheme = url.split("://")[0]
+    with pytest.raises(ValueError, match=f"{scheme}:// URL, not a directory"):
+        StorageWriter(url)
+    writer = StorageWriter(tmp_path / "ckpt")
+    with pytest.raises(ValueError, match=f"{scheme}:// URL, not a directory"):
+        dcp.save({"w": torch.arange(8.0)}, checkpoint_id=url, storage_writer=writer)
+    assert os.listdir(tmp_path) == [], os.listdir(tmp_path)

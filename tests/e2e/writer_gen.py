@@ -7,7 +7,8 @@ Jobs (``spawn_ranks(__file__, world, job)``; ``job["kind"]``):
 - ``save``: builds ``state(seed)`` (FSDP2 model + AdamW state after one
   step, TP DTensors sharded unevenly on dim 0 and dim 1, bf16/f32/int64/
   int32, a replicated DTensor, a plain tensor, non-tensor items), writes
-  rank 0's oracle (every value in full, flattened: ``{fqn: value}``) to
+  rank 0's oracle (every value in full, flattened: ``{fqn: value}``; with
+  ``job["big"]`` also a float32 tensor of that many bytes, sharded) to
   ``job["oracle"]``, then saves into ``job["dir"]`` with ``dcp.save`` or
   ``dcp.async_save`` (``job["mode"]``). For async_save every tensor is
   overwritten in place as soon as async_save returns (staging is done),
@@ -18,7 +19,9 @@ Jobs (``spawn_ranks(__file__, world, job)``; ``job["kind"]``):
   before it commits (``_FlippingWriter``): bytes on disk that are not the
   bytes checksummed, under the file identity the commit records -- what
   corruption on the way to disk looks like to a reader.
-- ``load``: stock ``dcp.load`` (FileSystemReader) into a new layout: every
+- ``load``: stock ``dcp.load`` (FileSystemReader; for an ``s3://`` dir
+  s3torchconnector's ``S3StorageReader``, path style, at $AWS_ENDPOINT_URL)
+  into a new layout: every
   tensor a DTensor on the other dim than it was saved on (Shard(1) for
   Shard(0) and the reverse, Shard(0) for 1-d), non-tensors as placeholders;
   rank 0 writes the full values to ``job["out"]``.
@@ -126,7 +129,9 @@ def _flipping_writer(flip: list):
 def _save(sd: dict, job: dict, directory: str) -> None:
     from ckptfs.torch import StorageWriter
     cls = _flipping_writer(job["flip"]) if job.get("flip") else StorageWriter
-    writer = cls(directory, layout=job.get("layout", "dcp"), buffer_bytes=job.get("buffer_bytes", 4096), buffers=2)
+    s3 = {k: job[k] for k in ("part_size", "max_threads") if k in job}  # s3:// only
+    writer = cls(directory, layout=job.get("layout", "dcp"), buffer_bytes=job.get("buffer_bytes", 4096), buffers=2,
+                 **s3)
     if job.get("mode") == "async":
         fut = dcp.async_save(sd, storage_writer=writer)
         # Staging returned: the training loop may change every tensor now.
@@ -189,6 +194,8 @@ def flat_local_tensors(sd: dict) -> list[torch.Tensor]:
 
 def _job_save(job: dict, mesh) -> None:
     sd = state(job["seed"], mesh)
+    if job.get("big"):  # job["big"] bytes of float32 more, half on each rank
+        sd["big"] = distribute_tensor(torch.arange(job["big"] // 4, dtype=torch.float32), mesh, [Shard(0)])
     oracle = flat_full(sd)
     if dist.get_rank() == 0:
         torch.save(oracle, job["oracle"])
@@ -223,10 +230,28 @@ def _job_load(job: dict, mesh) -> None:
             target[k] = torch.zeros_like(v)
         else:
             target[k] = None
-    dcp.load(target, checkpoint_id=job["dir"])
+    if job["dir"].startswith("s3://"):
+        dcp.load(target, storage_reader=s3_storage_reader(job["dir"]))
+    else:
+        dcp.load(target, checkpoint_id=job["dir"])
     full = {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in target.items()}
     if dist.get_rank() == 0:
         torch.save(full, job["out"])
+
+
+def s3_storage_reader(url: str):
+    """s3torchconnector's stock DCP reader of ``url`` at the test server:
+    path-style addressing, and the endpoint (its reader takes none, so its
+    file system is made over a client that has one)."""
+    from s3torchconnector import S3ClientConfig
+    from s3torchconnector._s3client import S3Client
+    from s3torchconnector.dcp import S3StorageReader
+    from s3torchconnector.dcp.s3_file_system import S3FileSystem
+    config = S3ClientConfig(force_path_style=True)
+    reader = S3StorageReader("us-east-1", url, s3client_config=config)
+    client = S3Client("us-east-1", endpoint=os.environ["AWS_ENDPOINT_URL"], s3client_config=config)
+    reader.fs = S3FileSystem("us-east-1", s3_client=client, reader_constructor=reader._reader_constructor)
+    return reader
 
 
 def _mark(job: dict, what: str) -> None:
