@@ -18,7 +18,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "core/planner.h"
 #include "fs/checkpoint_set.h"
@@ -75,6 +77,11 @@ class OpenFiles {
   ViewBuilder& views_;
   ComputeCache& compute_;
   LogLimiter limiter_;
+  // The bytes served of each virtual file opened for a source-order fetch,
+  // by inode (source/ordered_fetch.h, ServedRecord); kept while mounted, as
+  // the kernel keeps the pages.
+  std::mutex records_mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<ServedRecord>> records_;  // guarded by records_mu_
 };
 
 }  // namespace ckptfs
