@@ -124,7 +124,7 @@ FsError OpenFiles::ReadFailed(const FsNode& n, size_t size, uint64_t offset, con
 
 FsError OpenFiles::ReadFailed(const FsNode& n, size_t size, uint64_t offset, const Status& st) {
   if (st.code() == Status::Code::kStale && n.sources) MarkMergedStale(n.sources, n.ckpt, st.message());
-  else if (st.code() == Status::Code::kStale) InvalidateCheckpoint(n.ckpt);
+  else if (st.code() == Status::Code::kStale) InvalidateCheckpoint(n.ckpt, st.message());
   return ReadFailed(n, size, offset, FsError::From(st));
 }
 
@@ -191,11 +191,12 @@ FsResult<ScatterReply> OpenFiles::ReadScatter(uint64_t handle, size_t size, uint
   return reply;
 }
 
-void OpenFiles::InvalidateCheckpoint(int i) {
+void OpenFiles::InvalidateCheckpoint(int i, const std::string& why) {
   Served* s = ckpts_.ServedAt(i);
   if (s->stale.exchange(true)) return;
   compute_.Drop(i);
-  options_.Log(JoinRel(s->dir, "") + ": a source changed since indexing; its views read as EIO until it is indexed again");
+  options_.Log(JoinRel(s->dir, "") + ": a source changed since indexing (" + why +
+               "); its views read as EIO until it is indexed again");
   if (!options_.invalidate) return;
   const std::vector<uint64_t> inos =
       nodes_.Select([&](const FsNode& n) { return n.kind == NodeKind::kVirtualFile && n.ckpt == i; });
@@ -208,18 +209,18 @@ size_t OpenFiles::RecheckSources() {
   for (int i : ckpts_.Live()) {
     Served* s = ckpts_.ServedAt(i);
     if (s->stale.load()) continue;
-    bool changed_now;
+    Status changed_now;
     std::vector<std::pair<std::shared_ptr<MergedSources>, Status>> merged_changed;
     {
       std::lock_guard<std::mutex> load(s->load_mu);  // the reader is not unloaded meanwhile
       // Null until loaded (nothing served, nothing cached) and once unloaded.
-      changed_now = s->reader && !s->reader->Recheck().ok();
+      if (s->reader) changed_now = s->reader->Recheck();
       for (const auto& ms : s->merged)
         if (Status st = ms->stale ? Status::OK() : ms->reader->Recheck(); !st.ok()) merged_changed.push_back({ms, st});
     }
     for (const auto& [ms, st] : merged_changed) MarkMergedStale(ms, i, st.message());
-    if (changed_now) {
-      InvalidateCheckpoint(i);
+    if (!changed_now.ok()) {
+      InvalidateCheckpoint(i, changed_now.message());
       ++changed;
     }
   }

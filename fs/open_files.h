@@ -62,8 +62,9 @@ class OpenFiles {
   // The reader of an open virtual file: its checkpoint's, or a merged/
   // file's own (fs/merged_view.h).
   static SourceReader* ReaderOf(const Handle& h);
-  // Drops the kernel's cache of every virtual file of checkpoint `i`, once.
-  void InvalidateCheckpoint(int i);
+  // Drops the kernel's cache of every virtual file of checkpoint `i`, once,
+  // logging `why` (the change seen).
+  void InvalidateCheckpoint(int i, const std::string& why);
   // From now on merged view `ms` of checkpoint `ckpt` reads as EIO; the
   // kernel's pages of its files are dropped.
   void MarkMergedStale(const std::shared_ptr<MergedSources>& ms, int ckpt, const std::string& why);

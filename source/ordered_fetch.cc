@@ -164,6 +164,7 @@ void OrderedFetch::Noted(uint64_t offset, uint64_t length) {
 
 void OrderedFetch::Build() {
   std::map<FileId, IntervalSet> needed;
+  std::map<FileId, IntervalSet> left_out;  // source bytes of what was served already
   const IntervalSet served = served_->Get();
   for (uint64_t at = 0; at < layout_->size(); at += kPlanSlice) {
     auto plan = Plan(*layout_, at, std::min(kPlanSlice, layout_->size() - at));
@@ -176,12 +177,16 @@ void OrderedFetch::Build() {
       auto add = [&](uint64_t b, uint64_t e) {
         if (b < e) needed[c.file].Add(c.src_offset + (b - v), c.src_offset + (e - v));
       };
+      auto skip = [&](uint64_t b, uint64_t e) {
+        if (b < e) left_out[c.file].Add(c.src_offset + (b - v), c.src_offset + (e - v));
+      };
       auto it = served.spans().upper_bound(v);
       if (it != served.spans().begin()) --it;
       for (; it != served.spans().end() && it->first < v + c.length; ++it) {
         const auto [b, e] = *it;
         if (e <= pos) continue;
         add(pos, std::max(pos, b));
+        skip(std::max(pos, b), std::min(e, v + c.length));
         pos = std::max(pos, e);
       }
       add(pos, v + c.length);
@@ -191,8 +196,11 @@ void OrderedFetch::Build() {
     for (const auto& [b, e] : set.spans()) {
       for (uint64_t pos = b; pos < e;) {
         Range* r = ranges_.empty() ? nullptr : &ranges_.back();
+        // Across a small gap, unless it holds bytes served already: those
+        // would be fetched a second time.
         const bool joins = r && r->file == file && pos - (r->offset + r->length) <= kMaxGap &&
-                           pos < r->offset + options_.range_bytes;
+                           pos < r->offset + options_.range_bytes &&
+                           left_out[file].Bytes(r->offset + r->length, pos) == 0;
         if (!joins) {
           ranges_.push_back({});
           r = &ranges_.back();
