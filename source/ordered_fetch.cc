@@ -68,6 +68,16 @@ std::string FetchBudget::Describe() const {
   return "source-order hold: peak " + Gb(peak()) + " of the " + Gb(capacity_) + " bound";
 }
 
+void ServedRecord::Add(uint64_t offset, uint64_t length) {
+  std::lock_guard<std::mutex> lock(mu_);
+  again_ += spans_.Bytes(offset, offset + length);
+  if (again_ >= kClearAfter) {
+    spans_ = IntervalSet();
+    again_ = 0;
+  }
+  spans_.Add(offset, offset + length);
+}
+
 void IntervalSet::Add(uint64_t begin, uint64_t end) {
   if (begin >= end) return;
   auto it = spans_.upper_bound(begin);

@@ -112,24 +112,24 @@ class IntervalSet {
 
 // The bytes of one virtual file served so far, by any of its handles: the
 // kernel keeps them in the file's page cache, so a plan started later
-// leaves them out. A request for bytes served before says the kernel has
-// dropped pages (memory pressure, drop_caches before a cold pass): the
-// record is cleared then, and plans cover the file again. Thread-safe.
+// leaves them out. Requests for kClearAfter bytes served before say the
+// kernel has dropped the file's pages (memory pressure, drop_caches before
+// a cold pass): the record is cleared then, and plans cover the file again.
+// A page or two asked again (the kernel rereads a page now and then) do
+// not. Thread-safe.
 class ServedRecord {
  public:
-  void Add(uint64_t offset, uint64_t length) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (spans_.Bytes(offset, offset + length) > 0) spans_ = IntervalSet();
-    spans_.Add(offset, offset + length);
-  }
+  static constexpr uint64_t kClearAfter = 4 << 20;
+  void Add(uint64_t offset, uint64_t length);
   IntervalSet Get() const {
     std::lock_guard<std::mutex> lock(mu_);
     return spans_;
   }
 
  private:
-  mutable std::mutex mu_;
+  mutable std::mutex mu_;  // guards the fields below
   IntervalSet spans_;
+  uint64_t again_ = 0;  // bytes asked again since the last clear
 };
 
 class OrderedFetch {

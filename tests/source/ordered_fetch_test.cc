@@ -103,6 +103,16 @@ Status ReadVia(SourceReader& r, OrderedFetch& f, const Layout& layout, uint64_t 
   return started ? f.Serve(*plan, dst) : r.Execute(*plan, dst);
 }
 
+TEST(ServedRecord, ClearedOnlyOnceMuchWasAskedAgain) {
+  ServedRecord r;
+  r.Add(0, 8 << 20);
+  r.Add(4096, 8192);  // a page or two asked again: kept
+  EXPECT_EQ(r.Get().Bytes(0, 8 << 20), uint64_t(8 << 20));
+  for (uint64_t at = 0; at < ServedRecord::kClearAfter; at += 1 << 20) r.Add(at, 1 << 20);
+  // The kernel dropped the pages: only what was asked since the clear is left.
+  EXPECT_LT(r.Get().Bytes(0, 8 << 20), uint64_t(8 << 20));
+}
+
 TEST(OrderedFetch, EachSourceByteOnceInAnyOrder) {
   for (const char* order : {"forward", "reverse", "random"}) {
     SCOPED_TRACE(order);
