@@ -120,6 +120,7 @@ Status CheckpointSet::LoadLocked(int i, Served* s) {
   }
   s->ckpt = std::move(*ckpt);
   s->reader = std::make_unique<SourceReader>(tree_.source(), &s->ckpt.files, GroupPolicy{}, 1ull << 30, options_.read);
+  s->reader->ShareCounters(s->counters);
   if (options_.verify_checksums) UseChecksums(*s);
   if (!s->has_access) s->access = AccessOf(tree_, s->ckpt);
   s->has_access = true;

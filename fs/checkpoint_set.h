@@ -60,6 +60,8 @@ struct Served {
   std::atomic<int> handles{0};       // open virtual files and pins; raised under the table's lock (shared)
   std::atomic<uint64_t> last_used{0};
   std::vector<std::shared_ptr<MergedSources>> merged;  // its merged/ views' sources; guarded by load_mu
+  // What its readers fetched and served, kept across unloads (the mount's log).
+  std::shared_ptr<FetchCounters> counters = std::make_shared<FetchCounters>();
 };
 
 class CheckpointSet {

@@ -10,6 +10,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <csignal>
 #include <deque>
@@ -497,6 +499,59 @@ void StartWatcher(VirtualFs* fs, const MountOptions& options, Watching* watching
   for (const std::string& dir : fs->SourceDirs()) log(watching->watcher->Watch(dir));
 }
 
+// SIGUSR1 asks for VirtualFs::FetchReport. The handler only sets a flag
+// (async-signal-safe, whichever thread takes it); a thread of its own
+// polls the flag and writes the report.
+std::atomic<bool> g_report_asked{false};
+void AskReport(int) { g_report_asked.store(true); }
+
+class FetchReporter {
+ public:
+  FetchReporter(const VirtualFs* fs, std::function<void(const std::string&)> report)
+      : fs_(fs), report_(std::move(report)) {
+    if (!report_) return;
+    struct sigaction sa {};
+    sa.sa_handler = AskReport;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = SA_RESTART;
+    installed_ = ::sigaction(SIGUSR1, &sa, &old_) == 0;
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~FetchReporter() {
+    if (!report_) return;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+    if (installed_) ::sigaction(SIGUSR1, &old_, nullptr);
+  }
+  void Report() const {
+    if (report_)
+      for (const std::string& line : fs_->FetchReport()) report_(line);
+  }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      // 200 ms: the report comes that soon after the signal.
+      cv_.wait_for(lock, std::chrono::milliseconds(200));
+      if (g_report_asked.exchange(false)) Report();
+    }
+  }
+
+  const VirtualFs* fs_;
+  std::function<void(const std::string&)> report_;
+  struct sigaction old_ {};
+  bool installed_ = false;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;  // guarded by mu_
+  std::thread thread_;
+};
+
 }  // namespace
 
 Result<std::string> CheckMountpoint(const std::string& mountpoint, bool allow_non_empty) {
@@ -560,11 +615,13 @@ Status MountAndServe(std::unique_ptr<VirtualFs> fs, const std::string& mountpoin
         [&invalidator](uint64_t parent, const std::string& name) { invalidator.PushEntry(parent, name); });
     Watching watching;
     if (options.watch) StartWatcher(fs.get(), options, &watching);
+    FetchReporter reporter(fs.get(), options.report);
     struct fuse_loop_config* cfg = fuse_loop_cfg_create();
     fuse_loop_cfg_set_max_threads(cfg, options.max_threads);
     fuse_loop_cfg_set_clone_fd(cfg, 0);
     rc = fuse_session_loop_mt(se, cfg);
     fuse_loop_cfg_destroy(cfg);
+    reporter.Report();
     watching.watcher.reset();
     fs->set_invalidate({});
     fs->set_invalidate_entry({});

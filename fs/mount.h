@@ -27,6 +27,9 @@ struct MountOptions {
   // With live.scan set (and watch on), checkpoints that appear under the
   // root are indexed and served, and deleted ones disappear (fs/live_root.h).
   LiveRoot::Hooks live;
+  // Receives VirtualFs::FetchReport() (what each checkpoint fetched and
+  // served) on every SIGUSR1 and once at unmount. May be empty.
+  std::function<void(const std::string&)> report;
 };
 
 // Checks a mountpoint the way mount-s3 does, before anything is indexed or

@@ -14,6 +14,9 @@ struct OpenFiles::Handle {
   Served* served = nullptr;  // virtual files: holds it loaded (Served::handles)
   mutable ReadStream stream;  // virtual files: follows the reader for read-ahead
   PageSink push;  // virtual files of a checkpoint: where pushed pages go (FsOptions::store)
+  // Virtual files worth it: the whole file fetched in source order once its
+  // reader reads it as a whole (source/ordered_fetch.h); null otherwise.
+  std::unique_ptr<OrderedFetch> order;
 };
 
 OpenFiles::OpenFiles(const FsOptions& options, const SourceTree& tree, NodeTable& nodes, CheckpointSet& ckpts,
@@ -73,6 +76,14 @@ FsResult<uint64_t> OpenFiles::Open(uint64_t ino, int flags) {
       return e;
     }
     h->push = PushSink(*n, *s);
+    std::shared_ptr<ServedRecord> record;
+    if (OrderedFetch::Worth(*n->layout)) {
+      std::lock_guard<std::mutex> lock(records_mu_);
+      auto& r = records_[n->ino];
+      if (!r) r = std::make_shared<ServedRecord>();
+      record = r;
+    }
+    h->order = ReaderOf(*h)->MakeOrderedFetch(n->layout, std::move(record));
   }
   ckpts_.Touch(n->ckpt);
   return reinterpret_cast<uint64_t>(h.release());
@@ -91,10 +102,17 @@ FsResult<size_t> OpenFiles::Read(uint64_t handle, char* buf, size_t size, uint64
   }
   ASSIGN_OR_RETURN(ReadPlan plan, PlanRead(*h, size, offset));
   SourceReader* reader = ReaderOf(*h);
-  Status st = reader->Execute(plan, buf);
+  const bool ordered = h->order && h->order->started();
+  // Noted before the bytes are read: a plan that starts meanwhile (on
+  // another request) leaves them out, rather than fetch them again.
+  if (h->order) h->order->Noted(offset, plan.length);
+  Status st = ordered ? h->order->Serve(plan, buf) : reader->Execute(plan, buf);
   if (st.ok() && !plan.computes.empty()) st = compute_.Fill(plan.computes, buf, *reader, n.ckpt);
   if (!st.ok()) return ReadFailed(n, size, offset, st);
-  reader->ReadAhead(h->stream, n.layout, offset, plan.length, h->push);
+  reader->counters().served.fetch_add(plan.length, std::memory_order_relaxed);
+  // A file planned in source order reads nothing ahead by the request
+  // stream: what the stream guessed would be fetched a second time.
+  if (!h->order) reader->ReadAhead(h->stream, n.layout, offset, plan.length, h->push);
   return plan.length;
 }
 
@@ -106,7 +124,7 @@ FsError OpenFiles::ReadFailed(const FsNode& n, size_t size, uint64_t offset, con
 
 FsError OpenFiles::ReadFailed(const FsNode& n, size_t size, uint64_t offset, const Status& st) {
   if (st.code() == Status::Code::kStale && n.sources) MarkMergedStale(n.sources, n.ckpt, st.message());
-  else if (st.code() == Status::Code::kStale) InvalidateCheckpoint(n.ckpt);
+  else if (st.code() == Status::Code::kStale) InvalidateCheckpoint(n.ckpt, st.message());
   return ReadFailed(n, size, offset, FsError::From(st));
 }
 
@@ -146,7 +164,8 @@ FsResult<ScatterReply> OpenFiles::ReadScatter(uint64_t handle, size_t size, uint
   const Handle* h = reinterpret_cast<const Handle*>(handle);
   const FsNode& n = *h->node;
   ScatterReply reply;
-  if (n.kind != NodeKind::kVirtualFile) {
+  // A file planned in source order is served from held ranges, gathered.
+  if (n.kind != NodeKind::kVirtualFile || h->order) {
     // One buffer per thread, kept (see the header).
     thread_local std::vector<char> buf;
     if (buf.size() < size) buf.resize(size);
@@ -167,15 +186,17 @@ FsResult<ScatterReply> OpenFiles::ReadScatter(uint64_t handle, size_t size, uint
   }
   if (st.ok()) st = reply.Finish();
   if (!st.ok()) return ReadFailed(n, size, offset, st);
+  reader->counters().served.fetch_add(plan.length, std::memory_order_relaxed);
   reader->ReadAhead(h->stream, n.layout, offset, plan.length, h->push);
   return reply;
 }
 
-void OpenFiles::InvalidateCheckpoint(int i) {
+void OpenFiles::InvalidateCheckpoint(int i, const std::string& why) {
   Served* s = ckpts_.ServedAt(i);
   if (s->stale.exchange(true)) return;
   compute_.Drop(i);
-  options_.Log(JoinRel(s->dir, "") + ": a source changed since indexing; its views read as EIO until it is indexed again");
+  options_.Log(JoinRel(s->dir, "") + ": a source changed since indexing (" + why +
+               "); its views read as EIO until it is indexed again");
   if (!options_.invalidate) return;
   const std::vector<uint64_t> inos =
       nodes_.Select([&](const FsNode& n) { return n.kind == NodeKind::kVirtualFile && n.ckpt == i; });
@@ -188,18 +209,18 @@ size_t OpenFiles::RecheckSources() {
   for (int i : ckpts_.Live()) {
     Served* s = ckpts_.ServedAt(i);
     if (s->stale.load()) continue;
-    bool changed_now;
+    Status changed_now;
     std::vector<std::pair<std::shared_ptr<MergedSources>, Status>> merged_changed;
     {
       std::lock_guard<std::mutex> load(s->load_mu);  // the reader is not unloaded meanwhile
       // Null until loaded (nothing served, nothing cached) and once unloaded.
-      changed_now = s->reader && !s->reader->Recheck().ok();
+      if (s->reader) changed_now = s->reader->Recheck();
       for (const auto& ms : s->merged)
         if (Status st = ms->stale ? Status::OK() : ms->reader->Recheck(); !st.ok()) merged_changed.push_back({ms, st});
     }
     for (const auto& [ms, st] : merged_changed) MarkMergedStale(ms, i, st.message());
-    if (changed_now) {
-      InvalidateCheckpoint(i);
+    if (!changed_now.ok()) {
+      InvalidateCheckpoint(i, changed_now.message());
       ++changed;
     }
   }
@@ -208,6 +229,7 @@ size_t OpenFiles::RecheckSources() {
 
 void OpenFiles::Release(uint64_t handle) {
   std::unique_ptr<Handle> h(reinterpret_cast<Handle*>(handle));
+  h->order.reset();  // its threads use the reader, which the pin keeps
   if (h->served) ckpts_.Unpin(h->served);
 }
 

@@ -18,7 +18,9 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 
 #include "core/planner.h"
 #include "fs/checkpoint_set.h"
@@ -60,8 +62,9 @@ class OpenFiles {
   // The reader of an open virtual file: its checkpoint's, or a merged/
   // file's own (fs/merged_view.h).
   static SourceReader* ReaderOf(const Handle& h);
-  // Drops the kernel's cache of every virtual file of checkpoint `i`, once.
-  void InvalidateCheckpoint(int i);
+  // Drops the kernel's cache of every virtual file of checkpoint `i`, once,
+  // logging `why` (the change seen).
+  void InvalidateCheckpoint(int i, const std::string& why);
   // From now on merged view `ms` of checkpoint `ckpt` reads as EIO; the
   // kernel's pages of its files are dropped.
   void MarkMergedStale(const std::shared_ptr<MergedSources>& ms, int ckpt, const std::string& why);
@@ -75,6 +78,11 @@ class OpenFiles {
   ViewBuilder& views_;
   ComputeCache& compute_;
   LogLimiter limiter_;
+  // The bytes served of each virtual file opened for a source-order fetch,
+  // by inode (source/ordered_fetch.h, ServedRecord); kept while mounted, as
+  // the kernel keeps the pages.
+  std::mutex records_mu_;
+  std::unordered_map<uint64_t, std::shared_ptr<ServedRecord>> records_;  // guarded by records_mu_
 };
 
 }  // namespace ckptfs

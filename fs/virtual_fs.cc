@@ -119,6 +119,18 @@ void VirtualFs::Release(uint64_t handle) { files_.Release(handle); }
 
 size_t VirtualFs::RecheckSources() { return files_.RecheckSources(); }
 
+std::vector<std::string> VirtualFs::FetchReport() const {
+  std::vector<std::string> lines;
+  for (int i : ckpts_.Live()) {
+    const Served* s = ckpts_.ServedAt(i);
+    if (s->counters->fetched.load() == 0 && s->counters->served.load() == 0) continue;
+    lines.push_back((s->dir.empty() ? std::string(".") : s->dir) + ": " + s->counters->Describe());
+  }
+  std::sort(lines.begin(), lines.end());
+  if (options_.read.hold) lines.push_back(options_.read.hold->Describe());
+  return lines;
+}
+
 std::vector<std::string> VirtualFs::CheckpointDirs(bool stale_only) const { return ckpts_.Dirs(stale_only); }
 
 size_t VirtualFs::ServedCount() const { return ckpts_.size(); }

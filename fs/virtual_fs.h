@@ -115,6 +115,12 @@ class VirtualFs {
   // are invalidated in the kernel's cache. Returns how many were found
   // changed by this call. Called by the source watcher.
   size_t RecheckSources();
+
+  // One line per checkpoint that fetched or served bytes (source bytes
+  // fetched, of them in source order and refetched, bytes served), then the
+  // source-order hold's peak against its bound: what the mount logs at
+  // unmount and on SIGUSR1.
+  std::vector<std::string> FetchReport() const;
   // Absolute paths of the directories holding sources (for the watcher).
   std::vector<std::string> SourceDirs() const;
   // Replace FsOptions' fields (invalidate_entry: see there); call only while

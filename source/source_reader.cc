@@ -28,7 +28,7 @@ SourceReader::SourceReader(std::shared_ptr<const Source> source, const std::vect
       policy_(policy),
       objects_(files->size()),
       stale_(files->size()),
-      bytes_read_(std::make_unique<std::atomic<uint64_t>>(0)),
+      counters_(std::make_shared<FetchCounters>()),
       any_stale_(std::make_unique<std::atomic<bool>>(false)),
       decoded_(decoded_cache_bytes),
       read_(read),
@@ -49,7 +49,7 @@ Result<std::shared_ptr<const std::string>> SourceReader::Decoded(FileId id) {
   if (bytes.size() != f.size)
     return Status::Stale(f.path + ": decodes to " + std::to_string(bytes.size()) + " bytes, indexed as " +
                          std::to_string(f.size) + "; run `ckptfs index` again");
-  bytes_read_->fetch_add(f.base_length, std::memory_order_relaxed);
+  counters_->fetched.fetch_add(f.base_length, std::memory_order_relaxed);
   auto value = std::make_shared<const std::string>(std::move(bytes));
   decoded_.Add(id, value);
   return value;
@@ -60,7 +60,33 @@ SourceReader::~SourceReader() {
   prefetch_.Stop();
 }
 
-uint64_t SourceReader::bytes_read() const { return bytes_read_->load(); }
+uint64_t SourceReader::bytes_read() const { return counters_->fetched.load(); }
+
+std::unique_ptr<OrderedFetch> SourceReader::MakeOrderedFetch(std::shared_ptr<const Layout> layout,
+                                                             std::shared_ptr<ServedRecord> served) {
+  // With --verify-checksums every chunk passes its gate on the ordinary path.
+  if (!read_.hold || gate_ || !layout || !OrderedFetch::Worth(*layout)) return nullptr;
+  OrderedFetch::Options o;
+  o.range_bytes = read_.hold_range_bytes;
+  o.threads = read_.hold_threads;
+  o.budget = read_.hold.get();
+  o.counters = counters_.get();
+  o.planned.resize(files_->size());
+  for (FileId id = 0; id < files_->size(); ++id) o.planned[id] = !(*files_)[id].derived();
+  // Whole ranges, read and then checked as every read is (the header's
+  // guarantee); counted as fetched.
+  auto fetch = [this](FileId id, uint64_t offset, uint64_t len, char* dst) -> Status {
+    ASSIGN_OR_RETURN(const SourceObject* obj, Object(id));
+    RETURN_IF_ERROR(obj->ReadAt(offset, len, dst));
+    RETURN_IF_ERROR(CheckUnchanged(id, *obj));
+    counters_->fetched.fetch_add(len, std::memory_order_relaxed);
+    return Status::OK();
+  };
+  return std::make_unique<OrderedFetch>(
+      std::move(layout), std::move(served), std::move(o), std::move(fetch),
+      [this](const ReadPlan& plan, char* dst) { return Execute(plan, dst); },
+      [this](const std::vector<FileId>& ids) { return CheckSources(ids); });
+}
 
 Result<const SourceObject*> SourceReader::Object(FileId id) {
   if (id >= objects_.size()) return Status::Corruption("read plan names unknown file " + std::to_string(id));
@@ -134,7 +160,7 @@ Status SourceReader::ReadOne(const SourceRead& r, char* dst, char* converted, st
     for (const auto& g : r.gathers)
       std::memcpy((g.to_scratch ? converted : dst) + g.dst_offset, scratch.data() + g.read_offset, g.length);
   }
-  bytes_read_->fetch_add(r.length, std::memory_order_relaxed);
+  counters_->fetched.fetch_add(r.length, std::memory_order_relaxed);
   return Status::OK();
 }
 
@@ -263,7 +289,7 @@ Result<FilledRange> SourceReader::ReadFilled(const SourceRead& r) {
   }
   ASSIGN_OR_RETURN(const SourceObject* obj, Object(r.file));
   ASSIGN_OR_RETURN(FilledRange f, obj->ReadFilled(r.offset, r.length, read_.direct.get()));
-  bytes_read_->fetch_add(r.length, std::memory_order_relaxed);
+  counters_->fetched.fetch_add(r.length, std::memory_order_relaxed);
   return f;
 }
 

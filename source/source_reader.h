@@ -35,6 +35,7 @@
 #include "core/planner.h"
 #include "core/status.h"
 #include "source/direct_io.h"
+#include "source/ordered_fetch.h"
 #include "source/readahead.h"
 #include "source/scatter_reply.h"
 #include "source/source.h"
@@ -63,6 +64,15 @@ struct ReadOptions {
   // one mount. Null: every read goes through the page cache, one after the
   // other (the CLI's one-shot commands).
   std::shared_ptr<DirectIo> direct;
+  // Source-order fetch of whole virtual files (source/ordered_fetch.h):
+  // the memory bound its held ranges share (`ckptfs mount
+  // --fetch-hold-mib`), shared by the readers of one mount. Null: off (the
+  // CLI's one-shot commands, `--fetch-hold-mib 0`).
+  std::shared_ptr<FetchBudget> hold;
+  // Its largest fetch and how many are in flight per open file (S3:
+  // --part-size and --max-threads, sized for the server).
+  uint64_t hold_range_bytes = 8ull << 20;
+  unsigned hold_threads = 4;
 };
 
 class ChecksumGate;
@@ -115,6 +125,19 @@ class SourceReader {
   // Bytes read from source files so far (for benchmarks).
   uint64_t bytes_read() const;
 
+  // What this reader fetched and served, counted into `counters` from now
+  // on (a checkpoint's, kept across unloads). Call before the reader is
+  // shared between threads.
+  void ShareCounters(std::shared_ptr<FetchCounters> counters) { counters_ = std::move(counters); }
+  FetchCounters& counters() { return *counters_; }
+
+  // A source-order fetch of the virtual file laid out by `layout`, for one
+  // open handle (source/ordered_fetch.h), or null when it is off or the
+  // file is not worth one.
+  // `served`: the file's record, shared by its handles.
+  std::unique_ptr<OrderedFetch> MakeOrderedFetch(std::shared_ptr<const Layout> layout,
+                                                 std::shared_ptr<ServedRecord> served);
+
   // True once any source was seen changed (reads of it fail from then on).
   bool any_stale() const { return any_stale_->load(); }
 
@@ -158,7 +181,7 @@ class SourceReader {
   std::mutex mu_;  // guards objects_ and stale_; never held during I/O
   std::vector<std::unique_ptr<SourceObject>> objects_;  // null until opened, then never replaced
   std::vector<std::string> stale_;  // non-empty: why file i may no longer be read
-  std::unique_ptr<std::atomic<uint64_t>> bytes_read_;
+  std::shared_ptr<FetchCounters> counters_;  // never null
   std::unique_ptr<std::atomic<bool>> any_stale_;
 
   DecodedCache decoded_;

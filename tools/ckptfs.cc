@@ -98,6 +98,9 @@ struct Flags {
   unsigned threads = 16;
   unsigned readahead_mib = 32;
   unsigned direct_pool_mib = 0;  // off: slower than the page cache where measured (BENCHMARKS)
+  // 1 GiB: a ~0.5B-parameter bf16 model whole, or the ranges a loader has
+  // not reached yet of a larger one; 4 % of a 24 GiB machine.
+  unsigned fetch_hold_mib = 1024;
   unsigned rescan_ms = 2000;
   size_t max_loaded = 32;  // mount only: the one-shot commands load what they need
   std::string mountpoint, vpath, dest, log_file, log_level = "info";
@@ -145,6 +148,14 @@ void AddIndexAndMount(CLI::App& app, Flags& f, Commands& cmd) {
                 "full, reads go through the page cache. 0 = no direct reads (default 0: on the disks measured so far direct "
                 "reads were slower than the page cache; try 64 on fast local NVMe and compare)")
       ->check(CLI::Range(0u, 65536u));
+  m->add_option("--fetch-hold-mib", f.fetch_hold_mib,
+                "MiB of source ranges held in memory for the loaders of whole files (default 1024; 0 = off). Once a "
+                "reader of a file with several tensors has begun reading in two of them (transformers, safetensors, "
+                "torch.load, cp), every source range the file needs is fetched once, in the sources' own order, and "
+                "held until each of its bytes was served; ranges beyond this bound wait for earlier ones to be "
+                "served, and bytes needed again later are fetched again (the log's \"refetched\"). Readers of one "
+                "tensor (tensors/*.npy) are not affected. The log says what was fetched at unmount and on SIGUSR1")
+      ->check(CLI::Range(0u, 1u << 20));
   m->add_flag("--verify-checksums", f.verify_checksums,
               "Check each chunk's recorded CRC32C (checkpoints saved by ckptfs's writer) on its first read: a chunk "
               "that differs answers EIO, the rest keep serving. The first read of a chunk reads all of it");
@@ -243,6 +254,18 @@ int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::f
   read.readahead_bytes = uint64_t(f.readahead_mib) << 20;
   if (f.direct_pool_mib > 0) read.direct = std::make_shared<DirectIo>(uint64_t(f.direct_pool_mib) << 20);
   if (!fs->tree().source()->CachesReads()) read.push_tensor_bytes = kPushTensorBytes;
+  if (f.fetch_hold_mib > 0) {
+    read.hold = std::make_shared<FetchBudget>(uint64_t(f.fetch_hold_mib) << 20);
+    // Ranges sized for the server, as many in flight as the client allows.
+    if (auto* s3 = dynamic_cast<const S3Source*>(fs->tree().source().get())) {
+      read.hold_range_bytes = s3->config().part_size;
+      read.hold_threads = s3->config().max_threads;
+    }
+    out->Write(LogLevel::kInfo, "source-order fetch of whole files: ranges up to " +
+                                    std::to_string(read.hold_range_bytes >> 10) + " KiB, " +
+                                    std::to_string(read.hold_threads) + " in flight per open file, at most " +
+                                    std::to_string(f.fetch_hold_mib) + " MiB held (--fetch-hold-mib)");
+  }
   fs->set_read_options(read);
   fs->set_verify_checksums(f.verify_checksums);
   out->Write(LogLevel::kInfo, "mounting " + AbsRoot(f.c.root) + " at " + mountpoint + " (index " + IndexPath(f.c) +
@@ -256,6 +279,7 @@ int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::f
   mo.watch = !f.no_watch;
   mo.rescan_ms = f.rescan_ms;
   mo.log = [out](const std::string& line) { out->Write(LogLevel::kWarn, line); };
+  mo.report = [out](const std::string& line) { out->Write(LogLevel::kInfo, line); };
   mo.live.log = [out](const std::string& line) { out->Write(LogLevel::kInfo, line); };
   std::shared_ptr<const Source> source = fs->tree().source();
   mo.live.scan = [source, out](const std::string& rel) {
@@ -276,6 +300,8 @@ int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::f
   if (read.direct) out->Write(LogLevel::kInfo, read.direct->stats().Describe());
   if (auto* s3 = dynamic_cast<const S3Source*>(source.get())) {
     out->Write(LogLevel::kInfo, s3->fetched().Describe());
+    // Exact, for comparing with the per-checkpoint counts above it.
+    out->Write(LogLevel::kInfo, "s3: " + std::to_string(s3->fetched().bytes) + " bytes received");
     if (s3->disk_cache()) out->Write(LogLevel::kInfo, s3->disk_cache()->stats().Describe());
   }
   out->Write(LogLevel::kInfo, "unmounted " + mountpoint);

@@ -334,7 +334,9 @@ def test_a_touched_tensor_is_pushed_whole_into_the_page_cache(s3_server, s3_env,
     # only when the model first runs. Over s3:// the first touch of a
     # tensor has the rest of it stored in the kernel's page cache; a
     # tensor nobody touched stays out of it. Residency is read with
-    # mincore, the bytes with numpy.
+    # mincore, the bytes with numpy. With the source-order fetch of whole
+    # files on (the default; test_read_order.py), a reader of several
+    # tensors is served by it instead: off here, as `--fetch-hold-mib 0`.
     from safetensors.numpy import save_file
 
     rng = np.random.default_rng(7)
@@ -344,7 +346,7 @@ def test_a_touched_tensor_is_pushed_whole_into_the_page_cache(s3_server, s3_env,
     folder.mkdir()
     save_file(tensors, str(folder / "model.safetensors"))
     upload_tree(s3_server["client"], str(folder), "push/m/")
-    with mount_factory(f"s3://{BUCKET}/push") as m:
+    with mount_factory(f"s3://{BUCKET}/push", "--fetch-hold-mib", "0") as m:
         path = m.p("m", "consolidated", "model.safetensors")
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")

@@ -1,0 +1,380 @@
+#include "source/ordered_fetch.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <new>
+#include <system_error>
+
+namespace ckptfs {
+namespace {
+
+// Neighbouring source intervals are fetched as one range while the bytes
+// between them are at most this many: the index and pickle bytes between a
+// DCP file's items are a few KiB, and one GET more costs more than that.
+constexpr uint64_t kMaxGap = 64 << 10;
+// The whole file is planned this much of it at a time, so that a file of
+// column-split tensors (a copy per row piece) never has all its copies in
+// memory at once.
+constexpr uint64_t kPlanSlice = 64 << 20;
+
+std::string Gb(uint64_t n) { return std::to_string(n) + " bytes"; }
+
+}  // namespace
+
+std::string FetchCounters::Describe() const {
+  return "fetched " + Gb(fetched.load()) + " from its sources (" + Gb(ordered.load()) + " in source order, " +
+         Gb(refetched.load()) + " refetched), served " + Gb(served.load());
+}
+
+bool FetchBudget::Acquire(uint64_t n, const std::function<bool()>& stop) {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (held_ + n > capacity_) {
+    if (stop()) return false;
+    room_.wait_for(lock, std::chrono::milliseconds(20));  // stop() is polled: it has no condition of ours
+  }
+  held_ += n;
+  peak_ = std::max(peak_, held_);
+  return true;
+}
+
+bool FetchBudget::TryAcquire(uint64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (held_ + n > capacity_) return false;
+  held_ += n;
+  peak_ = std::max(peak_, held_);
+  return true;
+}
+
+void FetchBudget::Release(uint64_t n) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    held_ -= std::min(n, held_);
+  }
+  room_.notify_all();
+}
+
+uint64_t FetchBudget::held() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return held_;
+}
+
+uint64_t FetchBudget::peak() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return peak_;
+}
+
+std::string FetchBudget::Describe() const {
+  return "source-order hold: peak " + Gb(peak()) + " of the " + Gb(capacity_) + " bound";
+}
+
+void ServedRecord::Add(uint64_t offset, uint64_t length) {
+  std::lock_guard<std::mutex> lock(mu_);
+  again_ += spans_.Bytes(offset, offset + length);
+  if (again_ >= kClearAfter) {
+    spans_ = IntervalSet();
+    again_ = 0;
+  }
+  spans_.Add(offset, offset + length);
+}
+
+void IntervalSet::Add(uint64_t begin, uint64_t end) {
+  if (begin >= end) return;
+  auto it = spans_.upper_bound(begin);
+  if (it != spans_.begin() && std::prev(it)->second >= begin) --it;
+  while (it != spans_.end() && it->first <= end) {
+    begin = std::min(begin, it->first);
+    end = std::max(end, it->second);
+    it = spans_.erase(it);
+  }
+  spans_.emplace(begin, end);
+}
+
+uint64_t IntervalSet::Remove(uint64_t begin, uint64_t end) {
+  if (begin >= end) return 0;
+  uint64_t removed = 0;
+  auto it = spans_.upper_bound(begin);
+  if (it != spans_.begin()) --it;
+  while (it != spans_.end() && it->first < end) {
+    const uint64_t b = it->first, e = it->second;
+    if (e <= begin) {
+      ++it;
+      continue;
+    }
+    removed += std::min(e, end) - std::max(b, begin);
+    it = spans_.erase(it);
+    if (b < begin) spans_.emplace(b, begin);
+    if (e > end) it = spans_.emplace(end, e).first;
+  }
+  return removed;
+}
+
+uint64_t IntervalSet::Bytes(uint64_t begin, uint64_t end) const {
+  uint64_t n = 0;
+  auto it = spans_.upper_bound(begin);
+  if (it != spans_.begin()) --it;
+  for (; it != spans_.end() && it->first < end; ++it)
+    if (it->second > begin) n += std::min(end, it->second) - std::max(begin, it->first);
+  return n;
+}
+
+OrderedFetch::OrderedFetch(std::shared_ptr<const Layout> layout, std::shared_ptr<ServedRecord> served,
+                           Options options, Fetch fetch, Execute execute, Check check)
+    : layout_(std::move(layout)),
+      served_(served ? std::move(served) : std::make_shared<ServedRecord>()),
+      options_(std::move(options)),
+      fetch_(std::move(fetch)),
+      execute_(std::move(execute)),
+      check_(std::move(check)) {
+  // A range never needs more than the whole bound.
+  options_.range_bytes = std::max<uint64_t>(4096, std::min(options_.range_bytes, options_.budget->capacity()));
+  options_.threads = std::max(1u, options_.threads);
+}
+
+OrderedFetch::~OrderedFetch() {
+  stop_ = true;
+  changed_.notify_all();
+  for (std::thread& t : threads_) t.join();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = 0; i < ranges_.size(); ++i)
+    if (ranges_[i].state == State::kHeld) Free(i);
+}
+
+bool OrderedFetch::Worth(const Layout& layout) {
+  size_t tensors = 0;
+  for (const Segment& s : layout.segments()) tensors += s.kind == Segment::Kind::kTensor;
+  return tensors >= 2;
+}
+
+size_t OrderedFetch::range_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return ranges_.size();
+}
+
+void OrderedFetch::Noted(uint64_t offset, uint64_t length) {
+  if (length == 0) return;
+  served_->Add(offset, length);
+  if (started_.load()) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (started_.load()) return;
+  const size_t unit = layout_->SegmentAt(offset);
+  if (unit < layout_->segments().size() && layout_->segments()[unit].kind == Segment::Kind::kTensor)
+    tensors_begun_.insert(unit);
+  if (tensors_begun_.size() < 2) return;
+  Build();
+  started_ = true;
+  for (unsigned t = 0; t < options_.threads; ++t) {
+    try {
+      threads_.emplace_back([this] { Work(); });
+    } catch (const std::system_error&) {
+      break;  // fewer in flight; readers fetch what no thread takes
+    }
+  }
+}
+
+void OrderedFetch::Build() {
+  std::map<FileId, IntervalSet> needed;
+  std::map<FileId, IntervalSet> left_out;  // source bytes of what was served already
+  const IntervalSet served = served_->Get();
+  for (uint64_t at = 0; at < layout_->size(); at += kPlanSlice) {
+    auto plan = Plan(*layout_, at, std::min(kPlanSlice, layout_->size() - at));
+    if (!plan.ok()) continue;  // the read of those bytes will say why
+    for (const CopyOp& c : plan->copies) {
+      if (c.to_scratch || c.file >= options_.planned.size() || !options_.planned[c.file]) continue;
+      // The copy's virtual bytes less those served already, as source bytes.
+      const uint64_t v = at + c.dst_offset;
+      uint64_t pos = v;
+      auto add = [&](uint64_t b, uint64_t e) {
+        if (b < e) needed[c.file].Add(c.src_offset + (b - v), c.src_offset + (e - v));
+      };
+      auto skip = [&](uint64_t b, uint64_t e) {
+        if (b < e) left_out[c.file].Add(c.src_offset + (b - v), c.src_offset + (e - v));
+      };
+      auto it = served.spans().upper_bound(v);
+      if (it != served.spans().begin()) --it;
+      for (; it != served.spans().end() && it->first < v + c.length; ++it) {
+        const auto [b, e] = *it;
+        if (e <= pos) continue;
+        add(pos, std::max(pos, b));
+        skip(std::max(pos, b), std::min(e, v + c.length));
+        pos = std::max(pos, e);
+      }
+      add(pos, v + c.length);
+    }
+  }
+  for (auto& [file, set] : needed) {
+    for (const auto& [b, e] : set.spans()) {
+      for (uint64_t pos = b; pos < e;) {
+        Range* r = ranges_.empty() ? nullptr : &ranges_.back();
+        // Across a small gap, unless it holds bytes served already: those
+        // would be fetched a second time.
+        const bool joins = r && r->file == file && pos - (r->offset + r->length) <= kMaxGap &&
+                           pos < r->offset + options_.range_bytes &&
+                           left_out[file].Bytes(r->offset + r->length, pos) == 0;
+        if (!joins) {
+          ranges_.push_back({});
+          r = &ranges_.back();
+          r->file = file;
+          r->offset = pos;
+        }
+        const uint64_t take = std::min(e, r->offset + options_.range_bytes);
+        r->needed.Add(pos, take);
+        r->length = take - r->offset;
+        pos = take;
+      }
+    }
+  }
+}
+
+void OrderedFetch::Split(const CopyOp& c, std::vector<Piece>* out) const {
+  const uint64_t end = c.src_offset + c.length;
+  // The first range that may hold the copy's first byte.
+  auto it = std::upper_bound(ranges_.begin(), ranges_.end(), std::make_pair(c.file, c.src_offset),
+                             [](const std::pair<FileId, uint64_t>& k, const Range& r) {
+                               return k < std::make_pair(r.file, r.offset);
+                             });
+  if (it != ranges_.begin()) --it;
+  uint64_t pos = c.src_offset;
+  auto piece = [&](size_t range, uint64_t b, uint64_t e) {
+    if (b < e) out->push_back({range, b, c.dst_offset + (b - c.src_offset), e - b, c.file});
+  };
+  for (; it != ranges_.end() && pos < end; ++it) {
+    if (it->file != c.file) {
+      if (it->file > c.file) break;
+      continue;
+    }
+    const uint64_t rb = it->offset, re = it->offset + it->length;
+    if (re <= pos) continue;
+    if (rb >= end) break;
+    piece(npos, pos, std::max(pos, rb));  // between ranges: not planned
+    const uint64_t e = std::min(end, re);
+    piece(size_t(it - ranges_.begin()), std::max(pos, rb), e);
+    pos = e;
+  }
+  piece(npos, pos, end);
+}
+
+void OrderedFetch::Work() {
+  auto stop = [this] { return stop_.load(); };
+  while (!stop()) {
+    // Room first, then the next range: a range is never claimed while its
+    // fetch waits for memory (its readers would wait on it).
+    if (!options_.budget->Acquire(options_.range_bytes, stop)) return;
+    size_t i;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      while (next_ < ranges_.size() && ranges_[next_].state != State::kQueued) ++next_;
+      if (next_ == ranges_.size()) {
+        options_.budget->Release(options_.range_bytes);
+        return;
+      }
+      i = next_++;
+      ranges_[i].state = State::kFetching;
+    }
+    options_.budget->Release(options_.range_bytes - ranges_[i].length);
+    FetchRange(i);
+  }
+}
+
+void OrderedFetch::FetchRange(size_t i) {
+  Range& r = ranges_[i];  // offset, length and file never change once built
+  std::shared_ptr<char[]> bytes;
+  Status st;
+  try {
+    bytes.reset(new char[r.length]);  // written whole by fetch_ before it is read
+    st = fetch_(r.file, r.offset, r.length, bytes.get());
+  } catch (const std::bad_alloc&) {
+    st = Status::IOError("out of memory for a source range");  // its readers read it the ordinary way
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (st.ok()) {
+      r.fetched = true;
+      options_.counters->ordered.fetch_add(r.length, std::memory_order_relaxed);
+      r.bytes = std::move(bytes);
+      r.state = State::kHeld;
+      if (r.needed.empty() || stop_.load()) Free(i);
+    } else {
+      // Its readers read through the ordinary path, which reports the cause.
+      r.state = State::kFailed;
+      options_.budget->Release(r.length);
+    }
+  }
+  changed_.notify_all();
+}
+
+void OrderedFetch::Free(size_t i) {
+  Range& r = ranges_[i];
+  if (r.state == State::kHeld) options_.budget->Release(r.length);
+  r.bytes.reset();
+  r.state = State::kDone;
+}
+
+void OrderedFetch::Delivered(size_t i, uint64_t src, uint64_t len) {
+  Range& r = ranges_[i];
+  r.needed.Remove(src, src + len);
+  if (!r.needed.empty()) return;
+  if (r.state == State::kHeld) Free(i);
+  else if (r.state == State::kQueued) r.state = State::kDone;
+  // kFetching: FetchRange frees it when it lands.
+}
+
+Status OrderedFetch::Serve(const ReadPlan& plan, char* dst) {
+  for (const LiteralOp& l : plan.literals) std::memcpy(dst + l.dst_offset, l.data, l.length);
+  std::vector<Piece> pieces;
+  std::vector<size_t> claimed;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const CopyOp& c : plan.copies)
+      if (!c.to_scratch) Split(c, &pieces);
+    // A range no fetch thread has reached is fetched now, by this reader,
+    // whole, when there is room; else only the reader's bytes are read.
+    for (const Piece& p : pieces) {
+      if (p.range == npos || ranges_[p.range].state != State::kQueued) continue;
+      if (!options_.budget->TryAcquire(ranges_[p.range].length)) continue;
+      ranges_[p.range].state = State::kFetching;
+      claimed.push_back(p.range);
+    }
+  }
+  for (size_t i : claimed) FetchRange(i);
+  std::vector<std::pair<const Piece*, std::shared_ptr<char[]>>> held;
+  // The ordinary path's share: pieces not held, and the bytes of converted
+  // values (never planned) with their conversions.
+  ReadPlan rest;
+  rest.length = plan.length;
+  rest.converts = plan.converts;
+  rest.scratch_size = plan.scratch_size;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (const Piece& p : pieces) {
+      if (p.range != npos) {
+        changed_.wait(lock, [&] { return ranges_[p.range].state != State::kFetching; });
+        const Range& r = ranges_[p.range];
+        if (r.state == State::kHeld) {
+          held.emplace_back(&p, r.bytes);
+          continue;
+        }
+        if (r.fetched) options_.counters->refetched.fetch_add(p.length, std::memory_order_relaxed);
+      }
+      rest.copies.push_back({p.file, p.src, p.dst, p.length});
+    }
+  }
+  for (const CopyOp& c : plan.copies)
+    if (c.to_scratch) rest.copies.push_back(c);
+  for (const auto& [p, bytes] : held)
+    std::memcpy(dst + p->dst, bytes.get() + (p->src - ranges_[p->range].offset), p->length);
+  if (!rest.copies.empty() || !rest.converts.empty()) RETURN_IF_ERROR(execute_(rest, dst));
+  std::vector<FileId> files;
+  for (const auto& [p, bytes] : held) files.push_back(p->file);
+  std::sort(files.begin(), files.end());
+  files.erase(std::unique(files.begin(), files.end()), files.end());
+  // Held bytes were the indexed ones when fetched; the sources must still
+  // be those now, as for every read (see the header).
+  RETURN_IF_ERROR(check_(files));
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const Piece& p : pieces)
+    if (p.range != npos) Delivered(p.range, p.src, p.length);
+  return Status::OK();
+}
+
+}  // namespace ckptfs

@@ -1,0 +1,229 @@
+// Source-order fetch of a whole virtual file: each source byte fetched once.
+//
+// Why. The consumers of a virtual file read it in their own order
+// (safetensors' header order, transformers' model order, page faults with
+// the kernel's read-around), which is not the order of its sources. A read
+// path that guesses streams from requests (source/readahead.h) fetches
+// neighbours twice and lets parts go before every byte in them was served
+// (docs/BENCHMARKS.md, "A checkpoint in object storage"). The layout knows
+// better: for every byte of the file it says which source range holds it.
+// So once a consumer is seen reading the file as a whole, every source range
+// the file needs is fetched in the sources' own order (file, offset), in
+// large ranges, several in flight, and each fetched range is held in memory
+// until every source byte in it that the file needs has been served.
+//
+// When (OrderedFetch::Noted). A file with at least two tensor segments, once
+// requests of one open handle have begun inside two different tensors: a
+// loader past the header (safetensors' load_file, transformers, safe_open in
+// any order, torch.load of a .bin view, a sequential read()). A reader that
+// only reads the header (requests at offset 0, whatever the kernel's
+// read-around brings in) or one tensor, and every reader of a one-tensor
+// file (tensors/*.npy, a bytes/*.pt), never starts it and reads as before.
+// What was served before the start, through this handle or another of the
+// same file (ServedRecord: the kernel keeps those pages), is left out of
+// the plan.
+//
+// Memory. Held ranges of all open files of a mount share one FetchBudget
+// (`ckptfs mount --fetch-hold-mib`). A fetch thread waits for room before it
+// takes its next range; a reader that needs a range not fetched yet fetches
+// it itself when there is room, and otherwise reads just its own bytes
+// through the ordinary path. A range is freed once all the bytes it serves
+// were served, or when its file is closed. A range needed again after it was
+// freed (the kernel dropped a served page, a second pass) is read through
+// the ordinary path and counted as refetched (FetchCounters).
+//
+// Exactness. Bytes are fetched through the reader's checked read (the
+// source's identity checked after the read, If-Match on S3), and a request
+// served from held bytes checks the identity of its sources again before it
+// returns, as every other read does: a source changed since indexing reads
+// as EIO, never as held bytes. Derived sources (zstd items), converted and
+// computed bytes are never planned here: they go through the ordinary path
+// (computed views read their inputs through the compute cache).
+//
+// Lock order: OrderedFetch::mu_, then FetchBudget::mu_. No lock is held
+// during I/O.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/layout.h"
+#include "core/planner.h"
+#include "core/status.h"
+
+namespace ckptfs {
+
+// What one checkpoint's reads fetched and served, for the mount's log.
+struct FetchCounters {
+  std::atomic<uint64_t> fetched{0};    // source bytes read (every path)
+  std::atomic<uint64_t> ordered{0};    // of those, by source-order plans
+  std::atomic<uint64_t> refetched{0};  // bytes of planned ranges read again after being freed
+  std::atomic<uint64_t> served{0};     // bytes of virtual files replied to readers
+  // "fetched N bytes from its sources (...), served M bytes"
+  std::string Describe() const;
+};
+
+// The memory bound shared by the held ranges of a mount. Thread-safe.
+class FetchBudget {
+ public:
+  explicit FetchBudget(uint64_t capacity) : capacity_(capacity) {}
+  // Takes `n` bytes, waiting while they do not fit; false once `stop()`
+  // holds (checked every few ms).
+  bool Acquire(uint64_t n, const std::function<bool()>& stop);
+  // Takes `n` bytes when they fit now.
+  bool TryAcquire(uint64_t n);
+  void Release(uint64_t n);
+  uint64_t capacity() const { return capacity_; }
+  uint64_t held() const;
+  uint64_t peak() const;
+  // "source-order hold: peak N bytes of the M-byte bound"
+  std::string Describe() const;
+
+ private:
+  const uint64_t capacity_;
+  mutable std::mutex mu_;  // guards the fields below
+  std::condition_variable room_;
+  uint64_t held_ = 0;
+  uint64_t peak_ = 0;
+};
+
+// Disjoint half-open intervals of byte offsets.
+class IntervalSet {
+ public:
+  void Add(uint64_t begin, uint64_t end);
+  // Removes [begin, end); returns how many bytes were in the set.
+  uint64_t Remove(uint64_t begin, uint64_t end);
+  uint64_t Bytes(uint64_t begin, uint64_t end) const;  // in [begin, end)
+  bool empty() const { return spans_.empty(); }
+  const std::map<uint64_t, uint64_t>& spans() const { return spans_; }  // begin -> end
+
+ private:
+  std::map<uint64_t, uint64_t> spans_;
+};
+
+// The bytes of one virtual file served so far, by any of its handles: the
+// kernel keeps them in the file's page cache, so a plan started later
+// leaves them out. Requests for kClearAfter bytes served before say the
+// kernel has dropped the file's pages (memory pressure, drop_caches before
+// a cold pass): the record is cleared then, and plans cover the file again.
+// A page or two asked again (the kernel rereads a page now and then) do
+// not. Thread-safe.
+class ServedRecord {
+ public:
+  static constexpr uint64_t kClearAfter = 4 << 20;
+  void Add(uint64_t offset, uint64_t length);
+  IntervalSet Get() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return spans_;
+  }
+
+ private:
+  mutable std::mutex mu_;  // guards the fields below
+  IntervalSet spans_;
+  uint64_t again_ = 0;  // bytes asked again since the last clear
+};
+
+class OrderedFetch {
+ public:
+  // Reads [offset, offset + len) of source `file` into dst, identity-checked
+  // and counted in FetchCounters::fetched.
+  using Fetch = std::function<Status(FileId file, uint64_t offset, uint64_t len, char* dst)>;
+  // The ordinary path: fills dst as the plan says (SourceReader::Execute).
+  using Execute = std::function<Status(const ReadPlan& plan, char* dst)>;
+  // Checks sources `ids` unchanged since indexing (SourceReader::CheckSources).
+  using Check = std::function<Status(const std::vector<FileId>& ids)>;
+
+  struct Options {
+    uint64_t range_bytes = 8ull << 20;  // largest fetch (S3: --part-size)
+    unsigned threads = 4;               // fetches in flight (S3: --max-threads)
+    FetchBudget* budget = nullptr;      // not owned; outlives this
+    FetchCounters* counters = nullptr;  // not owned; outlives this
+    std::vector<bool> planned;          // by FileId: false for sources left to the ordinary path (derived)
+  };
+
+  // `served` is the file's record, shared by its handles (null: this
+  // handle's alone).
+  OrderedFetch(std::shared_ptr<const Layout> layout, std::shared_ptr<ServedRecord> served, Options options,
+               Fetch fetch, Execute execute, Check check);
+  // Stops the fetch threads (waits for the running fetches) and frees what is held.
+  ~OrderedFetch();
+  OrderedFetch(const OrderedFetch&) = delete;
+  OrderedFetch& operator=(const OrderedFetch&) = delete;
+
+  // True for layouts worth a whole-file plan: two tensor segments or more.
+  static bool Worth(const Layout& layout);
+
+  // Records that [offset, offset + length) is being served (in the file's
+  // ServedRecord; call before reading it, so that a plan started meanwhile
+  // leaves it out); before the plan started, starts it when the rule in the
+  // header says so.
+  void Noted(uint64_t offset, uint64_t length);
+  bool started() const { return started_.load(); }
+
+  // Fills dst as `plan` says (its ComputeOps are left to the caller): literals, then every copy from a held range where
+  // there is one (waiting for a range being fetched, fetching a queued one),
+  // the rest through the ordinary path; then the sources of held bytes are
+  // checked unchanged. REQUIRES: started().
+  Status Serve(const ReadPlan& plan, char* dst);
+
+  // For tests: ranges planned, and how many were fetched.
+  size_t range_count() const;
+
+ private:
+  enum class State { kQueued, kFetching, kHeld, kDone, kFailed };
+  struct Range {
+    FileId file = 0;
+    uint64_t offset = 0, length = 0;
+    IntervalSet needed;  // source bytes in it still to be served
+    State state = State::kQueued;
+    bool fetched = false;
+    std::shared_ptr<char[]> bytes;  // while kHeld
+  };
+  // A piece of a copy, inside range `range` or in none (npos).
+  struct Piece {
+    size_t range;
+    uint64_t src, dst, length;
+    FileId file;
+  };
+  static constexpr size_t npos = static_cast<size_t>(-1);
+
+  // Builds ranges_ from the whole file's plan less what was served. REQUIRES: mu_.
+  void Build();
+  // The pieces of `c`, split at range boundaries. REQUIRES: mu_.
+  void Split(const CopyOp& c, std::vector<Piece>* out) const;
+  // The fetch threads' loop: ranges in order while there are any.
+  void Work();
+  // Fetches range `i` (claimed: kFetching, its budget taken) and publishes it.
+  void FetchRange(size_t i);
+  // Marks [src, src + len) of range `i` served; frees it when nothing is left. REQUIRES: mu_.
+  void Delivered(size_t i, uint64_t src, uint64_t len);
+  // Frees range `i`'s bytes and budget. REQUIRES: mu_.
+  void Free(size_t i);
+
+  std::shared_ptr<const Layout> layout_;
+  Options options_;
+  Fetch fetch_;
+  Execute execute_;
+  Check check_;
+
+  mutable std::mutex mu_;  // guards the fields below
+  std::condition_variable changed_;  // a range left kFetching
+  std::vector<Range> ranges_;        // sorted by (file, offset)
+  size_t next_ = 0;                  // first range the fetch threads may still take
+  std::shared_ptr<ServedRecord> served_;  // never null
+  std::set<size_t> tensors_begun_;   // tensor segments a request began in
+  std::atomic<bool> started_{false};
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace ckptfs

@@ -1,0 +1,227 @@
+"""A DCP step read through consolidated/ fetches each source byte once
+(source/ordered_fetch.h): a sequential read(), safetensors' load_file,
+transformers' from_pretrained and safe_open in reverse and random order,
+on local disk and through a real S3 server (SeaweedFS, s3_server.py), each
+on a fresh mount whose own log says what it fetched. The bytes are judged
+by safetensors/transformers against the tensors the step was made from
+(order_gen.py); what was fetched against the tensors' size computed from
+those tensors, never from the mount.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import order_gen
+from s3_server import BUCKET, upload_tree
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MODES = ["read", "load_file", "from_pretrained", "safe_open_reverse", "safe_open_random"]
+COUNTERS = re.compile(r"fetched (\d+) bytes from its sources \((\d+) bytes in source order, "
+                      r"(\d+) bytes refetched\), served (\d+) bytes")
+HOLD = re.compile(r"source-order hold: peak (\d+) bytes of the (\d+) bytes? bound")
+
+
+@pytest.fixture(scope="module")
+def step(tmp_path_factory):
+    base = tmp_path_factory.mktemp("order")
+    out = base / "step-100"
+    expected = order_gen.write_step(str(out))
+    expected_path = str(base / "expected.pt")
+    torch.save(expected, expected_path)
+    tensor_bytes = sum(t.numel() * t.element_size() for t in expected.values())
+    return {"dir": str(out), "expected": expected, "expected_path": expected_path,
+            "tensor_bytes": tensor_bytes}
+
+
+def _read_with(mode: str, folder: str, expected_path: str) -> None:
+    p = subprocess.run([sys.executable, os.path.join(HERE, "order_reader.py"), mode, folder, expected_path],
+                       capture_output=True, text=True, timeout=300, cwd=HERE)
+    assert p.returncode == 0 and p.stdout.startswith("ok"), (mode, p.stdout[-2000:], p.stderr[-4000:])
+
+
+def _final_log(m) -> str:
+    deadline = time.monotonic() + 10
+    while "unmounted" not in m.log() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return m.log()
+
+
+def _counters(log: str) -> dict:
+    found = COUNTERS.findall(log)
+    assert len(found) == 1, log[-3000:]
+    fetched, ordered, refetched, served = map(int, found[0])
+    return {"fetched": fetched, "ordered": ordered, "refetched": refetched, "served": served}
+
+
+def _check_fetched(c: dict, tensor_bytes: int, what: str) -> None:
+    # Every tensor byte is read from the sources at least once; at most 5 %
+    # more (the few KiB between a DCP file's items are fetched with them).
+    assert tensor_bytes <= c["fetched"] <= 1.05 * tensor_bytes, (what, c, tensor_bytes)
+    # Most of it by the source-order plan: the ordinary path's share is the
+    # reads before two tensors were begun.
+    assert c["ordered"] >= 0.5 * tensor_bytes, (what, c, tensor_bytes)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_source_byte_fetched_once_from_disk(mode, step, mount_factory):
+    with mount_factory(step["dir"]) as m:
+        _read_with(mode, m.p("consolidated"), step["expected_path"])
+    log = _final_log(m)
+    _check_fetched(_counters(log), step["tensor_bytes"], mode)
+    assert HOLD.search(log), log[-2000:]
+
+
+@pytest.fixture(scope="module")
+def s3_step(s3_server, step, ckptfs):
+    upload_tree(s3_server["client"], step["dir"], "order/step-100/")
+    return f"s3://{BUCKET}/order/step-100"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_source_byte_fetched_once_from_s3(mode, step, s3_step, s3_env, mount_factory, ckptfs):
+    # Indexed first, so that every GET of the mount is one of the reads.
+    p = ckptfs("index", s3_step, "-q")
+    assert p.returncode == 0, p.stderr
+    with mount_factory(s3_step, "--part-size", "2MiB", "--max-threads", "4") as m:
+        _read_with(mode, m.p("consolidated"), step["expected_path"])
+    log = _final_log(m)
+    c = _counters(log)
+    _check_fetched(c, step["tensor_bytes"], mode)
+    received = re.search(r"s3: (\d+) bytes received", log)
+    assert received, log[-2000:]
+    # What the server sent: the reads' bytes and at most the index's checks besides.
+    assert int(received.group(1)) <= 1.05 * step["tensor_bytes"], (mode, received.group(0), c)
+
+
+def test_sigusr1_reports_while_mounted(step, mount_factory):
+    with mount_factory(step["dir"]) as m:
+        _read_with("load_file", m.p("consolidated"), step["expected_path"])
+        pid = _daemon_pid(m.path)
+        os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while not COUNTERS.search(m.log()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        c = _counters(m.log())
+        _check_fetched(c, step["tensor_bytes"], "SIGUSR1")
+
+
+def _daemon_pid(path: str) -> int:
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if len(argv) > 3 and argv[1] == "mount" and path in argv and os.path.basename(argv[0]) == "ckptfs":
+            return int(pid)
+    raise AssertionError(f"no ckptfs daemon serves {path}")
+
+
+def _expected_rank_piece(full: torch.Tensor, local_shape, rank: int, ranks: int) -> torch.Tensor:
+    """The piece of `full` a rank of an even split holds, judged by shape alone."""
+    if list(local_shape) == list(full.shape):
+        return full
+    for dim in range(full.dim()):
+        if local_shape[dim] * ranks == full.shape[dim]:
+            return full.chunk(ranks, dim=dim)[rank]
+    raise AssertionError(f"{list(local_shape)} is no even split of {list(full.shape)}")
+
+
+def test_eight_concurrent_rank_readers_within_the_bound(step, mount_factory):
+    """8 threads each read a different mesh/tp8 rank file at once with a
+    4 MiB bound (less than the files together): exact bytes, and the hold
+    never above the bound."""
+    from safetensors.torch import load
+    bound_mib = 4
+    with mount_factory(step["dir"], "--fetch-hold-mib", str(bound_mib)) as m:
+        tp8 = m.p("mesh", "tp8")
+        ranks = sorted(os.listdir(tp8))
+        assert len(ranks) == 8, ranks
+        got, errors = {}, []
+
+        def read(rank_dir: str) -> None:
+            try:
+                data = b""
+                for name in sorted(os.listdir(os.path.join(tp8, rank_dir))):
+                    if name.endswith(".safetensors"):
+                        with open(os.path.join(tp8, rank_dir, name), "rb", buffering=0) as f:
+                            data = b"".join(iter(lambda: f.read(256 << 10), b""))
+                got[rank_dir] = load(data)
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append((rank_dir, repr(e)))
+
+        threads = [threading.Thread(target=read, args=(r,)) for r in ranks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+    assert not errors, errors
+    for k, rank_dir in enumerate(ranks):
+        for name, t in got[rank_dir].items():
+            want = _expected_rank_piece(step["expected"][name], t.shape, k, 8)
+            assert torch.equal(t, want), (rank_dir, name)
+    log = _final_log(m)
+    peak, bound = map(int, HOLD.search(log).groups())
+    assert bound == bound_mib << 20, log[-2000:]
+    assert 0 < peak <= bound, (peak, bound)
+
+
+def test_one_npy_reader_fetches_that_tensor_only(step, mount_factory):
+    """A random reader of one tensors/*.npy starts no whole-file plan: it
+    fetches about that tensor's bytes, not the step's."""
+    name = "model.model.layers.1.mlp.down_proj.weight"
+    full = step["expected"]["model.layers.1.mlp.down_proj.weight"].numpy()
+    with mount_factory(step["dir"]) as m:
+        path = m.p("tensors", name + ".npy")
+        size = os.path.getsize(path)
+        rng = random.Random(3)
+        pages = list(range(0, size, 64 << 10))
+        rng.shuffle(pages)
+        data = bytearray(size)
+        with open(path, "rb", buffering=0) as f:
+            for off in pages:
+                f.seek(off)
+                chunk = f.read(64 << 10)
+                data[off:off + len(chunk)] = chunk
+    import io
+    np.testing.assert_array_equal(np.load(io.BytesIO(bytes(data))), full)
+    c = _counters(_final_log(m))
+    assert c["ordered"] == 0, c
+    assert full.nbytes <= c["fetched"] <= 1.05 * full.nbytes, (c, full.nbytes)
+
+
+def test_faults_on_the_way_leave_no_wrong_byte(step, s3_step, s3_env, s3_server, mount_factory, ckptfs):
+    """The source-order fetch through a proxy that slows, resets and cuts
+    short 10 % of the answers: every loader still gets the exact tensors
+    (retried GETs), and what was fetched stays within 5 % of what was served."""
+    from s3_fault_proxy import FaultProxy
+    p = ckptfs("index", s3_step, "-q")
+    assert p.returncode == 0, p.stderr
+    proxy = FaultProxy(s3_server["port"], seed=9, p_slowdown=0.1, p_reset=0.1, p_truncate=0.1, ranged_only=True)
+    try:
+        with mount_factory(s3_step, "--endpoint-url", f"http://127.0.0.1:{proxy.port}", "--part-size", "1MiB",
+                           "--max-threads", "4") as m:
+            for mode in ("load_file", "safe_open_reverse"):
+                _read_with(mode, m.p("consolidated"), step["expected_path"])
+        faulted = sum(v for k, v in proxy.counts.items() if k != "passed")
+    finally:
+        proxy.close()
+    assert faulted > 0, proxy.counts  # the faults happened
+    c = _counters(_final_log(m))
+    assert c["ordered"] >= 0.5 * step["tensor_bytes"], c
+    # Two loaders, one after the other: the second finds in the kernel's
+    # page cache what the first was served, unless the kernel dropped it
+    # meanwhile; either way each byte served was fetched once.
+    assert step["tensor_bytes"] <= c["fetched"] <= 1.05 * c["served"], c

@@ -1,0 +1,196 @@
+// Source-order fetch of whole virtual files (source/ordered_fetch.h): every
+// source byte fetched once whatever the order of the requests, bytes equal
+// to those written to the sources, memory within the bound, a changed source
+// read as Stale, and one-tensor files left alone.
+#include "source/ordered_fetch.h"
+
+#include <gtest/gtest.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <string>
+
+#include "core/layout.h"
+#include "source/posix_source.h"
+#include "source/source_reader.h"
+
+namespace ckptfs {
+namespace {
+
+constexpr uint64_t kKiB = 1 << 10;
+
+TEST(IntervalSet, AddMergesAndRemoveCounts) {
+  IntervalSet s;
+  s.Add(10, 20);
+  s.Add(30, 40);
+  s.Add(20, 30);  // touching: one span
+  EXPECT_EQ(s.spans().size(), 1u);
+  EXPECT_EQ(s.Bytes(0, 100), 30u);
+  EXPECT_EQ(s.Remove(15, 35), 20u);
+  EXPECT_EQ(s.Bytes(0, 100), 10u);
+  EXPECT_EQ(s.Remove(15, 35), 0u);  // already gone
+  EXPECT_EQ(s.Remove(0, 100), 10u);
+  EXPECT_TRUE(s.empty());
+}
+
+// `count` u8 tensors of `each` bytes, one file per tensor pair: tensor i in
+// file i / 2 at offset (i % 2) * each, laid out in reverse of the files'
+// order after a header literal (a consumer order that is not the sources').
+struct Files {
+  std::filesystem::path dir;
+  std::vector<SourceFile> files;
+  std::shared_ptr<Layout> layout = std::make_shared<Layout>();
+  std::string expected;
+};
+
+Files MakeFiles(int count, uint64_t each) {
+  Files t;
+  char tmpl[] = "/tmp/ckptfs-ordered-XXXXXX";
+  t.dir = ::mkdtemp(tmpl);
+  std::vector<std::string> contents((count + 1) / 2);
+  for (int i = 0; i < count; ++i)
+    for (uint64_t b = 0; b < each; ++b) contents[i / 2] += char((b * 131 + i * 7) % 251);
+  for (size_t f = 0; f < contents.size(); ++f) {
+    const std::string name = "f" + std::to_string(f);
+    std::ofstream(t.dir / name, std::ios::binary) << contents[f];
+    SourceFile sf = *StatSource((t.dir / name).string());
+    sf.path = name;
+    t.files.push_back(sf);
+  }
+  t.layout->AddLiteral(std::string(100, 'h'));
+  t.expected = std::string(100, 'h');
+  for (int i = count - 1; i >= 0; --i) {
+    auto tensor = std::make_shared<TensorMeta>();
+    tensor->fqn = "t" + std::to_string(i);
+    tensor->dtype = DType::kU8;
+    tensor->shape = {each};
+    Chunk c;
+    c.set_box(Box::Whole(tensor->shape));
+    c.set_dtype(DType::kU8);
+    c.set_bytes({FileId(i / 2), (i % 2) * each, each});
+    tensor->chunks.push_back(c);
+    EXPECT_TRUE(t.layout->AddTensor(tensor, Box::Whole(tensor->shape)).ok());
+    t.expected += contents[i / 2].substr((i % 2) * each, each);
+  }
+  return t;
+}
+
+struct Reader {
+  std::shared_ptr<FetchBudget> budget;
+  std::unique_ptr<SourceReader> reader;
+  Reader(const Files& t, uint64_t bound, uint64_t range) {
+    ReadOptions o;
+    o.readahead_bytes = 0;
+    budget = std::make_shared<FetchBudget>(bound);
+    o.hold = budget;
+    o.hold_range_bytes = range;
+    o.hold_threads = 3;
+    reader = std::make_unique<SourceReader>(t.dir.string(), &t.files, GroupPolicy{}, 1ull << 30, o);
+  }
+};
+
+// Reads [offset, offset + len) as OpenFiles does: the ordinary path until
+// the plan started, then through it.
+Status ReadVia(SourceReader& r, OrderedFetch& f, const Layout& layout, uint64_t offset, uint64_t len, char* dst) {
+  auto plan = Plan(layout, offset, len);
+  if (!plan.ok()) return plan.status();
+  const bool started = f.started();
+  f.Noted(offset, plan->length);
+  return started ? f.Serve(*plan, dst) : r.Execute(*plan, dst);
+}
+
+TEST(ServedRecord, ClearedOnlyOnceMuchWasAskedAgain) {
+  ServedRecord r;
+  r.Add(0, 8 << 20);
+  r.Add(4096, 8192);  // a page or two asked again: kept
+  EXPECT_EQ(r.Get().Bytes(0, 8 << 20), uint64_t(8 << 20));
+  for (uint64_t at = 0; at < ServedRecord::kClearAfter; at += 1 << 20) r.Add(at, 1 << 20);
+  // The kernel dropped the pages: only what was asked since the clear is left.
+  EXPECT_LT(r.Get().Bytes(0, 8 << 20), uint64_t(8 << 20));
+}
+
+TEST(OrderedFetch, EachSourceByteOnceInAnyOrder) {
+  for (const char* order : {"forward", "reverse", "random"}) {
+    SCOPED_TRACE(order);
+    Files t = MakeFiles(8, 300 * kKiB);
+    Reader r(t, 64ull << 20, 256 * kKiB);
+    auto f = r.reader->MakeOrderedFetch(t.layout, nullptr);
+    ASSERT_TRUE(f);
+    // 64 KiB requests, in the order asked.
+    std::vector<uint64_t> at;
+    for (uint64_t o = 0; o < t.layout->size(); o += 64 * kKiB) at.push_back(o);
+    if (std::string(order) == "reverse") std::reverse(at.begin(), at.end());
+    if (std::string(order) == "random") std::shuffle(at.begin(), at.end(), std::mt19937(7));
+    std::string got(t.layout->size(), '\0');
+    for (uint64_t o : at) ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, o, 64 * kKiB, got.data() + o).ok());
+    EXPECT_TRUE(f->started());
+    EXPECT_TRUE(got == t.expected);
+    const uint64_t sources = 8 * 300 * kKiB;
+    EXPECT_EQ(r.reader->counters().fetched.load(), sources);  // every byte once, no more
+    EXPECT_EQ(r.reader->counters().refetched.load(), 0u);
+    f.reset();
+    EXPECT_EQ(r.budget->held(), 0u);
+    EXPECT_LE(r.budget->peak(), 64ull << 20);
+  }
+}
+
+TEST(OrderedFetch, BoundSmallerThanTheFileStaysExact) {
+  Files t = MakeFiles(8, 300 * kKiB);
+  Reader r(t, 512 * kKiB, 256 * kKiB);  // two ranges at most
+  auto f = r.reader->MakeOrderedFetch(t.layout, nullptr);
+  std::string got(t.layout->size(), '\0');
+  for (uint64_t o = t.layout->size(); o > 0;) {  // reverse: the fetch threads' order is the opposite
+    const uint64_t len = std::min<uint64_t>(o, 48 * kKiB);
+    o -= len;
+    ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, o, len, got.data() + o).ok());
+    ASSERT_LE(r.budget->held(), 512 * kKiB);
+  }
+  EXPECT_TRUE(got == t.expected);
+  EXPECT_LE(r.budget->peak(), 512 * kKiB);
+}
+
+TEST(OrderedFetch, ChangedSourceIsStaleNotHeldBytes) {
+  Files t = MakeFiles(4, 200 * kKiB);
+  Reader r(t, 64ull << 20, 1 << 20);
+  auto f = r.reader->MakeOrderedFetch(t.layout, nullptr);
+  std::string got(t.layout->size(), '\0');
+  // Two tensors begun: the plan starts, and its ranges are fetched.
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100, 4 * kKiB, got.data()).ok());
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100 + 200 * kKiB, 4 * kKiB, got.data()).ok());
+  ASSERT_TRUE(f->started());
+  // Rewritten in place, size kept, mtime moved on: the held bytes are the old ones.
+  std::filesystem::path p = t.dir / "f0";
+  {
+    std::fstream out(p, std::ios::in | std::ios::out | std::ios::binary);
+    out.write(std::string(400 * kKiB, 'X').data(), 400 * kKiB);
+  }
+  std::filesystem::last_write_time(p, std::filesystem::last_write_time(p) + std::chrono::seconds(5));
+  // The last tensor (t0, file f0) is at the end of the virtual file.
+  const uint64_t last = t.layout->size() - 200 * kKiB;
+  Status st = ReadVia(*r.reader, *f, *t.layout, last, 64 * kKiB, got.data() + last);
+  EXPECT_EQ(st.code(), Status::Code::kStale) << st.message();
+}
+
+TEST(OrderedFetch, OneTensorFileIsNotPlanned) {
+  Files t = MakeFiles(1, 100 * kKiB);
+  Reader r(t, 64ull << 20, 1 << 20);
+  EXPECT_FALSE(r.reader->MakeOrderedFetch(t.layout, nullptr));
+}
+
+TEST(OrderedFetch, HeaderOnlyReaderStartsNothing) {
+  Files t = MakeFiles(4, 200 * kKiB);
+  Reader r(t, 64ull << 20, 1 << 20);
+  auto f = r.reader->MakeOrderedFetch(t.layout, nullptr);
+  std::string got(t.layout->size(), '\0');
+  // A request at 0 spanning the header and three tensors (the kernel's read-around).
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 0, 500 * kKiB, got.data()).ok());
+  EXPECT_FALSE(f->started());
+  EXPECT_EQ(r.reader->counters().fetched.load(), 500 * kKiB - 100);
+}
+
+}  // namespace
+}  // namespace ckptfs
