@@ -389,6 +389,8 @@ SERIAL = {
         "interrupts timed from the start-up measured just before",
     "test_writer_refused.py::test_a_refused_save_leaves_no_writer_thread_running":
         "counts the process's threads",
+    "test_s3_cache.py::test_a_second_mount_reads_from_the_cache_and_a_bad_block_is_fetched_again":
+        "bounds the GETs of readers racing for a bad block (5 > 4 seen at load 27)",
 }
 
 # The quick tier (`pytest tests/e2e --quick`, `tools/test.sh --quick`: with
@@ -414,10 +416,12 @@ QUICK = {
 # so collecting these first keeps one of them from starting last and
 # running alone at the end; the other files follow in their usual order.
 SLOW_FIRST = [
-    "test_writer_hf.py", "test_dcp.py", "test_bytecheckpoint.py", "test_s3_mount.py",
-    "test_packaging.py", "test_demo.py", "test_merged.py", "test_bad_input.py",
-    "test_writer.py", "test_derived.py", "test_s3.py", "test_writer_record.py",
-    "test_torch_e2e.py", "test_mesh.py", "test_faults.py", "test_mount.py",
+    "test_writer_hf.py", "test_dcp.py", "test_packaging.py", "test_bytecheckpoint.py",
+    "test_s3_mount.py", "test_writer_crash.py", "test_merged.py", "test_writer_refused.py",
+    "test_bad_input.py", "test_writer.py", "test_derived.py", "test_store_repair.py",
+    "test_demo.py", "test_s3.py", "test_writer_record.py", "test_torch_e2e.py",
+    "test_resave_live.py", "test_mesh.py", "test_faults.py", "test_peft.py",
+    "test_mount.py", "test_rare_dtypes.py",
 ]
 
 
