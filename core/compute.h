@@ -1,4 +1,4 @@
-// The compute stage of the read path (see ../shared/DESIGN.md, read path
+// The compute stage of the read path (see docs/ARCHITECTURE.md, read path
 // step 3b): tensors whose bytes are computed from source tensors rather than
 // copied (dtype casts; LoRA merges).
 //

@@ -1,5 +1,5 @@
 // PEFT LoRA adapters merged into their base model on read (`merged/`,
-// `merged.<dtype>/`; see ../shared/DESIGN.md, read path step 3b).
+// `merged.<dtype>/`; see docs/ARCHITECTURE.md, read path step 3b).
 //
 // What PEFT's `merge_and_unload()` computes, per targeted weight W
 // (peft/tuners/lora/layer.py, variants.py, dora.py, as of peft 0.21):

@@ -1,5 +1,5 @@
-// Views: the virtual files made from a checkpoint (see ../shared/DESIGN.md, "Virtual
-// namespace"). Pure functions from the catalog to named Layouts; fs/ puts
+// Views: the virtual files made from a checkpoint (see docs/ARCHITECTURE.md,
+// "Virtual namespace"). Pure functions from the catalog to named Layouts; fs/ puts
 // them in the tree and tools/ reads them through the same planner.
 #pragma once
 

@@ -108,7 +108,8 @@ void OpInit(void*, struct fuse_conn_info* conn) {
   conn->congestion_threshold = kMaxBackground * 3 / 4;
   // Reads of one file may run in parallel: our read path is thread-safe.
   if (conn->capable & FUSE_CAP_ASYNC_READ) conn->want |= FUSE_CAP_ASYNC_READ;
-  // No splice: measured slower than pread + reply (DESIGN.md).
+  // No splice: measured slower than pread + reply (docs/ARCHITECTURE.md,
+  // "Decisions").
   conn->want &= ~(FUSE_CAP_SPLICE_READ | FUSE_CAP_SPLICE_WRITE | FUSE_CAP_SPLICE_MOVE);
 }
 

@@ -170,7 +170,7 @@ TEST(SafetensorsHeaderLength, RejectsLengthBeyondCapAndFile) {
 }
 
 TEST(SafetensorsHeaderLength, RejectsTheAbuseFixture) {
-  std::ifstream f(CKPTFS_SHARED_DIR "/fixtures/third_party/safetensors-cpp/safetensors_abuse_attempt_1.safetensors",
+  std::ifstream f(CKPTFS_FIXTURES_DIR "/third_party/safetensors-cpp/safetensors_abuse_attempt_1.safetensors",
                   std::ios::binary);
   ASSERT_TRUE(f.good());
   std::stringstream ss;

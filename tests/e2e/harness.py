@@ -31,7 +31,11 @@ import sys
 import tempfile
 import time
 
-DEFAULT_BIN = "/work/main/build/ckptfs"
+# The checkout this file belongs to: its build and its vendored fixtures.
+REPO_DIR = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+DEFAULT_BIN = os.path.join(REPO_DIR, "build", "ckptfs")
+# Files written by other projects' tools (tests/fixtures/third_party/SOURCES.md).
+THIRD_PARTY = os.path.join(REPO_DIR, "tests", "fixtures", "third_party")
 
 # ---------------------------------------------------------------------------
 # N gloo ranks as subprocesses
@@ -137,7 +141,7 @@ def spawn_ranks(script: str, world_size: int, job: dict, *, name: str,
 
 
 def ckptfs_bin() -> str:
-    """$CKPTFS_BIN, default /work/main/build/ckptfs (not checked)."""
+    """$CKPTFS_BIN, default build/ckptfs of this checkout (not checked)."""
     return os.environ.get("CKPTFS_BIN", DEFAULT_BIN)
 
 

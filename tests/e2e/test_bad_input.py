@@ -42,13 +42,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 import _util  # noqa: E402
+from harness import THIRD_PARTY  # noqa: E402
 from _util import (EXIT_OK, EXIT_PROBLEMS, EXIT_READ_ERROR, EXIT_STALE,  # noqa: E402
                    PAGE, Mount, describe, run_ckptfs)
 
 WORLD = 3
 VFILE = "consolidated/model.safetensors"
-ABUSE = "/work/shared/fixtures/third_party/safetensors-cpp/safetensors_abuse_attempt_1.safetensors"
-FIXTURE_MODEL = "/work/shared/fixtures/third_party/safetensors-cpp/model.safetensors"
+ABUSE = os.path.join(THIRD_PARTY, "safetensors-cpp", "safetensors_abuse_attempt_1.safetensors")
+FIXTURE_MODEL = os.path.join(THIRD_PARTY, "safetensors-cpp", "model.safetensors")
 
 ITEMSIZE = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I16": 2,
             "I8": 1, "U8": 1, "BOOL": 1}

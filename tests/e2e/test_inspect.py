@@ -44,7 +44,7 @@ if str(E2E_DIR) not in sys.path:
 import ckpt_gen  # noqa: E402
 import harness  # noqa: E402
 
-FIXTURES = Path("/work/shared/fixtures/third_party")
+FIXTURES = Path(harness.THIRD_PARTY)
 
 EXIT_OK, EXIT_USAGE, EXIT_NO_SOURCE, EXIT_STALE = 0, 2, 3, 4
 EXIT_PROBLEMS, EXIT_READ_ERROR, EXIT_INDEX_ERROR = 5, 6, 8

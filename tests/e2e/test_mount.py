@@ -40,7 +40,7 @@ ST_DTYPE = {
 }
 VFILE_MODE = stat.S_IFREG | 0o444
 VDIR_MODE = stat.S_IFDIR | 0o555
-# virtual views besides consolidated/ (DESIGN.md), checked only for modes here
+# virtual views besides consolidated/ (docs/ARCHITECTURE.md), checked only for modes here
 OTHER_VIEWS = ("mesh", "tensors")
 
 

@@ -1,4 +1,4 @@
-"""torch.save files written by other projects (../shared/fixtures/third_party),
+"""torch.save files written by other projects (tests/fixtures/third_party),
 read through ckptfs: every tensor torch.load finds is served, through a real
 mount, as tensors/<name>.npy with torch.load's values."""
 from __future__ import annotations
@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from harness import run_ckptfs, unmount
+from harness import THIRD_PARTY, run_ckptfs, unmount
 
 
 BIN = os.environ.get("CKPTFS_BIN", os.path.join(os.path.dirname(__file__), "..", "..", "build", "ckptfs"))
-FIXTURES = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "fixtures", "third_party")
+FIXTURES = THIRD_PARTY
 FILES = ["burn/float32.pt", "burn/bfloat16.pt", "burn/checkpoint.pt", "burn/linear.pt",
          "candle/test.pt", "candle/test_with_key.pt"]
 

@@ -1,5 +1,5 @@
 // The torch.save reader against archives the real torch wrote: third-party
-// fixtures (../shared/fixtures/third_party, see SOURCES.md there) and files
+// fixtures (tests/fixtures/third_party, see SOURCES.md there) and files
 // made by tests/indexer/testdata/make_torch_save.py, whose printed output is
 // pasted below as the expected tensors. Values are compared element by
 // element, gathered from the file through the reported offsets and strides,
@@ -29,7 +29,7 @@ std::string TestData(const std::string& name) {
   return (fs::path(__FILE__).parent_path() / "testdata" / name).string();
 }
 std::string ThirdParty(const std::string& name) {
-  return std::string(CKPTFS_SHARED_DIR) + "/fixtures/third_party/" + name;
+  return std::string(CKPTFS_FIXTURES_DIR) + "/third_party/" + name;
 }
 
 std::string Slurp(const std::string& path) {
