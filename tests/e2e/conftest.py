@@ -394,6 +394,7 @@ SERIAL = {
         "counts the process's threads",
     "test_s3_cache.py::test_a_second_mount_reads_from_the_cache_and_a_bad_block_is_fetched_again":
         "bounds the GETs of readers racing for a bad block (5 > 4 seen at load 27)",
+    "test_s3_stall.py": "every read through a stalling server within 5 s",
 }
 
 # The quick tier (`pytest tests/e2e --quick`, `tools/test.sh --quick`: with
@@ -420,11 +421,13 @@ QUICK = {
 # so collecting these first keeps one of them from starting last and
 # running alone at the end; the other files follow in their usual order.
 SLOW_FIRST = [
-    "test_writer_crash.py", "test_writer_hf.py", "test_dcp.py", "test_packaging.py",
+    "test_writer_crash.py", "test_writer_sidecars.py", "test_writer_dtypes.py", "test_writer_hf.py",
+    "test_reindex_first_reads.py", "test_dcp.py", "test_packaging.py", "test_read_order.py",
+    "test_writer_s3_faults.py", "test_peft.py",
     "test_bytecheckpoint.py", "test_s3_mount.py", "test_merged.py", "test_writer_refused.py",
     "test_bad_input.py", "test_writer.py", "test_derived.py", "test_store_repair.py",
     "test_demo.py", "test_s3.py", "test_writer_record.py", "test_torch_e2e.py",
-    "test_resave_live.py", "test_mesh.py", "test_faults.py", "test_peft.py",
+    "test_resave_live.py", "test_mesh.py", "test_faults.py",
     "test_mount.py", "test_rare_dtypes.py",
 ]
 
