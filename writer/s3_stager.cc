@@ -362,18 +362,7 @@ Result<Checksums> S3Stager::TakeChecksums(uint64_t tag) {
     pieces = std::move(it->second);
     sums_.erase(it);
   }
-  std::sort(pieces.begin(), pieces.end(), [](const PieceSum& a, const PieceSum& b) { return a.tag_offset < b.tag_offset; });
-  Checksums c;
-  for (const PieceSum& p : pieces) {
-    if (p.tag_offset != c.bytes)
-      return Status::InvalidArgument("S3 stager: tag " + std::to_string(tag) + " has " +
-                                     (p.tag_offset < c.bytes ? "overlapping" : "missing") + " bytes at " +
-                                     std::to_string(std::min(p.tag_offset, c.bytes)));
-    c.crc32c = Crc32cCombine(c.crc32c, p.crc32c, p.size);
-    c.zip_crc32 = options_.zip_crc32 ? ZipCrc32Combine(c.zip_crc32, p.zip_crc32, p.size) : 0;
-    c.bytes += p.size;
-  }
-  return c;
+  return CombinePieceSums(std::move(pieces), options_.zip_crc32, "S3 stager", tag);
 }
 
 Status S3Stager::Abort(int object) {

@@ -157,11 +157,6 @@ class S3Stager {
     std::vector<Piece> pieces;  // empty for an upload-only job
     bool upload = false;        // the part is ready: send it
   };
-  struct PieceSum {
-    uint64_t tag_offset, size;
-    uint32_t crc32c, zip_crc32;
-  };
-
   S3Stager(const S3StagerOptions& options, std::shared_ptr<const S3Client> client, std::unique_ptr<CopyEngine> engine);
   Status Start();
   uint64_t PartSize(const Object& o, int k) const;

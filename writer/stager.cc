@@ -281,6 +281,22 @@ Status Stager::RunJob(const Job& job) {
   return Status::OK();
 }
 
+Result<Checksums> CombinePieceSums(std::vector<PieceSum> pieces, bool zip_crc32, const std::string& who,
+                                   uint64_t tag) {
+  std::sort(pieces.begin(), pieces.end(), [](const PieceSum& a, const PieceSum& b) { return a.tag_offset < b.tag_offset; });
+  Checksums c;
+  for (const PieceSum& p : pieces) {
+    if (p.tag_offset != c.bytes)
+      return Status::InvalidArgument(who + ": tag " + std::to_string(tag) + " has " +
+                                     (p.tag_offset < c.bytes ? "overlapping" : "missing") + " bytes at " +
+                                     std::to_string(std::min(p.tag_offset, c.bytes)));
+    c.crc32c = Crc32cCombine(c.crc32c, p.crc32c, p.size);
+    c.zip_crc32 = zip_crc32 ? ZipCrc32Combine(c.zip_crc32, p.zip_crc32, p.size) : 0;
+    c.bytes += p.size;
+  }
+  return c;
+}
+
 Result<Checksums> Stager::TakeChecksums(uint64_t tag) {
   std::vector<PieceSum> pieces;
   {
@@ -290,18 +306,7 @@ Result<Checksums> Stager::TakeChecksums(uint64_t tag) {
     pieces = std::move(it->second);
     sums_.erase(it);
   }
-  std::sort(pieces.begin(), pieces.end(), [](const PieceSum& a, const PieceSum& b) { return a.tag_offset < b.tag_offset; });
-  Checksums c;
-  for (const PieceSum& p : pieces) {
-    if (p.tag_offset != c.bytes)
-      return Status::InvalidArgument("stager: tag " + std::to_string(tag) + " has " +
-                                     (p.tag_offset < c.bytes ? "overlapping" : "missing") + " bytes at " +
-                                     std::to_string(std::min(p.tag_offset, c.bytes)));
-    c.crc32c = Crc32cCombine(c.crc32c, p.crc32c, p.size);
-    c.zip_crc32 = options_.zip_crc32 ? ZipCrc32Combine(c.zip_crc32, p.zip_crc32, p.size) : 0;
-    c.bytes += p.size;
-  }
-  return c;
+  return CombinePieceSums(std::move(pieces), options_.zip_crc32, "stager", tag);
 }
 
 StagerStats Stager::stats() const {

@@ -59,6 +59,18 @@ struct Checksums {
   uint32_t zip_crc32 = 0;  // 0 unless StagerOptions::zip_crc32
 };
 
+// The checksums of one piece of a tag's bytes, as an I/O thread computed them.
+struct PieceSum {
+  uint64_t tag_offset, size;
+  uint32_t crc32c, zip_crc32;
+};
+
+// The checksums of a tag's pieces combined in order (zip's CRC-32 only with
+// `zip_crc32`); InvalidArgument, naming `who` and `tag`, unless the pieces
+// tile [0, n) exactly once.
+Result<Checksums> CombinePieceSums(std::vector<PieceSum> pieces, bool zip_crc32, const std::string& who,
+                                   uint64_t tag);
+
 struct StagerStats {
   uint64_t staged_bytes = 0;  // through the ring
   uint64_t direct_bytes = 0;  // written from the caller's memory
@@ -122,10 +134,6 @@ class Stager {
   struct Job {
     int buffer = -1;  // -1: a direct host write
     std::vector<Piece> pieces;
-  };
-  struct PieceSum {
-    uint64_t tag_offset, size;
-    uint32_t crc32c, zip_crc32;
   };
   struct File {
     std::string path;
