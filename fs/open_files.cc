@@ -102,10 +102,9 @@ FsResult<size_t> OpenFiles::Read(uint64_t handle, char* buf, size_t size, uint64
   }
   ASSIGN_OR_RETURN(ReadPlan plan, PlanRead(*h, size, offset));
   SourceReader* reader = ReaderOf(*h);
-  const bool ordered = h->order && h->order->started();
   // Noted before the bytes are read: a plan that starts meanwhile (on
   // another request) leaves them out, rather than fetch them again.
-  if (h->order) h->order->Noted(offset, plan.length);
+  const bool ordered = h->order && h->order->Noted(offset, plan.length);
   Status st = ordered ? h->order->Serve(plan, buf) : reader->Execute(plan, buf);
   if (st.ok() && !plan.computes.empty()) st = compute_.Fill(plan.computes, buf, *reader, n.ckpt);
   if (!st.ok()) return ReadFailed(n, size, offset, st);

@@ -151,16 +151,16 @@ size_t OrderedFetch::range_count() const {
   return ranges_.size();
 }
 
-void OrderedFetch::Noted(uint64_t offset, uint64_t length) {
-  if (length == 0) return;
+bool OrderedFetch::Noted(uint64_t offset, uint64_t length) {
+  if (length == 0) return started_.load();
   served_->Add(offset, length);
-  if (started_.load()) return;
+  if (started_.load()) return true;
   std::lock_guard<std::mutex> lock(mu_);
-  if (started_.load()) return;
+  if (started_.load()) return true;
   const size_t unit = layout_->SegmentAt(offset);
   if (unit < layout_->segments().size() && layout_->segments()[unit].kind == Segment::Kind::kTensor)
     tensors_begun_.insert(unit);
-  if (tensors_begun_.size() < 2) return;
+  if (tensors_begun_.size() < 2) return false;
   Build();
   started_ = true;
   for (unsigned t = 0; t < options_.threads; ++t) {
@@ -170,6 +170,7 @@ void OrderedFetch::Noted(uint64_t offset, uint64_t length) {
       break;  // fewer in flight; readers fetch what no thread takes
     }
   }
+  return true;
 }
 
 void OrderedFetch::Build() {

@@ -165,8 +165,11 @@ class OrderedFetch {
   // Records that [offset, offset + length) is being served (in the file's
   // ServedRecord; call before reading it, so that a plan started meanwhile
   // leaves it out); before the plan started, starts it when the rule in the
-  // header says so.
-  void Noted(uint64_t offset, uint64_t length);
+  // header says so. Returns whether the plan has started: then the request
+  // must go through Serve(), since a plan another request started between
+  // the caller's last look and this record may hold the request's bytes
+  // (read the ordinary way, they would be fetched twice).
+  bool Noted(uint64_t offset, uint64_t length);
   bool started() const { return started_.load(); }
 
   // Fills dst as `plan` says (its ComputeOps are left to the caller): literals, then every copy from a held range where

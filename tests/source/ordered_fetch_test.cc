@@ -98,9 +98,7 @@ struct Reader {
 Status ReadVia(SourceReader& r, OrderedFetch& f, const Layout& layout, uint64_t offset, uint64_t len, char* dst) {
   auto plan = Plan(layout, offset, len);
   if (!plan.ok()) return plan.status();
-  const bool started = f.started();
-  f.Noted(offset, plan->length);
-  return started ? f.Serve(*plan, dst) : r.Execute(*plan, dst);
+  return f.Noted(offset, plan->length) ? f.Serve(*plan, dst) : r.Execute(*plan, dst);
 }
 
 TEST(ServedRecord, ClearedOnlyOnceMuchWasAskedAgain) {
@@ -173,6 +171,31 @@ TEST(OrderedFetch, ChangedSourceIsStaleNotHeldBytes) {
   const uint64_t last = t.layout->size() - 200 * kKiB;
   Status st = ReadVia(*r.reader, *f, *t.layout, last, 64 * kKiB, got.data() + last);
   EXPECT_EQ(st.code(), Status::Code::kStale) << st.message();
+}
+
+// A request that found the plan not started, then lost the race to another
+// request that started it, is told so by Noted: its bytes are in the plan,
+// and read the ordinary way they would be fetched twice.
+TEST(OrderedFetch, RequestRacingTheStartIsServedByThePlan) {
+  Files t = MakeFiles(4, 200 * kKiB);
+  Reader r(t, 64ull << 20, 1 << 20);
+  auto f = r.reader->MakeOrderedFetch(t.layout, nullptr);
+  std::string got(t.layout->size(), '\0');
+  const uint64_t size = t.layout->size();
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 0, 100, got.data()).ok());  // the header
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100, 200 * kKiB, got.data() + 100).ok());  // the first tensor
+  // Request C (the third tensor) looked before D (the second) started the plan.
+  auto c_plan = Plan(*t.layout, 100 + 400 * kKiB, 200 * kKiB);
+  ASSERT_TRUE(c_plan.ok());
+  ASSERT_FALSE(f->started());
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100 + 200 * kKiB, 200 * kKiB, got.data() + 100 + 200 * kKiB).ok());
+  ASSERT_TRUE(f->started());
+  ASSERT_TRUE(f->Noted(100 + 400 * kKiB, c_plan->length));
+  ASSERT_TRUE(f->Serve(*c_plan, got.data() + 100 + 400 * kKiB).ok());
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100 + 600 * kKiB, size - 100 - 600 * kKiB,
+                      got.data() + 100 + 600 * kKiB).ok());
+  EXPECT_TRUE(got == t.expected);
+  EXPECT_EQ(r.reader->counters().fetched.load(), 4 * 200 * kKiB);
 }
 
 TEST(OrderedFetch, OneTensorFileIsNotPlanned) {
