@@ -41,6 +41,19 @@ struct DcpPlan {
 // One open object per .distcp file, opened at its first item.
 using ObjectCache = std::map<std::string, Result<std::unique_ptr<SourceObject>>>;
 
+// The framing of items read ahead, by .distcp file (FetchFraming).
+using FramedObjects = std::map<std::string, std::unique_ptr<WindowedObject>>;
+
+// One declared chunk, in the order chunks are added.
+struct ChunkWork {
+  const std::string* fqn;
+  const Box* box;
+};
+
+// Chunks whose items' framing is held in memory at once: at most
+// kTorchArchiveHeadBytes + kTorchArchiveTailBytes each (32 MiB).
+constexpr size_t kFramingBatch = 8192;
+
 // Decoded items are held in memory while indexing; this bounds one.
 constexpr uint64_t kMaxDecodedItem = 8ull << 30;
 
@@ -208,30 +221,82 @@ void PlaceChunk(const TorchArchive& archive, const std::string& rel, FileId data
   }
 }
 
-// One declared chunk of tensor `fqn`: its item, a torch.save archive, is
-// found through storage_data and parsed; a chunk whose item cannot be used
-// is kept, unavailable, with its reason.
-void AddTensorChunk(const DirListing& dir, FileTable& files, const DcpPlan& plan, const std::string& fqn,
-                           const Box& box, TensorMeta& t, ObjectCache& objects, Checkpoint& out) {
-  const std::string who = "tensor '" + fqn + "' chunk " + ToString(box);
+// The storage_data entry of chunk `box` of tensor `t`, or null.
+const StorageInfo* FindItem(const DcpPlan& plan, const std::string& fqn, const Box& box, const TensorMeta& t) {
   // An F4 tensor was float4_e2m1fn_x2: storage_data keys its chunks by
   // torch's offsets, whose last dim counts bytes of two values.
   std::vector<uint64_t> key = box.offsets;
   if (t.dtype == DType::kF4 && !key.empty()) key.back() /= 2;
   auto it = plan.storage.find({fqn, key});
-  if (it == plan.storage.end()) return AddProblem(out, who + ": no item in the metadata's storage_data", false);
-  const StorageInfo& si = it->second;
+  return it == plan.storage.end() ? nullptr : &it->second;
+}
+
+// The object of file `id` (`rel`), opened once.
+const Result<std::unique_ptr<SourceObject>>& ObjectOf(const std::string& rel, FileId id, FileTable& files,
+                                                      ObjectCache& objects) {
+  auto it = objects.find(rel);
+  if (it == objects.end()) it = objects.emplace(rel, files.Open(id)).first;
+  return it->second;
+}
+
+// The head and tail of every plain item of `batch`, read ahead per .distcp
+// file (WindowedObject): one read per gap between neighbouring items (the
+// tail of one and the head of the next touch), several in flight over
+// object storage, instead of a round trip per zip record. A file that
+// cannot be opened or read is left out: its items read their bytes one by
+// one and say why they could not.
+FramedObjects FetchFraming(const DirListing& dir, FileTable& files, const DcpPlan& plan, const ChunkWork* batch,
+                           size_t n, ObjectCache& objects) {
+  std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>> windows;
+  std::vector<std::string> order;  // files as their first items come: FileIds as before
+  for (size_t i = 0; i < n; ++i) {
+    auto t = plan.tensors.find(*batch[i].fqn);
+    const StorageInfo* si = t == plan.tensors.end() ? nullptr : FindItem(plan, t->first, *batch[i].box, t->second);
+    if (!si || !si->transforms.empty() || si->length == 0) continue;
+    const uint64_t head = std::min(si->length, kTorchArchiveHeadBytes);
+    const uint64_t tail = std::min(si->length, kTorchArchiveTailBytes);
+    auto& w = windows[JoinPath(dir.rel, si->relative_path)];
+    if (w.empty()) order.push_back(JoinPath(dir.rel, si->relative_path));
+    w.emplace_back(si->offset, head);
+    w.emplace_back(si->offset + si->length - tail, tail);
+  }
+  FramedObjects out;
+  for (const std::string& rel : order) {
+    auto& ranges = windows[rel];
+    auto id = files.Add(rel);
+    if (!id.ok()) continue;
+    const uint64_t size = files.at(*id).size;
+    std::erase_if(ranges, [size](const auto& r) { return r.first >= size; });
+    for (auto& r : ranges) r.second = std::min(r.second, size - r.first);  // a truncated file: its items say so
+    const auto& obj = ObjectOf(rel, *id, files, objects);
+    if (!obj.ok()) continue;
+    if (auto w = WindowedObject::Fetch(**obj, std::move(ranges)); w.ok()) out.emplace(rel, std::move(*w));
+  }
+  return out;
+}
+
+// One declared chunk of tensor `fqn`: its item, a torch.save archive, is
+// found through storage_data and parsed (from `framed` where its framing
+// was read ahead); a chunk whose item cannot be used is kept, unavailable,
+// with its reason.
+void AddTensorChunk(const DirListing& dir, FileTable& files, const DcpPlan& plan, const std::string& fqn,
+                    const Box& box, TensorMeta& t, ObjectCache& objects, const FramedObjects& framed,
+                    Checkpoint& out) {
+  const std::string who = "tensor '" + fqn + "' chunk " + ToString(box);
+  const StorageInfo* found = FindItem(plan, fqn, box, t);
+  if (!found) return AddProblem(out, who + ": no item in the metadata's storage_data", false);
+  const StorageInfo& si = *found;
   const std::string rel = JoinPath(dir.rel, si.relative_path);
   auto id = files.Add(rel);
   if (!id.ok()) return AddProblem(out, who + ": " + id.status().message(), true);
   Chunk c(box, {*id, si.offset, si.length}, t.dtype);
-  auto it_obj = objects.find(rel);
-  if (it_obj == objects.end()) it_obj = objects.emplace(rel, files.Open(*id)).first;
+  const auto& obj = ObjectOf(rel, *id, files, objects);
+  auto window = framed.find(rel);
   const std::string item = rel + " item at " + std::to_string(si.offset);
   FileId data_file = *id;
-  Result<TorchArchive> archive = it_obj->second.ok()
-                                     ? ReadItem(si, **it_obj->second, *id, files, item, data_file)
-                                     : Result<TorchArchive>(it_obj->second.status().WithContext(item));
+  Result<TorchArchive> archive =
+      !obj.ok() ? Result<TorchArchive>(obj.status().WithContext(item))
+                : ReadItem(si, window != framed.end() ? *window->second : **obj, *id, files, item, data_file);
   if (!archive.ok())
     c.set_unavailable(archive.status().message());
   else
@@ -284,10 +349,15 @@ class DcpReader : public FormatReader {
     for (const std::string& meta_name : MetadataFiles(dir))
       LoadMetadataFile(JoinPath(dir.rel, meta_name), files, plan, out);
     ApplyReformulation(plan, out);
+    std::vector<ChunkWork> work;
+    for (const auto& [fqn, boxes] : plan.declared)
+      for (const Box& box : boxes) work.push_back({&fqn, &box});
     ObjectCache objects;
-    for (const auto& [fqn, boxes] : plan.declared) {
-      TensorMeta& t = plan.tensors[fqn];
-      for (const Box& box : boxes) AddTensorChunk(dir, files, plan, fqn, box, t, objects, out);
+    for (size_t at = 0; at < work.size(); at += kFramingBatch) {
+      const size_t n = std::min(kFramingBatch, work.size() - at);
+      const FramedObjects framed = FetchFraming(dir, files, plan, work.data() + at, n, objects);
+      for (size_t i = at; i < at + n; ++i)
+        AddTensorChunk(dir, files, plan, *work[i].fqn, *work[i].box, plan.tensors[*work[i].fqn], objects, framed, out);
     }
     AddByteItems(dir, files, plan.byte_storage, out);
     FinishTensors(plan.tensors, out);

@@ -114,21 +114,31 @@ Status ApplyZip64(RangeReader& in, uint64_t eocd, EndRecord& r, const std::strin
   return Status::OK();
 }
 
-// The EOCD is the last 22 bytes unless a comment (<= 64 KiB) follows it;
-// like Python's zipfile, take the last signature whose comment fits.
-Result<EndRecord> ReadEndRecord(RangeReader& in, uint64_t length, const std::string& what) {
-  uint64_t tail_len = std::min<uint64_t>(length, kEocdSize + kMaxCommentSize);
-  uint64_t tail_start = length - tail_len;
-  RETURN_IF_ERROR(in.LoadTail(tail_len));
+// Where in the last `tail_len` bytes (loaded as the tail) the EOCD starts:
+// like Python's zipfile, the last signature whose comment fits.
+std::optional<uint64_t> FindEndRecord(const RangeReader& in, uint64_t tail_len) {
   const std::string& tail = in.tail();
+  for (uint64_t i = tail_len - kEocdSize + 1; i-- > 0;)
+    if (Le(tail, i, 4) == kEocdSig && i + kEocdSize + Le(tail, i + 20, 2) <= tail_len) return i;
+  return std::nullopt;
+}
+
+// The EOCD is the last 22 bytes unless a comment (<= 64 KiB) follows it.
+// The last kTorchArchiveTailBytes are searched first (torch writes no
+// comment), then the last 64 KiB: searched from the end either way, the
+// same record is found.
+Result<EndRecord> ReadEndRecord(RangeReader& in, uint64_t length, const std::string& what) {
+  uint64_t tail_len = 0;
   std::optional<uint64_t> found;
-  for (uint64_t i = tail_len - kEocdSize + 1; i-- > 0;) {
-    if (Le(tail, i, 4) == kEocdSig && i + kEocdSize + Le(tail, i + 20, 2) <= tail_len) {
-      found = i;
-      break;
-    }
+  for (uint64_t want : {kTorchArchiveTailBytes, kEocdSize + kMaxCommentSize}) {
+    if (tail_len == length) break;
+    tail_len = std::min<uint64_t>(length, want);
+    RETURN_IF_ERROR(in.LoadTail(tail_len));
+    if ((found = FindEndRecord(in, tail_len))) break;
   }
   if (!found) return ZipCorrupt(what, "no end-of-central-directory record (not a zip, or truncated)");
+  const std::string& tail = in.tail();
+  const uint64_t tail_start = length - tail_len;
   uint64_t eocd = tail_start + *found;
   std::string_view e(tail.data() + *found, kEocdSize);
   EndRecord r;

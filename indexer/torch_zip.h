@@ -97,6 +97,16 @@ struct TorchArchive {
   std::vector<TorchTensorRecord> tensors;  // in the order the walk meets them
 };
 
+// The bytes at either end of a torch.save archive that ReadTorchArchive
+// reads when torch wrote it (one tensor): at the head, the local headers,
+// data.pkl and byteorder before the first storage's bytes (about 640
+// bytes); at the tail, the records after the last storage, the central
+// directory and the end records (under 1 KiB). A reader that fetches
+// these ahead (ReadTorchArchive over a WindowedObject) answers it without a
+// round trip; an archive that needs more still reads it, just not ahead.
+constexpr uint64_t kTorchArchiveHeadBytes = 2048;
+constexpr uint64_t kTorchArchiveTailBytes = 2048;
+
 // Reads the torch.save archive occupying [base, base + length) of `fd`.
 // Errors: Corruption (malformed zip, pickle or tensor; a tensor reaching past
 // its storage), NotSupported (compressed or encrypted entries, big-endian

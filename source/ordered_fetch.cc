@@ -121,11 +121,11 @@ uint64_t IntervalSet::Bytes(uint64_t begin, uint64_t end) const {
 OrderedFetch::OrderedFetch(std::shared_ptr<const Layout> layout, std::shared_ptr<ServedRecord> served,
                            Options options, Fetch fetch, Execute execute, Check check)
     : layout_(std::move(layout)),
-      served_(served ? std::move(served) : std::make_shared<ServedRecord>()),
       options_(std::move(options)),
       fetch_(std::move(fetch)),
       execute_(std::move(execute)),
-      check_(std::move(check)) {
+      check_(std::move(check)),
+      served_(served ? std::move(served) : std::make_shared<ServedRecord>()) {
   // A range never needs more than the whole bound.
   options_.range_bytes = std::max<uint64_t>(4096, std::min(options_.range_bytes, options_.budget->capacity()));
   options_.threads = std::max(1u, options_.threads);

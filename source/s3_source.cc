@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <functional>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -34,6 +35,29 @@ struct PinnedObject {
 };
 
 // One object, pinned to the ETag it had when opened.
+// Runs work(0 .. n-1) on up to `threads` threads, this one included; the
+// first failure (by index) is the answer.
+Status InParallel(size_t n, unsigned threads, const std::function<Status(size_t)>& work) {
+  std::atomic<size_t> next{0};
+  std::vector<Status> errors(n);
+  auto loop = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < n;) errors[i] = work(i);
+  };
+  std::vector<std::thread> pool;
+  for (unsigned t = 1; t < std::min<size_t>(n, threads); ++t) {
+    try {
+      pool.emplace_back(loop);
+    } catch (const std::system_error&) {
+      break;  // no thread to be had: the ones started and this one do every piece
+    }
+  }
+  loop();
+  for (auto& t : pool) t.join();
+  for (const Status& s : errors)
+    if (!s.ok()) return s;
+  return Status::OK();
+}
+
 class S3Object : public SourceObject {
  public:
   S3Object(std::shared_ptr<const PinnedObject> pinned, std::shared_ptr<PartCache> parts)
@@ -76,26 +100,18 @@ class S3Object : public SourceObject {
     const std::vector<uint64_t> cuts = Cuts(offset, len);
     const uint64_t parts = cuts.size() - 1;
     if (parts <= 1) return pinned_->Get(offset, len, dst);
-    std::atomic<uint64_t> next{0};
-    std::vector<Status> errors(parts);
-    auto work = [&] {
-      for (uint64_t p; (p = next.fetch_add(1)) < parts;)
-        errors[p] = pinned_->Get(offset + cuts[p], cuts[p + 1] - cuts[p], dst + cuts[p]);
-    };
-    const unsigned threads = unsigned(std::min<uint64_t>(parts, config().max_threads));
-    std::vector<std::thread> pool;
-    for (unsigned t = 1; t < threads; ++t) {
-      try {
-        pool.emplace_back(work);
-      } catch (const std::system_error&) {
-        break;  // no thread to be had: the ones started and this one read every part
-      }
-    }
-    work();
-    for (auto& t : pool) t.join();
-    for (const Status& s : errors)
-      if (!s.ok()) return s;
-    return Status::OK();
+    return InParallel(parts, config().max_threads, [&](size_t p) {
+      return pinned_->Get(offset + cuts[p], cuts[p + 1] - cuts[p], dst + cuts[p]);
+    });
+  }
+
+  // Up to --max-threads ranges in flight (each as ReadAt reads it).
+  Status ReadRanges(const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
+                    std::vector<std::string>* out) const override {
+    out->assign(ranges.size(), std::string());
+    for (size_t i = 0; i < ranges.size(); ++i) (*out)[i].resize(ranges[i].second);
+    return InParallel(ranges.size(), config().max_threads,
+                      [&](size_t i) { return ReadAt(ranges[i].first, ranges[i].second, (*out)[i].data()); });
   }
 
   Result<SourceFile> Identity() const override { return IdentityOf(info()); }

@@ -1,5 +1,6 @@
 #include "source/source.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace ckptfs {
@@ -20,6 +21,53 @@ Result<std::string> SourceObject::ReadString(uint64_t offset, uint64_t len) cons
   std::string out(len, '\0');
   RETURN_IF_ERROR(ReadAt(offset, len, out.data()));
   return out;
+}
+
+Status SourceObject::ReadRanges(const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
+                                std::vector<std::string>* out) const {
+  out->assign(ranges.size(), std::string());
+  for (size_t i = 0; i < ranges.size(); ++i) {
+    (*out)[i].resize(ranges[i].second);
+    RETURN_IF_ERROR(ReadAt(ranges[i].first, ranges[i].second, (*out)[i].data()));
+  }
+  return Status::OK();
+}
+
+Result<std::unique_ptr<WindowedObject>> WindowedObject::Fetch(const SourceObject& inner,
+                                                              std::vector<std::pair<uint64_t, uint64_t>> ranges) {
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<uint64_t, uint64_t>> merged;  // (offset, length)
+  for (const auto& [offset, len] : ranges) {
+    if (len == 0) continue;
+    if (!merged.empty() && offset <= merged.back().first + merged.back().second)
+      merged.back().second = std::max(merged.back().second, offset + len - merged.back().first);
+    else
+      merged.emplace_back(offset, len);
+  }
+  std::vector<std::string> bytes;
+  RETURN_IF_ERROR(inner.ReadRanges(merged, &bytes));
+  std::unique_ptr<WindowedObject> out(new WindowedObject(inner));
+  for (size_t i = 0; i < merged.size(); ++i) out->windows_.emplace(merged[i].first, std::move(bytes[i]));
+  return out;
+}
+
+Status WindowedObject::ReadAt(uint64_t offset, uint64_t len, char* dst) const {
+  auto it = windows_.upper_bound(offset);
+  if (it != windows_.begin()) {
+    --it;
+    const uint64_t at = offset - it->first;
+    if (at <= it->second.size() && len <= it->second.size() - at) {
+      std::memcpy(dst, it->second.data() + at, len);
+      return Status::OK();
+    }
+  }
+  return inner_.ReadAt(offset, len, dst);
+}
+
+uint64_t WindowedObject::bytes() const {
+  uint64_t n = 0;
+  for (const auto& [offset, w] : windows_) n += w.size();
+  return n;
 }
 
 Status MemoryObject::ReadAt(uint64_t offset, uint64_t len, char* dst) const {

@@ -84,6 +84,34 @@ class SourceObject {
 
   // [offset, offset + len) as a string, for callers that parse it.
   Result<std::string> ReadString(uint64_t offset, uint64_t len) const;
+
+  // Each of `ranges` (offset, length) into (*out)[i]; the first failure is
+  // the answer. Default: one after the other. A backend with round trips to
+  // hide (object storage) reads several at once.
+  virtual Status ReadRanges(const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
+                            std::vector<std::string>* out) const;
+};
+
+// Some ranges of an object read ahead at once (ReadRanges), and the object:
+// a read inside the ranges is answered from memory, any other goes to the
+// object. For parsers that know beforehand which small pieces they will
+// read (the framing of every DCP item of a file): over object storage, a
+// few GETs in parallel instead of one round trip per piece. The bytes are
+// those the object read; it must outlive this.
+class WindowedObject : public SourceObject {
+ public:
+  // Reads `ranges` of `inner`; overlapping or touching ones are read as one.
+  static Result<std::unique_ptr<WindowedObject>> Fetch(const SourceObject& inner,
+                                                       std::vector<std::pair<uint64_t, uint64_t>> ranges);
+  Status ReadAt(uint64_t offset, uint64_t len, char* dst) const override;
+  Result<SourceFile> Identity() const override { return inner_.Identity(); }
+  Result<std::unique_ptr<SourceObject>> Reopen() const override { return inner_.Reopen(); }
+  uint64_t bytes() const;  // held in memory
+
+ private:
+  explicit WindowedObject(const SourceObject& inner) : inner_(inner) {}
+  const SourceObject& inner_;
+  std::map<uint64_t, std::string> windows_;  // offset -> bytes; disjoint, not touching
 };
 
 // An object over bytes already in memory (decoded items, tests). Its

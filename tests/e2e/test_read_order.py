@@ -105,6 +105,24 @@ def test_each_source_byte_fetched_once_from_s3(mode, step, s3_step, s3_env, moun
     assert int(received.group(1)) <= 1.05 * step["tensor_bytes"], (mode, received.group(0), c)
 
 
+def test_indexing_over_s3_reads_each_gap_between_items_once(step, s3_step, s3_env, mount_factory):
+    """A fresh index of the step over S3 reads the zip framing of its
+    items (a torch.save archive each: records at both ends) in one ranged
+    GET per gap between neighbouring items, not one per record: at most one
+    GET per item, plus the metadata and sidecar reads. The items are
+    counted by torch from the step's own .metadata."""
+    import pickle
+    with open(os.path.join(step["dir"], ".metadata"), "rb") as f:
+        items = len(pickle.load(f).storage_data)
+    files = len(os.listdir(step["dir"]))
+    with mount_factory(s3_step, "--reindex") as m:
+        assert "model.safetensors" in os.listdir(m.p("consolidated"))
+    log = _final_log(m)
+    gets = re.search(r"s3: (\d+) ranged GETs", log)
+    assert gets, log[-2000:]
+    assert int(gets.group(1)) <= items + 2 * files, (gets.group(0), items, files)
+
+
 def test_sigusr1_reports_while_mounted(step, mount_factory):
     with mount_factory(step["dir"]) as m:
         _read_with("load_file", m.p("consolidated"), step["expected_path"])

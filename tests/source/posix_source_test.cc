@@ -143,5 +143,38 @@ TEST_F(RenumberingMount, UnchangedFileReadsWithoutFalseStaleAndAChangeIsStillSee
   EXPECT_NE(st.message().find("since indexing"), std::string::npos) << st.message();
 }
 
+// An object that counts the reads that reach it.
+class CountingObject : public MemoryObject {
+ public:
+  using MemoryObject::MemoryObject;
+  Status ReadAt(uint64_t offset, uint64_t len, char* dst) const override {
+    ++reads;
+    return MemoryObject::ReadAt(offset, len, dst);
+  }
+  mutable int reads = 0;
+};
+
+TEST(WindowedObject, ReadsInsideWindowsStayInMemoryOthersGoThrough) {
+  std::string bytes(10000, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = char(i * 7 % 251);
+  CountingObject inner(bytes);
+  // Two touching ranges and an overlapping one: read as two windows.
+  auto w = WindowedObject::Fetch(inner, {{1000, 500}, {1500, 500}, {5000, 100}, {5050, 100}});
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_EQ(inner.reads, 2);
+  EXPECT_EQ((*w)->bytes(), 1000u + 150u);
+  std::string got(1000, '\0');
+  ASSERT_TRUE((*w)->ReadAt(1200, 800, got.data()).ok());  // across the touching pair: one window
+  EXPECT_EQ(got.substr(0, 800), bytes.substr(1200, 800));
+  ASSERT_TRUE((*w)->ReadAt(5000, 150, got.data()).ok());
+  EXPECT_EQ(got.substr(0, 150), bytes.substr(5000, 150));
+  EXPECT_EQ(inner.reads, 2);
+  ASSERT_TRUE((*w)->ReadAt(1900, 200, got.data()).ok());  // past a window's end: from the object
+  EXPECT_EQ(got.substr(0, 200), bytes.substr(1900, 200));
+  EXPECT_EQ(inner.reads, 3);
+  // A range past the end fails the fetch as the object's read does.
+  EXPECT_EQ(WindowedObject::Fetch(inner, {{9990, 20}}).status().code(), Status::Code::kCorruption);
+}
+
 }  // namespace
 }  // namespace ckptfs
