@@ -83,7 +83,7 @@ FsResult<uint64_t> OpenFiles::Open(uint64_t ino, int flags) {
       if (!r) r = std::make_shared<ServedRecord>();
       record = r;
     }
-    h->order = ReaderOf(*h)->MakeOrderedFetch(n->layout, std::move(record));
+    h->order = ReaderOf(*h)->MakeOrderedFetch(n->layout, std::move(record), h->push);
   }
   ckpts_.Touch(n->ckpt);
   return reinterpret_cast<uint64_t>(h.release());

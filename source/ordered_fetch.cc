@@ -6,6 +6,8 @@
 #include <new>
 #include <system_error>
 
+#include <unistd.h>
+
 namespace ckptfs {
 namespace {
 
@@ -175,6 +177,7 @@ bool OrderedFetch::Noted(uint64_t offset, uint64_t length) {
 
 void OrderedFetch::Build() {
   std::map<FileId, IntervalSet> needed;
+  std::map<FileId, std::vector<Mapping>> maps;
   std::map<FileId, IntervalSet> left_out;  // source bytes of what was served already
   const IntervalSet served = served_->Get();
   for (uint64_t at = 0; at < layout_->size(); at += kPlanSlice) {
@@ -186,7 +189,9 @@ void OrderedFetch::Build() {
       const uint64_t v = at + c.dst_offset;
       uint64_t pos = v;
       auto add = [&](uint64_t b, uint64_t e) {
-        if (b < e) needed[c.file].Add(c.src_offset + (b - v), c.src_offset + (e - v));
+        if (b >= e) return;
+        needed[c.file].Add(c.src_offset + (b - v), c.src_offset + (e - v));
+        if (options_.sink) maps[c.file].push_back({c.src_offset + (b - v), b, e - b});
       };
       auto skip = [&](uint64_t b, uint64_t e) {
         if (b < e) left_out[c.file].Add(c.src_offset + (b - v), c.src_offset + (e - v));
@@ -225,6 +230,39 @@ void OrderedFetch::Build() {
       }
     }
   }
+  AttachMappings(maps);
+}
+
+void OrderedFetch::AttachMappings(std::map<FileId, std::vector<Mapping>>& maps) {
+  for (const auto& [file, ms] : maps) {
+    for (const Mapping& m : ms) {
+      // The first range that may hold the mapping's first byte, as Split finds it.
+      auto r = std::upper_bound(ranges_.begin(), ranges_.end(), std::make_pair(file, m.src),
+                                [](const std::pair<FileId, uint64_t>& k, const Range& x) {
+                                  return k < std::make_pair(x.file, x.offset);
+                                });
+      if (r != ranges_.begin()) --r;
+      for (; r != ranges_.end() && r->file == file && r->offset < m.src + m.len; ++r) {
+        const uint64_t b = std::max(m.src, r->offset), e = std::min(m.src + m.len, r->offset + r->length);
+        if (b < e) r->maps.push_back({b, m.virt + (b - m.src), e - b});
+      }
+    }
+  }
+}
+
+std::vector<std::pair<uint64_t, uint64_t>> OrderedFetch::Push(const Range& r, const char* bytes) {
+  static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
+  std::vector<std::pair<uint64_t, uint64_t>> pushed;
+  for (const Mapping& m : r.maps) {
+    const uint64_t b = (m.virt + page - 1) / page * page, e = (m.virt + m.len) / page * page;
+    if (e <= b) continue;  // no whole page: the consumer's request fills it
+    const uint64_t src = m.src + (b - m.virt);
+    served_->Add(b, e - b);
+    options_.sink(b, bytes + (src - r.offset), e - b);
+    options_.counters->served.fetch_add(e - b, std::memory_order_relaxed);
+    pushed.emplace_back(src, e - b);
+  }
+  return pushed;
 }
 
 void OrderedFetch::Split(const CopyOp& c, std::vector<Piece>* out) const {
@@ -273,11 +311,11 @@ void OrderedFetch::Work() {
       ranges_[i].state = State::kFetching;
     }
     options_.budget->Release(options_.range_bytes - ranges_[i].length);
-    FetchRange(i);
+    FetchRange(i, true);
   }
 }
 
-void OrderedFetch::FetchRange(size_t i) {
+void OrderedFetch::FetchRange(size_t i, bool push) {
   Range& r = ranges_[i];  // offset, length and file never change once built
   std::shared_ptr<char[]> bytes;
   Status st;
@@ -292,7 +330,7 @@ void OrderedFetch::FetchRange(size_t i) {
     if (st.ok()) {
       r.fetched = true;
       options_.counters->ordered.fetch_add(r.length, std::memory_order_relaxed);
-      r.bytes = std::move(bytes);
+      r.bytes = bytes;
       r.state = State::kHeld;
       if (r.needed.empty() || stop_.load()) Free(i);
     } else {
@@ -302,6 +340,12 @@ void OrderedFetch::FetchRange(size_t i) {
     }
   }
   changed_.notify_all();
+  if (!st.ok() || !push || !options_.sink || stop_.load()) return;
+  // Outside the lock: readers of the range's other bytes need not wait.
+  const auto pushed = Push(r, bytes.get());
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [src, len] : pushed)
+    if (r.state == State::kHeld) Delivered(i, src, len);
 }
 
 void OrderedFetch::Free(size_t i) {
@@ -337,7 +381,7 @@ Status OrderedFetch::Serve(const ReadPlan& plan, char* dst) {
       claimed.push_back(p.range);
     }
   }
-  for (size_t i : claimed) FetchRange(i);
+  for (size_t i : claimed) FetchRange(i, false);
   std::vector<std::pair<const Piece*, std::shared_ptr<char[]>>> held;
   // The ordinary path's share: pieces not held, and the bytes of converted
   // values (never planned) with their conversions.

@@ -23,6 +23,13 @@
 // same file (ServedRecord: the kernel keeps those pages), is left out of
 // the plan.
 //
+// Page cache. With a PageSink (the mount's notify_store), a fetched range
+// hands the whole pages it completes to the kernel's page cache at once, so
+// that the consumer's reads and page faults find them there instead of
+// asking the daemon; only pages that straddle two source ranges (a chunk
+// boundary off a page boundary) wait for the consumer's request. Pushed
+// bytes count as served: the range is freed once nothing else is needed.
+//
 // Memory. Held ranges of all open files of a mount share one FetchBudget
 // (`ckptfs mount --fetch-hold-mib`). A fetch thread waits for room before it
 // takes its next range; a reader that needs a range not fetched yet fetches
@@ -59,6 +66,7 @@
 #include "core/layout.h"
 #include "core/planner.h"
 #include "core/status.h"
+#include "source/tensor_push.h"
 
 namespace ckptfs {
 
@@ -148,6 +156,7 @@ class OrderedFetch {
     FetchBudget* budget = nullptr;      // not owned; outlives this
     FetchCounters* counters = nullptr;  // not owned; outlives this
     std::vector<bool> planned;          // by FileId: false for sources left to the ordinary path (derived)
+    PageSink sink;                      // the file's pages go here once fetched (empty: none are pushed)
   };
 
   // `served` is the file's record, shared by its handles (null: this
@@ -183,6 +192,10 @@ class OrderedFetch {
 
  private:
   enum class State { kQueued, kFetching, kHeld, kDone, kFailed };
+  // Source bytes [src, src + len) are virtual bytes [virt, virt + len).
+  struct Mapping {
+    uint64_t src, virt, len;
+  };
   struct Range {
     FileId file = 0;
     uint64_t offset = 0, length = 0;
@@ -190,6 +203,7 @@ class OrderedFetch {
     State state = State::kQueued;
     bool fetched = false;
     std::shared_ptr<char[]> bytes;  // while kHeld
+    std::vector<Mapping> maps;      // where its needed bytes go in the virtual file
   };
   // A piece of a copy, inside range `range` or in none (npos).
   struct Piece {
@@ -201,12 +215,20 @@ class OrderedFetch {
 
   // Builds ranges_ from the whole file's plan less what was served. REQUIRES: mu_.
   void Build();
+  // Gives each range the mappings of its bytes (`maps`: by file). REQUIRES: mu_.
+  void AttachMappings(std::map<FileId, std::vector<Mapping>>& maps);
+  // Hands the whole pages range `i` completes to options_.sink; returns
+  // them as (source offset, length), for Delivered.
+  std::vector<std::pair<uint64_t, uint64_t>> Push(const Range& r, const char* bytes);
   // The pieces of `c`, split at range boundaries. REQUIRES: mu_.
   void Split(const CopyOp& c, std::vector<Piece>* out) const;
   // The fetch threads' loop: ranges in order while there are any.
   void Work();
-  // Fetches range `i` (claimed: kFetching, its budget taken) and publishes it.
-  void FetchRange(size_t i);
+  // Fetches range `i` (claimed: kFetching, its budget taken) and publishes
+  // it; with `push`, then hands its pages to options_.sink. Only the fetch
+  // threads push: a reader's thread holds the kernel's locks on the pages
+  // of its own request, and a push into them would wait for itself.
+  void FetchRange(size_t i, bool push);
   // Marks [src, src + len) of range `i` served; frees it when nothing is left. REQUIRES: mu_.
   void Delivered(size_t i, uint64_t src, uint64_t len);
   // Frees range `i`'s bytes and budget. REQUIRES: mu_.

@@ -63,7 +63,8 @@ SourceReader::~SourceReader() {
 uint64_t SourceReader::bytes_read() const { return counters_->fetched.load(); }
 
 std::unique_ptr<OrderedFetch> SourceReader::MakeOrderedFetch(std::shared_ptr<const Layout> layout,
-                                                             std::shared_ptr<ServedRecord> served) {
+                                                             std::shared_ptr<ServedRecord> served,
+                                                             PageSink sink) {
   // With --verify-checksums every chunk passes its gate on the ordinary path.
   if (!read_.hold || gate_ || !layout || !OrderedFetch::Worth(*layout)) return nullptr;
   OrderedFetch::Options o;
@@ -71,6 +72,7 @@ std::unique_ptr<OrderedFetch> SourceReader::MakeOrderedFetch(std::shared_ptr<con
   o.threads = read_.hold_threads;
   o.budget = read_.hold.get();
   o.counters = counters_.get();
+  o.sink = std::move(sink);
   o.planned.resize(files_->size());
   for (FileId id = 0; id < files_->size(); ++id) o.planned[id] = !(*files_)[id].derived();
   // Whole ranges, read and then checked as every read is (the header's

@@ -134,9 +134,10 @@ class SourceReader {
   // A source-order fetch of the virtual file laid out by `layout`, for one
   // open handle (source/ordered_fetch.h), or null when it is off or the
   // file is not worth one.
-  // `served`: the file's record, shared by its handles.
+  // `served`: the file's record, shared by its handles; `sink`: where its
+  // pages go once fetched (the kernel's page cache; empty: nowhere).
   std::unique_ptr<OrderedFetch> MakeOrderedFetch(std::shared_ptr<const Layout> layout,
-                                                 std::shared_ptr<ServedRecord> served);
+                                                 std::shared_ptr<ServedRecord> served, PageSink sink = {});
 
   // True once any source was seen changed (reads of it fail from then on).
   bool any_stale() const { return any_stale_->load(); }

@@ -13,6 +13,10 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <thread>
+#include <mutex>
+#include <map>
+#include <chrono>
 
 #include "core/layout.h"
 #include "source/posix_source.h"
@@ -196,6 +200,46 @@ TEST(OrderedFetch, RequestRacingTheStartIsServedByThePlan) {
                       got.data() + 100 + 600 * kKiB).ok());
   EXPECT_TRUE(got == t.expected);
   EXPECT_EQ(r.reader->counters().fetched.load(), 4 * 200 * kKiB);
+}
+
+// With a sink, each fetched range's whole pages go to it at once, equal to
+// the file's bytes there; the requests that follow need only the pages
+// across range boundaries, and nothing is fetched twice.
+TEST(OrderedFetch, FetchedPagesArePushedAsTheFilesBytes) {
+  Files t = MakeFiles(8, 300 * kKiB);  // a 100-byte header: no tensor starts on a page
+  Reader r(t, 64ull << 20, 256 * kKiB);
+  std::mutex mu;
+  std::map<uint64_t, std::string> pushed;
+  PageSink sink = [&](uint64_t offset, const char* data, size_t len) {
+    std::lock_guard<std::mutex> lock(mu);
+    pushed[offset] = std::string(data, len);
+  };
+  auto f = r.reader->MakeOrderedFetch(t.layout, nullptr, sink);
+  std::string got(t.layout->size(), '\0');
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100, 4 * kKiB, got.data() + 100).ok());
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100 + 300 * kKiB, 4 * kKiB, got.data() + 100 + 300 * kKiB).ok());
+  ASSERT_TRUE(f->started());
+  const uint64_t sources = 8 * 300 * kKiB;
+  for (int i = 0; i < 500 && r.reader->counters().ordered.load() < sources - 8 * kKiB; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  uint64_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const auto& [offset, data] : pushed) {
+      EXPECT_EQ(offset % 4096, 0u);
+      EXPECT_TRUE(data == t.expected.substr(offset, data.size())) << offset;
+      bytes += data.size();
+    }
+  }
+  EXPECT_GE(bytes, sources - 8 * 2 * 4096 - 8 * kKiB);  // all but each tensor's two edge pages and the reads
+  for (uint64_t o = 0; o < t.layout->size(); o += 64 * kKiB)
+    ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, o, std::min<uint64_t>(64 * kKiB, t.layout->size() - o),
+                        got.data() + o).ok());
+  EXPECT_TRUE(got == t.expected);
+  // Every byte once, but the two first requests' 8 KiB: this pass asks for
+  // them again (a kernel keeps them), and they were never planned.
+  EXPECT_EQ(r.reader->counters().fetched.load(), sources + 8 * kKiB);
+  EXPECT_EQ(r.reader->counters().refetched.load(), 0u);
 }
 
 TEST(OrderedFetch, OneTensorFileIsNotPlanned) {
