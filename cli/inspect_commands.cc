@@ -1,6 +1,6 @@
 // The inspection subcommands: ls (tensor table), inspect, check, verify.
 // Each prints only what was asked (check and verify: only problems) and
-// returns an exit code from tools/cli.h.
+// returns an exit code from cli/cli.h.
 #include <fcntl.h>
 #include <fnmatch.h>
 #include <unistd.h>
@@ -28,7 +28,7 @@
 #include "source/posix_io.h"
 #include "source/posix_source.h"
 #include "source/source_reader.h"
-#include "tools/cli.h"
+#include "cli/cli.h"
 
 namespace ckptfs {
 namespace {

@@ -28,12 +28,12 @@
 #include "indexer/scan.h"
 #include "source/posix_source.h"
 #include "source/s3_source.h"
-#include "tools/progress.h"
+#include "cli/progress.h"
 
-#include "tools/cli.h"
-#include "tools/daemon.h"
-#include "tools/store_loader.h"
-#include "tools/log.h"
+#include "cli/cli.h"
+#include "cli/daemon.h"
+#include "cli/store_loader.h"
+#include "cli/log.h"
 
 namespace ckptfs {
 namespace {
@@ -242,7 +242,7 @@ std::optional<Log> OpenMountLog(const Flags& f, int* rc) {
 }
 
 // The mount's work, in the foreground or in the background child
-// (tools/daemon.h); `detach`, when set, is called once the mount is up.
+// (cli/daemon.h); `detach`, when set, is called once the mount is up.
 int MountAndServeFlags(Flags& f, const std::string& mountpoint, Log* out, std::function<void()> detach) {
   int rc = kExitOk;
   f.c.max_loaded = f.max_loaded;

@@ -1,4 +1,4 @@
-// The CLI's shared machinery (tools/cli.h).
+// The CLI's shared machinery (cli/cli.h).
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -26,13 +26,13 @@
 #include "fs/virtual_fs.h"
 #include "indexer/index_store.h"
 #include "indexer/scan.h"
-#include "tools/progress.h"
-#include "tools/store_loader.h"
+#include "cli/progress.h"
+#include "cli/store_loader.h"
 
 #include "source/posix_io.h"
 #include "source/posix_source.h"
 #include "source/s3_source.h"
-#include "tools/cli.h"
+#include "cli/cli.h"
 
 namespace ckptfs {
 
