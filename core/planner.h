@@ -95,7 +95,7 @@ struct GroupPolicy {
   // within one page costs no extra I/O (the kernel reads whole pages), so
   // 4 KiB merges the row pieces of column-sharded tensors into one read
   // without pulling in bytes another rank's view needs; measured with
-  // tools/bench_views.py (64 KiB read 2.45x the bytes of a tp4 rank view
+  // bench/bench_views.py (64 KiB read 2.45x the bytes of a tp4 rank view
   // whose rows are 512 bytes; 4 KiB, see docs/BENCHMARKS.md). 8 MiB bounds
   // the scratch buffer.
   uint64_t max_gap = 4 << 10;

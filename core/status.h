@@ -3,7 +3,7 @@
 // A Status is a value. ok() is cheap; errors come from named factories with a
 // precise message ("shard-00002-...: header length 1e18 exceeds file size").
 // No exception crosses a library boundary. Each code maps to one errno in
-// fs/fs_error.h (FsError::From), and to one exit code in tools/ (see docs/SEMANTICS.md).
+// fs/fs_error.h (FsError::From), and to one exit code in cli/cli.h (see docs/SEMANTICS.md).
 #pragma once
 
 #include <cassert>

@@ -1,6 +1,6 @@
 // Views: the virtual files made from a checkpoint (see docs/ARCHITECTURE.md,
 // "Virtual namespace"). Pure functions from the catalog to named Layouts; fs/ puts
-// them in the tree and tools/ reads them through the same planner.
+// them in the tree and cli/ reads them through the same planner.
 #pragma once
 
 #include <cstdint>

@@ -15,7 +15,7 @@ namespace ckptfs {
 struct MountOptions {
   bool debug = false;       // libfuse's request log
   // Called once the filesystem is mounted, before serving (a background
-  // mount detaches from the terminal there: tools/daemon.h). May be empty.
+  // mount detaches from the terminal there: cli/daemon.h). May be empty.
   std::function<void()> mounted;
   bool allow_other = false; // let other users in (needs user_allow_other)
   unsigned max_threads = 16;

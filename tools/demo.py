@@ -104,7 +104,7 @@ def evaluate_bf16(mnt: Path, refs: Path, step_no: int) -> bool:
 def from_object_storage(ckptfs: str, work: Path, root: Path, refs: Path, step_no: int) -> bool:
     """Uploads step_N to a local S3 server, mounts the bucket's prefix and
     evaluates the step from there."""
-    import s3_server  # tests/e2e/s3_server.py: SeaweedFS with one identity
+    import s3_server  # tools/s3_server.py: SeaweedFS, requests signed and checked
     (work / "seaweedfs").mkdir(exist_ok=True)
     server = s3_server.Server(work / "seaweedfs")
     s3mnt = work / "mnt-s3"

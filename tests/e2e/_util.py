@@ -23,7 +23,7 @@ from harness import (DEFAULT_BIN, ckptfs_bin, describe, is_mounted,  # noqa: F40
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
-# Exit codes of the CLI (tools/ckptfs.cc).
+# Exit codes of the CLI (cli/cli.h, docs/CLI.md).
 EXIT_OK = 0
 EXIT_USAGE = 2
 EXIT_NO_SOURCE = 3

@@ -35,8 +35,10 @@ from pathlib import Path
 import pytest
 
 E2E_DIR = Path(__file__).resolve().parent
-if str(E2E_DIR) not in sys.path:
-    sys.path.insert(0, str(E2E_DIR))
+# tools/: s3_server.py, the S3 server the tests, the benchmarks and the demo share.
+for _dir in (E2E_DIR.parent.parent / "tools", E2E_DIR):
+    if str(_dir) not in sys.path:
+        sys.path.insert(0, str(_dir))
 
 import ckpt_gen  # noqa: E402
 import harness  # noqa: E402
@@ -224,7 +226,7 @@ def mount_factory(ckptfs_bin, tmp_path_factory):
 
 
 # ---------------------------------------------------------------------------
-# a real S3 server (s3_server.py)
+# a real S3 server (tools/s3_server.py)
 # ---------------------------------------------------------------------------
 
 

@@ -35,7 +35,7 @@ if E2E_DIR not in sys.path:
 import families_gen  # noqa: E402
 import harness  # noqa: E402
 
-EXIT_NO_SOURCE = 3  # tools/ckptfs.cc
+EXIT_NO_SOURCE = 3  # cli/cli.h
 
 CKPTS = {"llama": ("llama", "fused"), "qwen2": ("qwen2", "fused"), "phi3": ("phi3", "fused"),
          "gemma": ("gemma", "fused"), "mixtral": ("mixtral", "fused"),

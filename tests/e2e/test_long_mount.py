@@ -3,7 +3,7 @@ unloaded and loaded again, a file that exists always opens, a checkpoint
 whose load failed is loaded once the store is repaired, and a fault that
 fails every read leaves a small log with counts.
 
-The churn (tools/bench_churn.py, also run for an hour by hand) opens files
+The churn (bench/bench_churn.py, also run for an hour by hand) opens files
 of four checkpoints through `--max-loaded 1`, so nearly every open unloads
 one checkpoint and loads another; the expected values are computed here."""
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from bench_churn import Churn, count_unloads, daemon_pid, full_tensor, make_root, rss_bytes  # noqa: E402
 from harness import Mounted, describe, run_ckptfs  # noqa: E402
 

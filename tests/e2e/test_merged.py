@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM
 import fsdp_lora_gen
 import lora_gen
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from bench_churn import daemon_pid  # noqa: E402
 
 IDS = torch.tensor([[1, 5, 9, 13, 2, 40, 77, 96]])

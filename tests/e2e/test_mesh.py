@@ -51,7 +51,7 @@ import ckpt_gen  # noqa: E402
 import mesh_oracle  # noqa: E402
 import harness  # noqa: E402
 
-EXIT_NO_SOURCE = 3  # tools/ckptfs.cc
+EXIT_NO_SOURCE = 3  # cli/cli.h
 
 # ---------------------------------------------------------------------------
 # checkpoints

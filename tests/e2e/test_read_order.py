@@ -1,7 +1,7 @@
 """A DCP step read through consolidated/ fetches each source byte once
 (source/ordered_fetch.h): a sequential read(), safetensors' load_file,
 transformers' from_pretrained and safe_open in reverse and random order,
-on local disk and through a real S3 server (SeaweedFS, s3_server.py), each
+on local disk and through a real S3 server (SeaweedFS, tools/s3_server.py), each
 on a fresh mount whose own log says what it fetched. The bytes are judged
 by safetensors/transformers against the tensors the step was made from
 (order_gen.py); what was fetched against the tensors' size computed from

@@ -1,6 +1,6 @@
 """`ckptfs mount s3://BUCKET/PREFIX` and the commands that read through the
 mount tree (ls, cat, export, inspect, verify) against a real S3 server
-(SeaweedFS, SigV4 checked; s3_server.py). Checkpoints written by real torch
+(SeaweedFS, SigV4 checked; tools/s3_server.py). Checkpoints written by real torch
 (torch's HF writer on 2 gloo ranks, dcp.save of DTensors on 2 gloo ranks)
 are uploaded with boto3; what the mount serves is judged by safetensors,
 numpy, transformers and numpy slicing of the saved tensors.

@@ -2,7 +2,7 @@
 """Saving a host state dict: ckptfs StorageWriter vs torch's FileSystemWriter
 (thread_count 1 and 4) vs a raw write of the same bytes with fsync.
 
-    python3 tools/bench_writer.py [--gib 2] [--dir /tmp/bench_writer] [--repeat 1] [--async]
+    python3 bench/bench_writer.py [--gib 2] [--dir /tmp/bench_writer] [--repeat 1] [--async]
 
 One process, no torch.distributed (dcp.save(no_dist=True)). The state dict
 is 2 GiB of float32/bfloat16 tensors of Llama-like shapes (embedding, MLP

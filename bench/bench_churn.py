@@ -15,7 +15,7 @@ another. Each EVERY seconds it prints one line:
 growth after the warm-up (the first EVERY seconds). Exit status 1 when any
 open failed or returned wrong values.
 
-    python3 tools/bench_churn.py --bin build/ckptfs --seconds 3600 --every 60
+    python3 bench/bench_churn.py --bin build/ckptfs --seconds 3600 --every 60
 
 The e2e test tests/e2e/test_long_mount.py runs the same churn for seconds.
 """

@@ -1,6 +1,6 @@
-// The inspection subcommands: ls (tensor table), inspect, check, verify.
-// Each prints only what was asked (check and verify: only problems) and
-// returns an exit code from tools/cli.h.
+// The inspection subcommands: inspect, check, verify, and the tensor table
+// `ls` prints. Each prints only what was asked (check and verify: only
+// problems) and returns an exit code from cli/cli.h.
 #include <fcntl.h>
 #include <fnmatch.h>
 #include <unistd.h>
@@ -28,7 +28,7 @@
 #include "source/posix_io.h"
 #include "source/posix_source.h"
 #include "source/source_reader.h"
-#include "tools/cli.h"
+#include "cli/commands.h"
 
 namespace ckptfs {
 namespace {
@@ -571,6 +571,50 @@ int RunVerify(VirtualFs& fs, const std::string& against, bool as_json) {
                  crc.c_str(), problems.empty() ? "no problems" : (std::to_string(problems.size()) + " problem(s)").c_str());
   }
   return problems.empty() ? kExitOk : kExitProblems;
+}
+
+Handler DefineInspect(CLI::App* cmd, Common& c) {
+  struct Flags {
+    std::string name;
+    bool json = false;
+  };
+  auto f = std::make_shared<Flags>();
+  cmd->add_option("ROOT", c.root, "Checkpoint directory")->required();
+  cmd->add_option("NAME", f->name, "Tensor name (fqn), as `ckptfs ls` prints it")->required();
+  cmd->add_flag("--json", f->json, "Print JSON");
+  AddCommon(cmd, c, true);
+  cmd->footer("\nExample:\n  ckptfs inspect /ckpts/step_100 model.embed_tokens.weight\n");
+  return [f, &c] {
+    int rc = kExitOk;
+    auto fs = OpenFs(c, &rc);
+    return fs ? RunInspect(*fs, f->name, f->json) : rc;
+  };
+}
+
+Handler DefineCheck(CLI::App* cmd, Common& c) {
+  cmd->add_option("ROOT", c.root, "Checkpoint directory")->required();
+  AddCommon(cmd, c, false);
+  cmd->footer("\nExample:\n  ckptfs check /ckpts/step_100 && echo clean\n\nPrints each problem, then one summary line; exit status 0 when clean, 5 when there are problems.\n");
+  return [&c] { return RunCheck(c); };
+}
+
+Handler DefineVerify(CLI::App* cmd, Common& c) {
+  struct Flags {
+    std::string against;
+    bool json = false;
+  };
+  auto f = std::make_shared<Flags>();
+  cmd->add_option("ROOT", c.root, "Checkpoint directory")->required();
+  cmd->add_option("--against", f->against, "Compare consolidated/ tensor by tensor with this Hugging Face folder");
+  cmd->add_flag("--json", f->json, "Print JSON");
+  AddCommon(cmd, c, true);
+  cmd->footer("\nExamples:\n  ckptfs verify /ckpts/step_100\n  ckptfs verify /ckpts/step_100 --against /models/reference-hf\n\n"
+              "Prints each problem, then one summary line; exit status 0 when clean, 5 when there are problems.\n");
+  return [f, &c] {
+    int rc = kExitOk;
+    auto fs = OpenFs(c, &rc);
+    return fs ? RunVerify(*fs, f->against, f->json) : rc;
+  };
 }
 
 }  // namespace ckptfs

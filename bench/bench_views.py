@@ -10,7 +10,7 @@
    to serve the whole rank folder (from /proc/<daemon>/io rchar) next to the
    size of that folder, and the same for one pipeline stage (`tp2-pp2`).
 
-    python3 tools/bench_views.py [--dir DIR] [--layers 120] [--hidden 256] [--json]
+    python3 bench/bench_views.py [--dir DIR] [--layers 120] [--hidden 256] [--json]
 """
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 """End to end: from a sharded checkpoint on disk to every tensor loaded,
 through ckptfs vs through torch's own consolidation (docs/BENCHMARKS.md).
 
-The checkpoint is tools/bench.py's (torch's sharded safetensors layout with
+The checkpoint is bench/common.py's (torch's sharded safetensors layout with
 DCP_SHARDING_INFO, RANKS ranks, BF16 and F32, split on dim 0 and dim 1).
 Each pass starts with the page cache dropped and no index, then times:
 
@@ -18,7 +18,7 @@ Each pass starts with the page cache dropped and no index, then times:
 Prints the best of --repeat for each and the ratios (ckptfs ÷ torch: the
 target is <= 0.3), with the load average. Run it on a quiet machine.
 
-    python3 tools/bench_e2e.py [--dir DIR] [--size-gib 2] [--ranks 4] [--repeat 3] [--bin build/ckptfs]
+    python3 bench/bench_e2e.py [--dir DIR] [--size-gib 2] [--ranks 4] [--repeat 3] [--bin build/ckptfs]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402  (tools/bench.py: the checkpoint, the mount, the load pattern)
+import common  # noqa: E402  (bench/common.py: the checkpoint, the mount, the load pattern)
 
 
 def safetensors_in(folder: str) -> list[str]:
@@ -41,12 +41,12 @@ def safetensors_in(folder: str) -> list[str]:
 def ckptfs_pass(args, ckpt: str, work: str) -> tuple[float, int]:
     index, mnt = os.path.join(work, "index"), os.path.join(work, "mnt")
     shutil.rmtree(index, ignore_errors=True)
-    bench.drop_caches()
-    mount = bench.Mounted(args.bin, ckpt, mnt, index, os.path.join(work, "mount.log"))
+    common.drop_caches()
+    mount = common.Mounted(args.bin, ckpt, mnt, index, os.path.join(work, "mount.log"))
     t0 = time.monotonic()
     try:
         mount.start()
-        n = bench.safe_open_pass(safetensors_in(os.path.join(mnt, "consolidated")))
+        n = common.safe_open_pass(safetensors_in(os.path.join(mnt, "consolidated")))
         return time.monotonic() - t0, n
     finally:
         mount.stop()
@@ -56,19 +56,19 @@ def torch_pass(ckpt: str, out: str, fqns: list[str]) -> tuple[float, int, int]:
     from torch.distributed.checkpoint._consolidate_hf_safetensors import consolidate_safetensors_files
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
-    bench.drop_caches()
+    common.drop_caches()
     t0 = time.monotonic()
     consolidate_safetensors_files(input_dir=ckpt, output_dir=out, fqn_to_index_mapping=dict.fromkeys(fqns, 1),
                                   num_threads=1)
-    n = bench.safe_open_pass(safetensors_in(out))
+    n = common.safe_open_pass(safetensors_in(out))
     secs = time.monotonic() - t0
     return secs, n, sum(os.path.getsize(p) for p in safetensors_in(out))
 
 
 def real_pass(out: str) -> tuple[float, int]:
-    bench.drop_caches()
+    common.drop_caches()
     t0 = time.monotonic()
-    n = bench.safe_open_pass(safetensors_in(out))
+    n = common.safe_open_pass(safetensors_in(out))
     return time.monotonic() - t0, n
 
 
@@ -78,16 +78,16 @@ def main() -> int:
     ap.add_argument("--size-gib", type=float, default=2.0)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--bin", default=os.environ.get("CKPTFS_BIN", os.path.join(bench.REPO, "build", "ckptfs")))
+    ap.add_argument("--bin", default=os.environ.get("CKPTFS_BIN", os.path.join(common.REPO, "build", "ckptfs")))
     args = ap.parse_args()
-    if bench.drop_caches() is not None:
+    if common.drop_caches() is not None:
         sys.exit("bench_e2e: needs /proc/sys/vm/drop_caches (root) for cold passes")
 
     def log(msg: str, end: str = "\n") -> None:
         print(msg, end=end, file=sys.stderr, flush=True)
 
     ckpt, work = os.path.join(args.dir, "checkpoint"), os.path.join(args.dir, "work")
-    manifest = bench.ensure_checkpoint(ckpt, args.size_gib, args.ranks, 0, log)
+    manifest = common.ensure_checkpoint(ckpt, args.size_gib, args.ranks, 0, log)
     os.makedirs(work, exist_ok=True)
     load = os.getloadavg()
     best = {"ckptfs": float("inf"), "torch": float("inf"), "real": float("inf")}

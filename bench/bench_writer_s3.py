@@ -3,8 +3,8 @@
 s3torchconnector's S3StorageWriter vs a boto3 upload of the same bytes with
 8 threads (TransferConfig: multipart, 8 parts in flight).
 
-    python3 tools/bench_writer_s3.py --seaweedfs /tmp/bench-s3 [--gib 2]
-    python3 tools/bench_writer_s3.py --endpoint http://minio:9000 --bucket ckpts [--gib 2]
+    python3 bench/bench_writer_s3.py --seaweedfs /tmp/bench-s3 [--gib 2]
+    python3 bench/bench_writer_s3.py --endpoint http://minio:9000 --bucket ckpts [--gib 2]
 
 One process per contender (dcp.save(no_dist=True); the same state dict,
 built from a fixed seed, the same server and bucket, each under its own
@@ -12,7 +12,7 @@ prefix, deleted afterwards), so each one's host memory is its own: the
 figure is the peak RSS (VmHWM) minus the RSS once the state dict is built
 and the writer made (imports and set-up are outside the clock too).
 With --seaweedfs DIR a local SeaweedFS is started in DIR
-(tools/s3_local.py) and stopped at the end; otherwise the AWS_* environment (or
+(tools/s3_server.py) and stopped at the end; otherwise the AWS_* environment (or
 --endpoint, --bucket) says where. Prints seconds, GB/s and the ratio to
 boto3's upload, best of --repeat. Run it on a quiet machine.
 """
@@ -134,15 +134,16 @@ def main() -> None:
         return
     server = None
     if args.seaweedfs:
-        import s3_local
+        sys.path.insert(0, os.path.join(HERE, "..", "tools"))
+        import s3_server
         from pathlib import Path
         os.makedirs(args.seaweedfs, exist_ok=True)
         # 64 MB volumes; a deleted prefix's space comes back only once the
         # server compacts, so every save of every pass needs room of its own.
         volumes = int(args.gib * len(CONTENDERS) * args.repeat * 16 * 1.25) + 16
-        server = s3_local.Server(Path(args.seaweedfs), volumes=volumes)
-        args.endpoint, args.bucket = server.endpoint, s3_local.BUCKET
-        os.environ.update(AWS_ACCESS_KEY_ID=s3_local.ACCESS_KEY, AWS_SECRET_ACCESS_KEY=s3_local.SECRET_KEY)
+        server = s3_server.Server(Path(args.seaweedfs), volumes=volumes, max_attempts=None, pool=32)
+        args.endpoint, args.bucket = server.endpoint, s3_server.BUCKET
+        os.environ.update(AWS_ACCESS_KEY_ID=s3_server.ACCESS_KEY, AWS_SECRET_ACCESS_KEY=s3_server.SECRET_KEY)
     os.environ["AWS_ENDPOINT_URL"] = args.endpoint
     env = dict(os.environ)
     try:

@@ -1,4 +1,4 @@
-#include "tools/progress.h"
+#include "cli/progress.h"
 
 #include <unistd.h>
 

@@ -8,7 +8,7 @@ each page by its flags: part of a large folio (compound head or tail) or a
 folio of its own. A FUSE file and the ext4 shard behind it tell whether the
 warm gap of docs/BENCHMARKS.md is the kernel's folio size.
 
-    python3 tools/page_cache_folios.py /mnt/ckpt/consolidated/model.safetensors shard.safetensors
+    python3 bench/page_cache_folios.py /mnt/ckpt/consolidated/model.safetensors shard.safetensors
 """
 import argparse
 import mmap

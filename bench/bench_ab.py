@@ -9,7 +9,7 @@ wall time of the pass (best and median) and the CPU the mount daemon spent
 on it (utime + stime from /proc/PID/stat), which is far steadier than wall
 time on a shared 2-core machine.
 
-    python3 tools/bench_ab.py --root /tmp/ckptfs-bench/checkpoint \\
+    python3 bench/bench_ab.py --root /tmp/ckptfs-bench/checkpoint \\
         --config old=/tmp/ckptfs-old --config new=build/ckptfs --passes 7
 
 A configuration is NAME=BINARY[,MOUNT_ARG...]. `--pattern` picks sequential
@@ -30,7 +30,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402  (the mount, cache and client helpers)
+import common  # noqa: E402  (bench/common.py: the mount, cache and client helpers)
 
 
 def daemon_cpu_seconds(pid: int) -> float:
@@ -47,9 +47,9 @@ def parse_config(text: str) -> tuple[str, str, list[str]]:
     return name, os.path.abspath(binary), extra
 
 
-def one_pass(mount: bench.Mounted, rels: list[str], pattern: str) -> tuple[float, float, int]:
+def one_pass(mount: common.Mounted, rels: list[str], pattern: str) -> tuple[float, float, int]:
     paths = [os.path.join(mount.mnt, rel) for rel in rels]
-    how = bench.make_cold(paths)
+    how = common.make_cold(paths)
     if how != "drop_caches":
         raise SystemExit("bench_ab needs root to drop the page cache (cold passes)")
     cpu0 = daemon_cpu_seconds(mount.proc.pid)
@@ -60,7 +60,7 @@ def one_pass(mount: bench.Mounted, rels: list[str], pattern: str) -> tuple[float
 def timed_read(paths: list[str], pattern: str) -> tuple[float, int]:
     """Reads every path, one reader thread per path (one file: the calling
     thread), and returns (wall seconds, bytes)."""
-    fn = bench.read_pass if pattern == "read" else bench.safe_open_pass
+    fn = common.read_pass if pattern == "read" else common.safe_open_pass
     t0 = time.monotonic()
     if len(paths) == 1:
         n = fn(paths)
@@ -72,13 +72,13 @@ def timed_read(paths: list[str], pattern: str) -> tuple[float, int]:
 
 def reference_pass(paths: list[str], pattern: str) -> tuple[float, float, int]:
     """The same read of real files holding the same bytes, cold."""
-    if bench.make_cold(paths) != "drop_caches":
+    if common.make_cold(paths) != "drop_caches":
         raise SystemExit("bench_ab needs root to drop the page cache (cold passes)")
     wall, n = timed_read(paths, pattern)
     return wall, 0.0, n
 
 
-def export_reference(mount: bench.Mounted, rels: list[str], out: str) -> list[str]:
+def export_reference(mount: common.Mounted, rels: list[str], out: str) -> list[str]:
     """Copies each virtual file to a real file under `out` (same bytes)."""
     paths = []
     for i, rel in enumerate(rels):
@@ -90,7 +90,7 @@ def export_reference(mount: bench.Mounted, rels: list[str], out: str) -> list[st
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--root", required=True, help="the checkpoint tree to mount (e.g. bench.py's --dir/checkpoint)")
+    ap.add_argument("--root", required=True, help="the checkpoint tree to mount (e.g. bench_read.py's --dir/checkpoint)")
     ap.add_argument("--file", action="append",
                     help="virtual file to read (relative; default consolidated/model.safetensors); "
                          "repeat it for concurrent readers, one thread per file")
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         for name, binary, extra in args.config:
             d = os.path.join(work, name)
             os.makedirs(d)
-            m = bench.Mounted(binary, args.root, os.path.join(d, "mnt"), os.path.join(d, "index"),
+            m = common.Mounted(binary, args.root, os.path.join(d, "mnt"), os.path.join(d, "index"),
                               os.path.join(d, "mount.log"), extra)
             m.start()
             mounts[name] = m

@@ -12,7 +12,7 @@ before the save returns, is the commit point). Polls
 MNT/step_N/consolidated/ every millisecond and prints each latency and the
 median, with the load average.
 
-    python3 tools/bench_live.py [--steps 10] [--tensors 200] [--writer] [--bin build/ckptfs] [--rescan-ms 2000]
+    python3 bench/bench_live.py [--steps 10] [--tensors 200] [--writer] [--bin build/ckptfs] [--rescan-ms 2000]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 followed by fsync: whether a rank's writes should be spread over several
 files (docs/BENCHMARKS.md, "The writer on the host").
 
-    python3 tools/bench_pwrite_files.py [--dir /tmp/bench_pwrite] [--repeat 3]
+    python3 bench/bench_pwrite_files.py [--dir /tmp/bench_pwrite] [--repeat 3]
 
 Each thread writes 64 MiB blocks of random bytes; in the one-file case the
 threads take alternate blocks of the same file, in the two-file case each

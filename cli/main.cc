@@ -1,0 +1,102 @@
+// ckptfs: mount sharded training checkpoints as the files tools expect.
+//
+// Thin by design: each subcommand parses its flags and calls the libraries.
+// kCommands below is the one list of subcommands: `ckptfs --help` lists it
+// and the parsed command line is dispatched through it. A new subcommand is
+// a row here and a file that defines it (cli/commands.h says what the file
+// provides). Exit codes: cli/cli.h, docs/CLI.md.
+#include <cstdio>
+#include <exception>
+#include <utility>
+#include <vector>
+
+#include "cli/commands.h"
+
+namespace ckptfs {
+namespace {
+
+const char kVersion[] = "ckptfs " CKPTFS_VERSION;
+
+const char kExamples[] = R"(
+Examples:
+  ckptfs index  /ckpts/step_100                 # build the index (once per checkpoint)
+  ckptfs mount  /ckpts/step_100 /mnt/s100       # serve it; unmount with fusermount3 -u /mnt/s100
+  ls -l /mnt/s100/model/consolidated/           # a Hugging Face folder, computed on read
+  ckptfs ls     /ckpts/step_100 model/consolidated
+  ckptfs cat    /ckpts/step_100 model/consolidated/model.safetensors.index.json
+  ckptfs export /ckpts/step_100 model/consolidated /tmp/hf   # materialise a view
+  ckptfs mount  s3://bucket/run1 /mnt/run1      # object storage (AWS_* variables, ~/.aws)
+  ckptfs mount  s3://bucket/run1 /mnt/run1 --cache /var/cache/ckptfs --max-cache-size 50G
+
+Docs: docs/CLI.md (flags, exit codes), docs/SEMANTICS.md (what the mount serves).
+)";
+
+Handler DefineVersion(CLI::App*, Common&) {
+  return [] { return std::printf("%s\n", kVersion), int(kExitOk); };
+}
+
+// `ckptfs help`: the program's own --help.
+Handler DefineHelp(CLI::App* cmd, Common&) {
+  const CLI::App* app = cmd->get_parent();
+  return [app] { return std::printf("%s", app->help().c_str()), int(kExitOk); };
+}
+
+// Every subcommand, in the order `ckptfs --help` lists them.
+const Command kCommands[] = {
+    {"index", "Build the index of a checkpoint tree (RocksDB)", DefineIndex},
+    {"mount", "Mount a checkpoint tree read-only (indexes it first if needed)", DefineMount},
+    {"ls", "List tensors (no PATH) or a directory of the virtual tree (PATH), without mounting", DefineLs},
+    {"inspect", "Show one tensor: chunks, files, byte ranges, and statistics read from it", DefineInspect},
+    {"cat", "Write a file of the virtual tree to stdout, without mounting", DefineCat},
+    {"export", "Copy a file or directory of the virtual tree to real files", DefineExport},
+    {"check", "Report holes, overlaps, changed sources and unreadable items", DefineCheck},
+    {"verify", "Read every byte of every virtual file and validate each safetensors file", DefineVerify},
+    {"version", "Print the version", DefineVersion},
+    {"help", "Print this help", DefineHelp},
+};
+
+// The flags every subcommand shares, checked and completed once parsed.
+int ResolveCommon(Common& c) {
+  auto size = ParseSize(c.max_file_size);
+  if (!size) {
+    Error("--max-file-size: cannot read '" + c.max_file_size + "' as a size (try 5GB or 512MiB)");
+    return kExitUsage;
+  }
+  c.max_file_bytes = *size;
+  return ResolveCacheFlags(c);
+}
+
+int Main(int argc, char** argv) {
+  CLI::App app{"ckptfs: mount sharded training checkpoints as Hugging Face folders, computed on read."};
+  app.footer(kExamples);
+  app.require_subcommand(1);
+  app.set_version_flag("--version", kVersion);
+  Common common;
+  std::vector<std::pair<const CLI::App*, Handler>> handlers;
+  for (const Command& row : kCommands) {
+    CLI::App* cmd = app.add_subcommand(row.name, row.summary);
+    handlers.emplace_back(cmd, row.define(cmd, common));
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int rc = app.exit(e);
+    return rc == 0 ? kExitOk : kExitUsage;
+  }
+  if (int rc = ResolveCommon(common); rc != kExitOk) return rc;
+  for (const auto& [cmd, run] : handlers)
+    if (cmd->parsed()) return run();
+  return kExitUsage;  // unreachable: require_subcommand(1)
+}
+
+}  // namespace
+}  // namespace ckptfs
+
+int main(int argc, char** argv) {
+  try {
+    return ckptfs::Main(argc, argv);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ckptfs: internal error: %s\n", e.what());
+    return 1;
+  }
+}
