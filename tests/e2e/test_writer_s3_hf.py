@@ -12,7 +12,9 @@ Through the fault proxy (s3_fault_proxy.py): a fault that never clears on
 the uploads of rank 2's shard, on the completion of rank 1's shard (the
 coordinator has completed rank 2's by then) and on the commit record's PUT
 each fail the save on both ranks and leave no shard, no record and no open
-multipart upload, and an earlier step under the prefix as it was.
+multipart upload, and an earlier step under the prefix as it was; a live
+mount never serves the step while a shard is missing. A re-save by fewer
+ranks leaves no shard of the earlier save.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 import time
 
 import pytest
@@ -153,13 +156,51 @@ def _assert_nothing_left(boto, root: str, earlier: dict[str, str]) -> None:
     assert _keys(boto, f"{root}/step_1/") == earlier  # the earlier step, object for object
 
 
+def test_a_resave_by_fewer_ranks_leaves_no_shard_of_the_earlier_save(s3_server, tmp_path):
+    """Saved by 2 ranks, then again by 1 into the same step: the earlier
+    save's shards go before the new one is written (as in a directory), so
+    the step is the new save's one shard, which the stock reader loads."""
+    boto = s3_server["client"]
+    url = f"s3://{BUCKET}/hf_fewer/step_1"
+    _save(s3_server["port"], url, tmp_path, 3, "save by 2")
+    job = {"kind": "save", "seed": 4, "dir": url, "oracle": str(tmp_path / "oracle4.pt")}
+    spawn_ranks(GEN, 1, job, name="save by 1", env=aws_env(s3_server["port"]), timeout=240)
+    assert set(_keys(boto, "hf_fewer/step_1/")) == {SHARDS[0], RECORD}
+    local = tmp_path / "one"
+    local.mkdir()
+    (local / SHARDS[0]).write_bytes(_get(boto, f"hf_fewer/step_1/{SHARDS[0]}"))
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    oracle = torch.load(job["oracle"], weights_only=True)
+    target = {k: torch.zeros_like(v) for k, v in oracle.items()}
+    dcp.load(target, storage_reader=HuggingFaceStorageReader(str(local)), no_dist=True)
+    bad = [k for k, v in oracle.items() if not _equal(v, target[k])]
+    assert not bad, bad
+
+
+def _watch(path: str, boto, prefix: str, stop: threading.Event, seen: list, alone: list) -> None:
+    """Until ``stop``: whether ``path`` (a view of the mount) ever exists,
+    and whether boto3 ever lists rank 2's shard under ``prefix`` without
+    rank 1's (the window in which a mount must not serve the step)."""
+    while not stop.is_set():
+        if os.path.exists(path):
+            seen.append(time.monotonic())
+        if set(_keys(boto, prefix)) == {SHARDS[1]}:
+            alone.append(time.monotonic())
+        stop.wait(0.05)
+
+
 @pytest.mark.parametrize("where", ["upload", "completion", "record"])
-def test_a_fault_that_never_clears_leaves_no_step_and_no_upload(s3_server, tmp_path, where):
+def test_a_fault_that_never_clears_leaves_no_step_and_no_upload(s3_env, mount_factory, tmp_path, where):
     """``upload``: every part of rank 2's shard answered SlowDown (a rank
     fails in write_data); ``completion``: the coordinator's completion of
     rank 1's shard (rank 2's is complete by then: it must be deleted
-    again); ``record``: the commit record's PUT (both shards complete)."""
+    again); ``record``: the commit record's PUT (both shards complete).
+    A live mount of the prefix watches: until rank 1's shard is completed
+    the step is never served (rank 2's shard alone is no step), so with
+    the first two faults step_2/consolidated/ never shows."""
     from s3_fault_proxy import FaultProxy
+    s3_server = s3_env
     boto = s3_server["client"]
     root = f"hf_never_{where}"
     _save(s3_server["port"], f"s3://{BUCKET}/{root}/step_1", tmp_path, 1, "earlier step")
@@ -171,13 +212,27 @@ def test_a_fault_that_never_clears_leaves_no_step_and_no_upload(s3_server, tmp_p
     proxy = FaultProxy(s3_server["port"], seed=21, p_slowdown=0, p_reset=0, p_truncate=0,
                        script={target: ["slowdown"] * 1000})
     t0 = time.monotonic()
+    stop, shown, alone = threading.Event(), [], []
     try:
-        with pytest.raises(RuntimeError) as failed:
-            _save(proxy.port, f"s3://{BUCKET}/{root}/step_2", tmp_path, 2, "save that never gets through")
+        with mount_factory(f"s3://{BUCKET}/{root}", "--rescan-ms", "100") as m:
+            assert os.path.isdir(m.p("step_1", "consolidated"))
+            watcher = threading.Thread(target=_watch, args=(m.p("step_2", "consolidated"), boto, f"{root}/step_2/",
+                                                            stop, shown, alone))
+            watcher.start()
+            try:
+                with pytest.raises(RuntimeError) as failed:
+                    _save(proxy.port, f"s3://{BUCKET}/{root}/step_2", tmp_path, 2, "save that never gets through")
+            finally:
+                stop.set()
+                watcher.join()
         faulted = proxy.counts["slowdown"]
     finally:
         proxy.close()
     assert time.monotonic() - t0 < 200
+    if where == "completion":  # rank 2's shard stood alone for the retries' length
+        assert alone, "the watch never saw rank 2's shard completed alone"
+    if where != "record":  # never a step
+        assert shown == [], "step_2 was served with a shard missing"
     assert faulted >= 2, faulted  # the fault was met (and retried)
     message = str(failed.value)
     assert "--- rank 0 ---" in message and "--- rank 1 ---" in message, message
