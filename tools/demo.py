@@ -237,7 +237,8 @@ def main() -> int:
     ap.add_argument("--workdir", help="where the training root goes (default: a new temp dir)")
     ap.add_argument("--steps", type=int, default=9, help="training steps (default 9)")
     ap.add_argument("--save-every", type=int, default=3, help="save a checkpoint every K steps (default 3)")
-    ap.add_argument("--keep-mounted", action="store_true", help="leave the local mount up for exploring (the S3 server and its mount stop at the end)")
+    ap.add_argument("--keep-mounted", action="store_true",
+                    help="leave the local mount up for exploring (the S3 server and its mount stop at the end)")
     args = ap.parse_args()
 
     ckptfs = os.environ.get("CKPTFS_BIN", str(ROOT / "build" / "ckptfs"))
