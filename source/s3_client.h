@@ -134,7 +134,7 @@ class S3Client {
   Status Probe(const std::string& prefix) const;
 
   // Ranged GETs answered in full so far, and their bytes (what a mount
-  // fetched: logged when it ends, read by tools/bench_s3.py).
+  // fetched: logged when it ends, read by bench/bench_s3.py).
   struct Stats {
     uint64_t gets = 0;
     uint64_t bytes = 0;

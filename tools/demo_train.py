@@ -11,10 +11,15 @@ replicated), plus the AdamW state: each rank writes its own shard files.
 config.json goes into step_N/ before the save, so the step's consolidated/
 view is a complete Hugging Face folder the moment the save commits.
 
+With ``job["s3_root"]`` (``s3://BUCKET/PREFIX``) each step is then saved
+again, straight to object storage, with ``StorageWriter("s3://...")``
+into S3_ROOT/step_N/ (AWS_* credentials and AWS_ENDPOINT_URL from the
+environment, as ``ckptfs mount s3://`` reads them).
+
 For each step, rank 0 also writes REFS/step_N.pt (the model's logits on a
-fixed input, computed before the save) and REFS/step_N.saved (the time the
-save returned): the eval half compares what it loads from the mount with
-these.
+fixed input, computed before the save), REFS/step_N.saved and
+REFS/step_N.s3saved (the times the saves returned): the eval half compares
+what it loads from the mounts with these.
 
 Run by tools/demo.py through tests/e2e/harness.spawn_ranks:
     python3 tools/demo_train.py _worker RANK WORLD INIT_FILE JOB_FILE
@@ -84,9 +89,34 @@ def save_step(model, opt, mesh, job: dict, step: int) -> None:
                    os.path.join(job["refs"], f"step_{step}.pt"))
     dist.barrier()
     from ckptfs.torch import StorageWriter
-    dcp.save(state_dict(model, opt, mesh), storage_writer=StorageWriter(out))
+    sd = state_dict(model, opt, mesh)
+    dcp.save(sd, storage_writer=StorageWriter(out))
     if rank == 0:
         with open(os.path.join(job["refs"], f"step_{step}.saved"), "w") as f:
+            f.write(repr(time.time()))
+    if job.get("s3_root"):
+        save_step_to_s3(model, sd, job, step)
+
+
+def save_step_to_s3(model, sd: dict, job: dict, step: int) -> None:
+    """The same step saved straight to object storage: S3_ROOT/step_N/,
+    each rank's file a multipart upload from the writer's ring, committed
+    once every rank's upload completed. config.json goes up first (with
+    boto3, as save_pretrained writes it on disk) so that consolidated/ is a
+    complete Hugging Face folder the moment the step commits."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from ckptfs.torch import StorageWriter
+    url = f"{job['s3_root']}/step_{step}"
+    if dist.get_rank() == 0:
+        import s3_server  # tools/s3_server.py: a boto3 client for the local server
+        bucket, _, key = url[len("s3://"):].partition("/")
+        s3_server.client_for(os.environ["AWS_ENDPOINT_URL"]).put_object(
+            Bucket=bucket, Key=f"{key}/config.json", Body=model.config.to_json_string().encode())
+    dist.barrier()
+    dcp.save(sd, storage_writer=StorageWriter(url))
+    if dist.get_rank() == 0:
+        with open(os.path.join(job["refs"], f"step_{step}.s3saved"), "w") as f:
             f.write(repr(time.time()))
 
 

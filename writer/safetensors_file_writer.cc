@@ -36,6 +36,12 @@ Result<std::unique_ptr<SafetensorsFileWriter>> SafetensorsFileWriter::Create(Sta
   return std::unique_ptr<SafetensorsFileWriter>(new SafetensorsFileWriter(std::move(file)));
 }
 
+Result<std::unique_ptr<SafetensorsFileWriter>> SafetensorsFileWriter::CreateS3(S3Stager* stager,
+                                                                             const std::string& key) {
+  ASSIGN_OR_RETURN(std::unique_ptr<DcpFileWriter> file, DcpFileWriter::CreateS3(stager, key));
+  return std::unique_ptr<SafetensorsFileWriter>(new SafetensorsFileWriter(std::move(file)));
+}
+
 Result<uint32_t> SafetensorsFileWriter::AddTensor(const std::string& name, const std::string& dtype,
                                                   const std::vector<uint64_t>& shape, uint64_t nbytes) {
   if (sealed_) return Status::InvalidArgument(path() + ": tensor '" + name + "' added after Seal");
@@ -75,7 +81,14 @@ Status SafetensorsFileWriter::Seal(const std::map<std::string, std::string>& met
   for (uint32_t i : order) {
     ASSIGN_OR_RETURN(items_[i], file_->AddBytes(entries_[i].end - entries_[i].begin));
   }
+  RETURN_IF_ERROR(file_->Seal());  // S3: the upload opens now that the size is known
   return file_->Write(header_item, Slice{header_.data(), header_.size(), kHostDevice, 0}, /*copy_host=*/false);
+}
+
+std::vector<uint64_t> SafetensorsFileWriter::DataBegins() const {
+  std::vector<uint64_t> out;
+  for (const SafetensorsEntry& e : entries_) out.push_back(e.begin);
+  return out;
 }
 
 Status SafetensorsFileWriter::Write(uint32_t item, const Slice& src, bool copy_host) {

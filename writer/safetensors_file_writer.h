@@ -16,6 +16,13 @@
 // DcpFileWriter, which does the staging, draining, truncation and fsync;
 // the header is its first item. Finish returns per tensor, in AddTensor
 // order, where its raw bytes lie and their CRC32C.
+//
+// On object storage (CreateS3) the file is an S3 multipart upload through
+// an S3Stager, as DcpFileWriter's: Seal opens the upload (the file's size
+// is known then) before the header is queued; Finish waits until every
+// part is uploaded and `upload()` holds the parts to complete it with. The
+// caller completes it when the save's protocol says (the HF layout on S3
+// completes every rank's shard at commit, rank 1's last), or Aborts it.
 #pragma once
 
 #include <cstdint>
@@ -58,6 +65,8 @@ class SafetensorsFileWriter {
  public:
   // Creates `path` through `stager` (which must outlive this writer).
   static Result<std::unique_ptr<SafetensorsFileWriter>> Create(Stager* stager, const std::string& path);
+  // An S3 object `key` (a full key) through `stager` (which must outlive this writer).
+  static Result<std::unique_ptr<SafetensorsFileWriter>> CreateS3(S3Stager* stager, const std::string& key);
 
   // Planning. `dtype` is torch's name ("bfloat16"), `shape` torch's; the
   // bytes are row-major. Fails for a dtype safetensors cannot hold
@@ -75,6 +84,15 @@ class SafetensorsFileWriter {
   Result<std::vector<SafetensorsItemResult>> Finish();
 
   const std::string& path() const { return file_->path(); }
+  // After Seal: where each tensor's bytes begin in the data section, in
+  // AddTensor order. An S3 file takes its bytes in file order (a part is
+  // contiguous bytes of the object), so its writer writes tensors by this.
+  std::vector<uint64_t> DataBegins() const;
+  // S3: the uploaded parts, after Finish.
+  const S3ObjectUpload& upload() const { return file_->upload(); }
+  // S3: aborts the upload (after a failure); a POSIX file: nothing.
+  Status Abort() { return file_->Abort(); }
+  uint64_t file_size() const { return file_->file_size(); }
 
  private:
   explicit SafetensorsFileWriter(std::unique_ptr<DcpFileWriter> file) : file_(std::move(file)) {}

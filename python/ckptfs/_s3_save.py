@@ -5,7 +5,12 @@ Each rank uploads one ``__R_0.distcp`` as an S3 multipart upload whose
 parts go straight from the ring (``_writer.S3Stager``), then completes it.
 The step becomes visible only through its ``.metadata``, PUT by the
 coordinator after every rank's upload completed, and the commit record
-``.ckptfs/commit.sst`` after it. Before the coordinator commits, the ranks
+``.ckptfs/commit.sst`` after it. With ``layout="hf"`` each rank's
+``shard-RRRRR-model-00001-of-00001.safetensors`` is a multipart upload
+that the rank does not complete: it hands its parts to the coordinator
+(in its WriteResults), which completes every shard at commit, rank 1's
+last (until then the step reads as missing rank 1, as on disk), then PUTs
+the record. Before the coordinator commits, the ranks
 exchange an ok/error flag (``all_gather_object`` inside ``write_data``), so
 a failure on any rank (an upload that exhausted its retries, an exception,
 an interrupt, a rank that died) is seen by every rank, which then raises
@@ -19,6 +24,7 @@ endpoint, CA bundle, path style: source/s3_config.h).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from typing import Any
@@ -27,8 +33,10 @@ import torch.distributed as dist
 
 from ckptfs import _writer
 
-# The rank files a save of this writer uploads (torch's DCP names).
-RANK_FILE = re.compile(r"__\d+_\d+\.distcp$")
+# The rank files a save of this writer uploads (torch's names: DCP's, and
+# the HF layout's sharded safetensors).
+RANK_FILE = re.compile(r"(__\d+_\d+\.distcp|shard-\d+-model-\d+-of-\d+\.safetensors)$")
+HF_SHARD = re.compile(r"shard-(\d+)-model-\d+-of-\d+\.safetensors$")
 _log = logging.getLogger("ckptfs")
 # Per-item room for torch.save framing when estimating a file's size for
 # its part size (the framing is a few hundred bytes to a few KiB).
@@ -72,11 +80,18 @@ class S3Target:
     def key(self, name: str) -> str:
         return f"{self.client.prefix}{self.dir}/{name}"
 
-    def uncommit(self, commit_record: str, metadata: str) -> None:
-        """An earlier save's record and .metadata go first; then open uploads
-        of rank files a crashed save left under the step (ours by name)."""
+    def uncommit(self, commit_record: str, metadata: str, hf: bool = False) -> None:
+        """An earlier save's record and .metadata go first; with the HF layout
+        then an earlier save's shards (perhaps of more ranks; rank 1's first,
+        so the step reads as incomplete at once), as the save into a
+        directory removes them; then open uploads of rank files a crashed
+        save left under the step (ours by name)."""
         self.client.delete(self.key(commit_record))
         self.client.delete(self.key(metadata))
+        if hf:
+            shards = [k for k, _, _ in self.client.list(self.key("")) if HF_SHARD.search(k)]
+            for key in sorted(shards, key=lambda k: int(HF_SHARD.search(k).group(1))):
+                self.client.delete(key)
         self.abort_rank_uploads()
 
     def abort_rank_uploads(self) -> None:
@@ -115,15 +130,19 @@ def _acquire_s3_stager(target: S3Target, part_bytes: int, ring_bytes: int, zip_c
     return key, stager
 
 
-def make_rank_file_class(base, rank_file):
-    """_S3RankFile over ckptfs.torch's _StagedFile (``base``), with
-    _RankFile's (``rank_file``) items and results: the same archives,
-    uploaded. Made here so ckptfs.torch keeps its classes where they are."""
+def make_rank_file_class(base, rank_file, hf: bool = False):
+    """_S3RankFile over ckptfs.torch's _StagedFile (``base``), with the
+    items and results of ``rank_file`` (_RankFile: the same archives,
+    uploaded; or, with ``hf``, _HfRankFile: the same safetensors shard).
+    Made here so ckptfs.torch keeps its classes where they are."""
 
     class _S3RankFile(base):
-        """A rank's ``__R_0.distcp`` as one multipart upload. Items are
-        collected first: the part size follows from the file's size
-        (at most 10,000 parts), and the stager from the part size."""
+        """A rank's ``__R_0.distcp`` (or HF shard) as one multipart upload.
+        Items are collected first: the part size follows from the file's
+        size (at most 10,000 parts), and the stager from the part size. A
+        DCP file is completed by its rank in ``finish``; an HF shard is left
+        open, its parts in ``self.upload``, for the coordinator to
+        complete at commit (``complete_shards``)."""
 
         def __init__(self, target: S3Target, name: str, ring_bytes: int, zip_crc32: bool):
             self.name = name
@@ -133,6 +152,7 @@ def make_rank_file_class(base, rank_file):
             self.devices: set[tuple[int, int]] = set()
             self._pending: list[tuple[Any, Any]] = []
             self.completed = False
+            self.upload: tuple = ()  # HF: (key, upload_id, check, parts) once every part is uploaded
 
         def add(self, write_item, data) -> None:
             self._pending.append((write_item, data))
@@ -141,34 +161,49 @@ def make_rank_file_class(base, rank_file):
             estimate = sum(FRAMING_ALLOWANCE + _nbytes(d) for _, d in self._pending)
             part = _writer.part_bytes_for(estimate, self.target.part_size)
             self.stager_key, self.stager = _acquire_s3_stager(self.target, part, self.ring_bytes, self.zip_crc32)
-            self.file = _writer.S3DcpFile(self.stager, self.target.key(self.name))
+            make = _writer.S3SafetensorsFile if hf else _writer.S3DcpFile
+            self.file = make(self.stager, self.target.key(self.name))
             for write_item, data in self._pending:
                 rank_file.add(self, write_item, data)
             self._pending.clear()
-            self.file.seal()
+            if hf:
+                rank_file.seal(self)  # lays out the header, opens the upload
+                # Parts are contiguous bytes of the object: tensors go in file order.
+                begins = self.file.data_begins
+                self.items.sort(key=lambda it: begins[it[1]])
+            else:
+                self.file.seal()
 
         _result = rank_file._result
 
         def finish(self) -> list:
             written = self.file.finish()
             key, upload_id, check, parts = self.file.upload
-            if upload_id:
-                self.target.client.complete_multipart_upload(key, upload_id, parts, check)
-            self.completed = True
+            if hf:
+                self.upload = (key, upload_id, check, parts)
+            else:
+                if upload_id:
+                    self.target.client.complete_multipart_upload(key, upload_id, parts, check)
+                self.completed = True
             from ckptfs import torch as ct
             ct._release_stager(self.stager_key, self.stager)
             self.stager, self.file = None, None
-            out = [self._result(wi, w) for (wi, _, _), w in zip(self.items, written)]
+            out = [self._result(wi, written[item]) for wi, item, _ in self.items]
             self.items.clear()
+            if hf and out:  # the coordinator completes the shard: its parts travel with its results
+                out[0] = dataclasses.replace(out[0], upload=(self.name, *self.upload))
             return out
 
         def abandon(self) -> None:
             """After a failure: the upload aborted, then the stager closed."""
-            if self.file is not None:
-                try:
+            try:
+                if self.file is not None:
                     self.file.abort()
-                except Exception:  # the save's own error is what is raised
-                    pass
+                elif self.upload:  # every part uploaded, not completed
+                    key, upload_id, _, _ = self.upload
+                    self.target.client.abort_multipart_upload(key, upload_id)
+            except Exception:  # the save's own error is what is raised
+                pass
             base.abandon(self)
 
     return _S3RankFile
@@ -233,3 +268,55 @@ def _discard(target: S3Target, files: list) -> None:
         target.abort_rank_uploads()
     except Exception:
         pass
+
+
+def complete_shards(target: S3Target, results: list, commit, record: str) -> dict:
+    """The HF layout's commit, on the coordinator: every rank's shard upload
+    completed in the order the directory layout publishes them (rank 1's
+    last: until it lands the step reads as missing rank 1, which no reader
+    serves), then ``commit()`` PUTs the record (``record``). On any failure
+    the record is deleted, every shard this save completed is deleted
+    again, every one still open aborted, and the error raised (torch hands it to every rank): no step is left that a
+    mount or HuggingFaceStorageReader would take for one."""
+    uploads = {wr.upload[0]: wr.upload[1:] for rl in results for wr in rl if getattr(wr, "upload", ())}
+    names = sorted(uploads, key=lambda n: int(HF_SHARD.search(n).group(1)), reverse=True)
+    completed: list[str] = []
+    try:
+        for name in names:
+            key, upload_id, check, parts = uploads[name]
+            target.client.complete_multipart_upload(key, upload_id, parts, check)
+            completed.append(name)
+        return commit()
+    except BaseException as e:
+        _log.error("ckptfs StorageWriter: the commit of %s failed (%s: %s); its shards are removed", target.url,
+                   type(e).__name__, e)
+        target.discard(record)
+        for name in [n for n in names if n not in completed]:
+            key, upload_id, _, _ = uploads[name]
+            try:
+                target.client.abort_multipart_upload(key, upload_id)
+            except Exception:
+                pass
+        for name in sorted(completed, key=lambda n: int(HF_SHARD.search(n).group(1))):  # rank 1's first
+            target.discard(name)
+        raise
+
+
+def commit_dcp(target: S3Target, results: list, put_metadata, commit, metadata: str, record: str) -> dict:
+    """The DCP layout's commit, on the coordinator, after every rank completed
+    its upload: ``put_metadata()`` (the step is a stock DCP checkpoint now),
+    then ``commit()`` PUTs the record. If either fails, ``.metadata`` and the
+    record are deleted, then every rank file of this save (named in the
+    results: each rank uploaded it in this save's ``write_data``), and the
+    error raised (torch hands it to every rank)."""
+    try:
+        put_metadata()
+        return commit()
+    except BaseException as e:
+        _log.error("ckptfs StorageWriter: the commit of %s failed (%s: %s); its rank files are removed", target.url,
+                   type(e).__name__, e)
+        target.discard(metadata)
+        target.discard(record)
+        for name in sorted({wr.storage_data.relative_path for rl in results for wr in rl}):
+            target.discard(name)
+        raise

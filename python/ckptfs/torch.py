@@ -49,7 +49,8 @@ A crash anywhere leaves earlier steps untouched and this one without a
 commit record, and a new save into the directory starts over at 1.
 
 ``StorageWriter("s3://BUCKET/PREFIX/STEP")`` uploads the same files to
-object storage (ckptfs._s3_save; docs/WRITER.md, "Object storage").
+object storage, either layout (ckptfs._s3_save; docs/WRITER.md, "Object
+storage").
 
 ``dcp.async_save(sd, storage_writer=StorageWriter(...))``: ``stage()`` runs
 the planning (one all_gather_object on the default group, as ``dcp.save``
@@ -133,9 +134,13 @@ class CkptfsWriteResult(WriteResult):
     """A WriteResult with the row the coordinator commits: for a tensor
     chunk ``("tensor", fqn, offsets, sizes, file, data_offset, data_length,
     crc32c)``; for a BYTE_IO item ``("bytes", key, file, offset, length,
-    crc32c)``. ``.metadata`` only ever holds the plain ``storage_data``."""
+    crc32c)``. ``.metadata`` only ever holds the plain ``storage_data``.
+    On S3 with layout="hf", a shard's first result also carries its open
+    upload, ``(name, key, upload_id, check, parts)``, for the coordinator to
+    complete at commit (ckptfs._s3_save.complete_shards)."""
 
     row: tuple = ()
+    upload: tuple = ()
 
 
 _FREE_STAGERS: dict[tuple, list] = {}
@@ -400,10 +405,11 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
     instead of through the ring: the shortest stall, for one copy of this
     rank's tensors in host memory (``snapshot_threads`` threads fill it).
 
-    ``path`` may be ``s3://BUCKET/PREFIX/STEP`` (DCP layout): one multipart
-    upload per rank from the ring (parts of at least ``part_size``,
-    ``max_threads`` in flight), committed once every rank's upload
-    completed; ``endpoint_url``, ``region`` and ``force_path_style``
+    ``path`` may be ``s3://BUCKET/PREFIX/STEP`` (either layout): one
+    multipart upload per rank from the ring (parts of at least
+    ``part_size``, ``max_threads`` in flight), committed once every rank's
+    upload is in (HF: the coordinator completes every shard then, rank 1's
+    last); ``endpoint_url``, ``region`` and ``force_path_style``
     override the AWS configuration ``ckptfs mount s3://`` reads.
     """
 
@@ -494,13 +500,17 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self._s3 is not None and self.layout == "hf":
+            from ckptfs._s3_save import complete_shards
+            self.last_rows = complete_shards(self._s3, results, lambda: self._commit(metadata, results),
+                                             f"{COMMIT_DIR}/{COMMIT_RECORD}")
+            return
         if self._s3 is not None:
-            self._s3.put(METADATA, self._metadata_bytes(metadata, results))
-            try:
-                self.last_rows = self._commit(metadata, results)
-            except BaseException:  # no step without its record: .metadata goes again
-                self._s3.discard(METADATA)
-                raise
+            from ckptfs._s3_save import commit_dcp
+            self.last_rows = commit_dcp(self._s3, results,
+                                        lambda: self._s3.put(METADATA, self._metadata_bytes(metadata, results)),
+                                        lambda: self._commit(metadata, results), METADATA,
+                                        f"{COMMIT_DIR}/{COMMIT_RECORD}")
             return
         if self.layout == "hf":
             self._publish_shards(results)
@@ -575,7 +585,14 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         stager and I/O thread, so no two threads write into one file. HF:
         the rank's one shard, or none when it has nothing to save (torch's
         writer writes no file then)."""
-        if self._s3 is not None:  # one object per rank, its parts uploaded by max_threads threads
+        if self._s3 is not None and self.layout == "hf":  # one shard upload, completed at commit
+            if not plan.items:
+                return
+            shard = plan.storage_data.get("shard_index", self.rank + 1)
+            files.append(_s3_rank_file(hf=True)(self._s3, _gen_file_name(1, 1, shard),
+                                                self.buffer_bytes * self.buffers, False))
+            buckets = [plan.items]
+        elif self._s3 is not None:  # one object per rank, its parts uploaded by max_threads threads
             prefix = plan.storage_data.prefix if isinstance(plan.storage_data, _StoragePrefix) else f"__{self.rank}_"
             files.append(_s3_rank_file()(self._s3, f"{prefix}0.distcp", self.buffer_bytes * self.buffers,
                                          self.zip_crc32))
@@ -635,7 +652,7 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
 
     def _uncommit(self) -> None:
         if self._s3 is not None:
-            self._s3.uncommit(f"{COMMIT_DIR}/{COMMIT_RECORD}", METADATA)
+            self._s3.uncommit(f"{COMMIT_DIR}/{COMMIT_RECORD}", METADATA, hf=self.layout == "hf")
             return
         self.path.mkdir(parents=True, exist_ok=True)
         removed = _remove(self.path / COMMIT_DIR / COMMIT_RECORD)
@@ -681,8 +698,6 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
     def _s3_target(self):
         if not isinstance(self.path, str):
             return None
-        if self.layout != "dcp":
-            raise ValueError("ckptfs StorageWriter: layout='hf' is not supported on s3:// (use layout='dcp')")
         from ckptfs._s3_save import S3Target
         return S3Target(self.path, **self.s3_options)
 
@@ -710,15 +725,15 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         return fut
 
 
-def _s3_rank_file():
+def _s3_rank_file(hf: bool = False):
+    """The class of a rank file uploaded to S3, of either layout."""
     from ckptfs._s3_save import make_rank_file_class
-    global _S3_RANK_FILE
-    if _S3_RANK_FILE is None:
-        _S3_RANK_FILE = make_rank_file_class(_StagedFile, _RankFile)
-    return _S3_RANK_FILE
+    if hf not in _S3_RANK_FILE:
+        _S3_RANK_FILE[hf] = make_rank_file_class(_StagedFile, _HfRankFile if hf else _RankFile, hf=hf)
+    return _S3_RANK_FILE[hf]
 
 
-_S3_RANK_FILE = None
+_S3_RANK_FILE: dict[bool, type] = {}
 
 
 def _gather_local_plans(make_plan) -> list[SavePlan]:

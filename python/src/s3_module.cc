@@ -13,6 +13,7 @@
 #include "source/s3_config.h"
 #include "writer/dcp_file_writer.h"
 #include "writer/s3_stager.h"
+#include "writer/safetensors_file_writer.h"
 
 namespace py = pybind11;
 
@@ -112,6 +113,10 @@ struct PyS3DcpFile {
   std::unique_ptr<DcpFileWriter> file;
 };
 
+struct PyS3SafetensorsFile {
+  std::unique_ptr<SafetensorsFileWriter> file;
+};
+
 py::tuple UploadTuple(const S3ObjectUpload& u) {
   py::list parts;
   for (const S3CompletedPart& p : u.parts) parts.append(py::make_tuple(p.number, p.etag, p.crc32c));
@@ -169,10 +174,48 @@ void BindS3Writer(py::module_& m) {
       .def_property_readonly("size", [](const PyS3DcpFile& f) { return f.file->file_size(); });
 }
 
+// One rank's shard of the HF layout as a multipart upload (safetensors_file_writer.h).
+void BindS3Safetensors(py::module_& m) {
+  py::class_<PyS3SafetensorsFile>(m, "S3SafetensorsFile")
+      .def(py::init([](PyS3Stager& s, const std::string& key) {
+             return PyS3SafetensorsFile{TakeS3(SafetensorsFileWriter::CreateS3(s.stager.get(), key))};
+           }),
+           py::keep_alive<1, 2>(), py::arg("stager"), py::arg("key"))
+      .def("add_tensor", [](PyS3SafetensorsFile& f, const std::string& name, const std::string& dtype,
+                            const std::vector<uint64_t>& shape, uint64_t nbytes) {
+             return TakeS3(f.file->AddTensor(name, dtype, shape, nbytes));
+           }, py::arg("name"), py::arg("dtype"), py::arg("shape"), py::arg("nbytes"))
+      .def("seal", [](PyS3SafetensorsFile& f, const std::map<std::string, std::string>& metadata) {
+             CheckS3(NoGil([&] { return f.file->Seal(metadata); }));
+           }, py::arg("metadata"), "Lay the file out with `metadata` as __metadata__, open the upload, queue the header.")
+      .def_property_readonly("data_begins", [](const PyS3SafetensorsFile& f) { return f.file->DataBegins(); },
+                             "After seal: where each tensor's bytes begin, in add_tensor order (write in this order).")
+      .def("write", [](PyS3SafetensorsFile& f, uint32_t item, uintptr_t ptr, uint64_t nbytes, int device,
+                       uint64_t stream, bool copy_host) {
+             CheckS3(NoGil([&] {
+               return f.file->Write(item, Slice{reinterpret_cast<const void*>(ptr), nbytes, device, stream}, copy_host);
+             }));
+           }, py::arg("item"), py::arg("ptr"), py::arg("nbytes"), py::arg("device") = kHostDevice,
+           py::arg("stream") = 0, py::arg("copy_host") = true, "Queue the tensor's next bytes (always copied into the ring).")
+      .def("finish", [](PyS3SafetensorsFile& f) {
+             auto r = NoGil([&] { return f.file->Finish(); });
+             py::list out;
+             for (const SafetensorsItemResult& i : TakeS3(std::move(r)))
+               out.append(py::make_tuple(i.offset, i.length, i.crc32c));
+             return out;
+           }, "Every part uploaded (not completed): [(offset, length, crc32c)] of each tensor's raw bytes.")
+      .def_property_readonly("upload", [](const PyS3SafetensorsFile& f) { return UploadTuple(f.file->upload()); },
+                             "(key, upload_id, check, [(number, etag, crc32c)]) after finish().")
+      .def("abort", [](PyS3SafetensorsFile& f) { CheckS3(NoGil([&] { return f.file->Abort(); })); },
+           "Abort the multipart upload (after a failure).")
+      .def_property_readonly("size", [](const PyS3SafetensorsFile& f) { return f.file->file_size(); });
+}
+
 }  // namespace
 
 void BindS3(py::module_& m) {
   BindS3Writer(m);
+  BindS3Safetensors(m);
   py::class_<S3Client, std::shared_ptr<S3Client>>(m, "S3Client")
       .def(py::init(&MakeClient), py::arg("url"), py::arg("endpoint_url") = "", py::arg("region") = "",
            py::arg("force_path_style") = false, py::arg("no_sign_request") = false,
@@ -191,6 +234,13 @@ void BindS3(py::module_& m) {
            [](const S3Client& c, const std::string& key, const std::string& id) {
              CheckS3(NoGil([&] { return c.AbortMultipartUpload(key, id); }));
            }, py::arg("key"), py::arg("upload_id"))
+      .def("list",
+           [](const S3Client& c, const std::string& prefix) {
+             py::list out;
+             for (const S3ObjectInfo& o : TakeS3(NoGil([&] { return c.List(prefix); })).objects)
+               out.append(py::make_tuple(o.key, o.size, o.etag));
+             return out;
+           }, py::arg("prefix"), "[(key, size, etag)] of the objects directly under prefix (delimiter '/').")
       .def("list_multipart_uploads", &ListUploads, py::arg("prefix"), "[(key, upload_id)] in progress under prefix.")
       .def("put",
            [](const S3Client& c, const std::string& key, const py::buffer& data) {

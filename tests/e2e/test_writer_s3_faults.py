@@ -7,7 +7,10 @@ and with ranks that die: 2 gloo ranks (CPU), real SeaweedFS.
   SlowDown), a SIGKILLed rank and a SIGINT mid-upload each leave no
   visible step (.metadata absent, no commit record), no open multipart
   upload (boto3), an earlier step under the same prefix as it was, and
-  every surviving rank exits with the cause, in bounded time.
+  every surviving rank exits with the cause, in bounded time;
+- a ``.metadata`` or commit-record PUT that never gets through (every rank
+  file complete by then) fails the save on every rank and removes the rank
+  files the save uploaded, and nothing else.
 """
 
 from __future__ import annotations
@@ -113,6 +116,36 @@ def test_a_fault_that_never_clears_commits_nothing_and_fails_every_rank(s3_serve
         assert "SlowDown" in part, part
     _assert_nothing_committed(boto, "wf_never", earlier)
     _load_equals(s3_server["port"], first, tmp_path)
+
+
+@pytest.mark.parametrize("key", [".metadata", ".ckptfs/commit.sst"])
+def test_a_failed_metadata_or_record_put_removes_the_saves_rank_files(s3_server, tmp_path, key):
+    """Every rank's upload completed, then the coordinator's PUT of
+    ``.metadata`` (or of the commit record after it) never gets through:
+    the save fails on both ranks, and neither .metadata nor the record nor
+    the rank files this save uploaded are left; an object under the step
+    that the save did not write stays."""
+    from s3_fault_proxy import FaultProxy
+    boto = s3_server["client"]
+    root = "wf_meta" if key == ".metadata" else "wf_record"
+    _save(s3_server["port"], f"s3://{BUCKET}/{root}/step_1", tmp_path, 1, "earlier step")
+    earlier = _keys(boto, f"{root}/step_1/")
+    boto.put_object(Bucket=BUCKET, Key=f"{root}/step_2/config.json", Body=b"{}")  # a sidecar, not the writer's
+    proxy = FaultProxy(s3_server["port"], seed=14, p_slowdown=0, p_reset=0, p_truncate=0,
+                       script={f"PUT /{BUCKET}/{root}/step_2/{key} ": ["slowdown"] * 1000})
+    try:
+        with pytest.raises(RuntimeError) as failed:
+            _save(proxy.port, f"s3://{BUCKET}/{root}/step_2", tmp_path, 2, "save whose commit never gets through")
+        faulted = proxy.counts["slowdown"]
+    finally:
+        proxy.close()
+    assert faulted >= 2, faulted
+    message = str(failed.value)
+    assert "--- rank 0 ---" in message and "--- rank 1 ---" in message, message
+    for part in message.split("--- rank ")[1:]:
+        assert "SlowDown" in part, part
+    assert set(_keys(boto, f"{root}/step_2/")) == {"config.json"}
+    _assert_nothing_committed(boto, root, earlier)
 
 
 def _start_ranks(job: dict, env: dict, tmp: str) -> tuple[list[subprocess.Popen], list]:
