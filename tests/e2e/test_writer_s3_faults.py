@@ -8,6 +8,8 @@ and with ranks that die: 2 gloo ranks (CPU), real SeaweedFS.
   visible step (.metadata absent, no commit record), no open multipart
   upload (boto3), an earlier step under the same prefix as it was, and
   every surviving rank exits with the cause, in bounded time;
+- a re-save into a committed step that never gets through leaves the
+  step uncommitted (no .metadata, no record, no open upload);
 - a ``.metadata`` or commit-record PUT that never gets through (every rank
   file complete by then) fails the save on every rank and removes the rank
   files the save uploaded, and nothing else.
@@ -116,6 +118,33 @@ def test_a_fault_that_never_clears_commits_nothing_and_fails_every_rank(s3_serve
         assert "SlowDown" in part, part
     _assert_nothing_committed(boto, "wf_never", earlier)
     _load_equals(s3_server["port"], first, tmp_path)
+
+
+def test_a_failed_resave_into_a_committed_step_leaves_it_uncommitted(s3_server, tmp_path):
+    """A save into a step that holds a committed save uncommits it before
+    anything is written: when the new save then never gets through, the
+    step shows neither the old .metadata nor the old record (its rank files
+    are the new save's, half written, or the old ones: either way not a
+    step), no upload is left open, and stock dcp.load refuses it."""
+    from s3_fault_proxy import FaultProxy
+    boto = s3_server["client"]
+    _save(s3_server["port"], f"s3://{BUCKET}/wf_resave/step_1", tmp_path, 1, "first save")
+    assert {".metadata", ".ckptfs/commit.sst"} <= set(_keys(boto, "wf_resave/step_1/"))
+    proxy = FaultProxy(s3_server["port"], seed=13, p_slowdown=0, p_reset=0, p_truncate=0,
+                       script={"__1_0.distcp?partNumber=": ["slowdown"] * 1000})
+    try:
+        with pytest.raises(RuntimeError):
+            _save(proxy.port, f"s3://{BUCKET}/wf_resave/step_1", tmp_path, 2, "re-save that never gets through")
+    finally:
+        proxy.close()
+    left = _keys(boto, "wf_resave/step_1/")
+    assert ".metadata" not in left and ".ckptfs/commit.sst" not in left, left
+    assert _open_uploads(boto, "wf_resave/") == [], _open_uploads(boto, "wf_resave/")
+    out = str(tmp_path / "refused.pt")
+    with pytest.raises(RuntimeError):
+        spawn_ranks(GEN, 2, {"kind": "load", "dir": f"s3://{BUCKET}/wf_resave/step_1",
+                             "oracle": str(tmp_path / "oracle1.pt"), "out": out},
+                    name="s3torchconnector load of the uncommitted step", env=aws_env(s3_server["port"]), timeout=240)
 
 
 @pytest.mark.parametrize("key", [".metadata", ".ckptfs/commit.sst"])
