@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
 #include <ostream>
 
@@ -182,6 +183,20 @@ Result<CheckpointEntry> SeekCommitRecord(rocksdb::Iterator& it, const std::strin
   return rows::DecodeCommitRecord(key, it.value().ToStringView());
 }
 
+// What a read-only open reads first: the manifest CURRENT names, and its
+// size. The writer appends to that manifest before it deletes any file (a
+// flushed write-ahead log, a compacted table), so an open that finds the
+// same stamp before and after itself saw one consistent state; with another
+// stamp it may have missed rows of a deleted log or a deleted table.
+std::string ManifestStamp(const std::string& path) {
+  std::ifstream current(Join(path, "CURRENT"));
+  std::string manifest;
+  if (!std::getline(current, manifest) || manifest.empty()) return "";
+  struct stat st;
+  if (::stat((path + "/" + manifest).c_str(), &st) != 0) return "";
+  return manifest + ":" + std::to_string(st.st_size);
+}
+
 }  // namespace
 
 std::string DefaultIndexPath(const std::string& abs_root) {
@@ -325,18 +340,23 @@ Result<bool> Store::RebuildIfDamaged() {
 }
 
 Status Store::OpenReadOnly() {
-  rocksdb::Status s;
-  rocksdb::DB* raw = nullptr;
-  // The writer may delete a file (a finished compaction) between our reading
-  // the manifest and opening it; a few retries see a later manifest.
-  for (int attempt = 0; attempt < 5; ++attempt) {
-    s = rocksdb::DB::OpenForReadOnly(StoreOptions(), path_, &raw);
-    if (!s.IsPathNotFound() || ::access(Join(path_, "CURRENT").c_str(), F_OK) != 0) break;
-    ::usleep(20000);
+  constexpr int kAttempts = 40;  // ~4 s of a writer that never pauses
+  for (int attempt = 0; attempt < kAttempts; ++attempt) {
+    const std::string before = ManifestStamp(path_);
+    if (before.empty() && ::access(Join(path_, "CURRENT").c_str(), F_OK) != 0)
+      return Status::NotFound("index " + path_ + " is still being created; run `ckptfs index` again");
+    Status s = OpenReadOnlyOnce();
+    if (!before.empty() && ManifestStamp(path_) == before) return s;
+    db_.reset();
+    ::usleep(std::min(1000 << attempt, 100000));
   }
-  if (!s.ok() && ::access(Join(path_, "CURRENT").c_str(), F_OK) != 0)
-    return Status::NotFound("index " + path_ + " is still being created; run `ckptfs index` again");
-  RETURN_IF_ERROR(FromRocks(s, "open index " + path_));
+  return Status::Busy("index " + path_ + " changed during each of " + std::to_string(kAttempts) +
+                      " tries to open it; its writer (a mount or `ckptfs index`) is busy, try again");
+}
+
+Status Store::OpenReadOnlyOnce() {
+  rocksdb::DB* raw = nullptr;
+  RETURN_IF_ERROR(FromRocks(rocksdb::DB::OpenForReadOnly(StoreOptions(), path_, &raw), "open index " + path_));
   std::unique_ptr<rocksdb::DB> db(raw);
   std::string value, root;
   rocksdb::Status f = db->Get(rocksdb::ReadOptions(), rows::kFormatKey, &value);

@@ -118,6 +118,7 @@ class Store {
   Status OpenDatabase();
   Status OpenReadWrite();
   Status OpenReadOnly();
+  Status OpenReadOnlyOnce();
   Status CheckSchema();
   Status Rebuild(const std::string& why);
   Status WriteRows(const std::vector<rows::Row>& rows, const std::string& dir, bool replace);

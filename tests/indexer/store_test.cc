@@ -8,10 +8,12 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <filesystem>
 #include <fstream>
 #include <map>
 #include <sstream>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -521,6 +523,34 @@ TEST_F(StoreTest, ReaderBesideAWriterSeesNewCommitsAfterCatchUp) {
   ASSERT_TRUE(loaded.ok()) << loaded.status().ToString();
   ExpectSameCheckpoint(FullCheckpoint("step_200"), *loaded);
   EXPECT_EQ(reader->Commit(FullCheckpoint("x")).code(), Status::Code::kInvalidArgument);
+}
+
+TEST_F(StoreTest, ReadOnlyOpensRacingCompactionsAllSucceed) {
+  // A live mount ingests a record per saved step; every few ingests RocksDB
+  // compacts and deletes the files a reader opening at that moment has just
+  // read from the manifest. `ckptfs check` beside the mount must still open.
+  auto writer = OpenOk(Access::kReadWrite);
+  ASSERT_TRUE(writer->Commit(FullCheckpoint("step_0")).ok());
+  std::atomic<bool> done{false};
+  std::thread saves([&] {
+    for (int i = 1; i <= 120; ++i) {
+      const std::string sst = (dir_ / ("r" + std::to_string(i) + ".sst")).string();
+      if (!WriteCommitRecord(root_, FullCheckpoint("step_" + std::to_string(i)), sst).ok() ||
+          !writer->Ingest(sst).ok())
+        break;
+    }
+    done = true;
+  });
+  int opens = 0;
+  std::string failure;
+  while (!done && failure.empty()) {
+    auto reader = Store::Open(index_, root_, Access::kReadOnly);
+    if (!reader.ok()) failure = reader.status().ToString();
+    ++opens;
+  }
+  saves.join();
+  EXPECT_EQ(failure, "") << "after " << opens << " opens";
+  EXPECT_EQ(writer->List().size(), 121u);
 }
 
 // --- Writers' commit records ---
