@@ -331,6 +331,8 @@ void OrderedFetch::FetchRange(size_t i, bool push) {
       r.fetched = true;
       options_.counters->ordered.fetch_add(r.length, std::memory_order_relaxed);
       r.bytes = bytes;
+      r.kept = {{r.offset, {r.offset + r.length, 0}}};
+      r.charged = r.length;
       r.state = State::kHeld;
       if (r.needed.empty() || stop_.load()) Free(i);
     } else {
@@ -346,12 +348,62 @@ void OrderedFetch::FetchRange(size_t i, bool push) {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [src, len] : pushed)
     if (r.state == State::kHeld) Delivered(i, src, len);
+  if (r.state == State::kHeld) Compact(i);
+}
+
+void OrderedFetch::Compact(size_t i) {
+  Range& r = ranges_[i];
+  uint64_t keep = 0;
+  for (const auto& [b, e] : r.needed.spans()) keep += e - b;
+  if (keep * 2 > r.charged) return;  // a copy would free less than it costs
+  std::shared_ptr<char[]> small;
+  try {
+    small.reset(new char[keep]);
+  } catch (const std::bad_alloc&) {
+    return;  // keeps the whole range; it is freed as before
+  }
+  std::map<uint64_t, Range::Kept> kept;
+  uint64_t at = 0;
+  for (const auto& [b, e] : r.needed.spans()) {
+    // needed ⊆ kept: a needed byte is one no consumer was served yet.
+    auto k = std::prev(r.kept.upper_bound(b));
+    std::memcpy(small.get() + at, r.bytes.get() + k->second.at + (b - k->first), e - b);
+    kept[b] = {e, at};
+    at += e - b;
+  }
+  options_.budget->Release(r.charged - keep);
+  r.charged = keep;
+  r.bytes = std::move(small);
+  r.kept = std::move(kept);
+}
+
+void OrderedFetch::TakeHeld(const Piece& p, std::vector<HeldCopy>* held, std::vector<CopyOp>* rest) const {
+  const Range& r = ranges_[p.range];
+  const uint64_t end = p.src + p.length;
+  uint64_t pos = p.src;
+  auto k = r.kept.upper_bound(pos);
+  if (k != r.kept.begin()) --k;
+  auto ordinary = [&](uint64_t b, uint64_t e) {
+    if (b >= e) return;
+    rest->push_back({p.file, b, p.dst + (b - p.src), e - b});
+    options_.counters->refetched.fetch_add(e - b, std::memory_order_relaxed);
+  };
+  for (; k != r.kept.end() && k->first < end; ++k) {
+    const uint64_t b = std::max(pos, k->first), e = std::min(end, k->second.end);
+    if (b >= e) continue;
+    ordinary(pos, b);
+    held->push_back({r.bytes, r.bytes.get() + k->second.at + (b - k->first), p.dst + (b - p.src), e - b});
+    pos = e;
+  }
+  ordinary(pos, end);
 }
 
 void OrderedFetch::Free(size_t i) {
   Range& r = ranges_[i];
-  if (r.state == State::kHeld) options_.budget->Release(r.length);
+  if (r.state == State::kHeld) options_.budget->Release(r.charged);
+  r.charged = 0;
   r.bytes.reset();
+  r.kept.clear();
   r.state = State::kDone;
 }
 
@@ -382,13 +434,14 @@ Status OrderedFetch::Serve(const ReadPlan& plan, char* dst) {
     }
   }
   for (size_t i : claimed) FetchRange(i, false);
-  std::vector<std::pair<const Piece*, std::shared_ptr<char[]>>> held;
+  std::vector<HeldCopy> held;
   // The ordinary path's share: pieces not held, and the bytes of converted
   // values (never planned) with their conversions.
   ReadPlan rest;
   rest.length = plan.length;
   rest.converts = plan.converts;
   rest.scratch_size = plan.scratch_size;
+  std::vector<FileId> held_files;
   {
     std::unique_lock<std::mutex> lock(mu_);
     for (const Piece& p : pieces) {
@@ -396,7 +449,8 @@ Status OrderedFetch::Serve(const ReadPlan& plan, char* dst) {
         changed_.wait(lock, [&] { return ranges_[p.range].state != State::kFetching; });
         const Range& r = ranges_[p.range];
         if (r.state == State::kHeld) {
-          held.emplace_back(&p, r.bytes);
+          TakeHeld(p, &held, &rest.copies);
+          held_files.push_back(p.file);
           continue;
         }
         if (r.fetched) options_.counters->refetched.fetch_add(p.length, std::memory_order_relaxed);
@@ -406,16 +460,13 @@ Status OrderedFetch::Serve(const ReadPlan& plan, char* dst) {
   }
   for (const CopyOp& c : plan.copies)
     if (c.to_scratch) rest.copies.push_back(c);
-  for (const auto& [p, bytes] : held)
-    std::memcpy(dst + p->dst, bytes.get() + (p->src - ranges_[p->range].offset), p->length);
+  for (const HeldCopy& h : held) std::memcpy(dst + h.dst, h.from, h.length);
   if (!rest.copies.empty() || !rest.converts.empty()) RETURN_IF_ERROR(execute_(rest, dst));
-  std::vector<FileId> files;
-  for (const auto& [p, bytes] : held) files.push_back(p->file);
-  std::sort(files.begin(), files.end());
-  files.erase(std::unique(files.begin(), files.end()), files.end());
+  std::sort(held_files.begin(), held_files.end());
+  held_files.erase(std::unique(held_files.begin(), held_files.end()), held_files.end());
   // Held bytes were the indexed ones when fetched; the sources must still
   // be those now, as for every read (see the header).
-  RETURN_IF_ERROR(check_(files));
+  RETURN_IF_ERROR(check_(held_files));
   std::lock_guard<std::mutex> lock(mu_);
   for (const Piece& p : pieces)
     if (p.range != npos) Delivered(p.range, p.src, p.length);

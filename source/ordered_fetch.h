@@ -34,8 +34,11 @@
 // (`ckptfs mount --fetch-hold-mib`). A fetch thread waits for room before it
 // takes its next range; a reader that needs a range not fetched yet fetches
 // it itself when there is room, and otherwise reads just its own bytes
-// through the ordinary path. A range is freed once all the bytes it serves
-// were served, or when its file is closed. A range needed again after it was
+// through the ordinary path. Once a range's whole pages are pushed, it keeps
+// only the bytes of the pages it shares with a neighbour (a few KiB per
+// tensor edge), so the bound holds what consumers have yet to ask for and
+// the fetch runs ahead of them. A range is freed once all the bytes it
+// serves were served, or when its file is closed. A range needed again after it was
 // freed (the kernel dropped a served page, a second pass) is read through
 // the ordinary path and counted as refetched (FetchCounters).
 //
@@ -202,8 +205,23 @@ class OrderedFetch {
     IntervalSet needed;  // source bytes in it still to be served
     State state = State::kQueued;
     bool fetched = false;
-    std::shared_ptr<char[]> bytes;  // while kHeld
-    std::vector<Mapping> maps;      // where its needed bytes go in the virtual file
+    // While kHeld: source bytes [b, kept[b].end) are at bytes + kept[b].at.
+    // The whole range once fetched; after its pages were pushed, only what
+    // is still needed (the pages it shares with another range), so that the
+    // budget holds what the consumer has yet to ask for, not whole ranges.
+    std::shared_ptr<char[]> bytes;
+    struct Kept {
+      uint64_t end, at;
+    };
+    std::map<uint64_t, Kept> kept;
+    uint64_t charged = 0;        // budget taken for `bytes`
+    std::vector<Mapping> maps;   // where its needed bytes go in the virtual file
+  };
+  // Bytes of a held range copied into a reply.
+  struct HeldCopy {
+    std::shared_ptr<char[]> bytes;  // keeps `from` alive outside the lock
+    const char* from;
+    uint64_t dst, length;
   };
   // A piece of a copy, inside range `range` or in none (npos).
   struct Piece {
@@ -229,6 +247,12 @@ class OrderedFetch {
   // threads push: a reader's thread holds the kernel's locks on the pages
   // of its own request, and a push into them would wait for itself.
   void FetchRange(size_t i, bool push);
+  // Keeps only the still-needed bytes of held range `i` when that frees
+  // most of it (after its pages were pushed). REQUIRES: mu_.
+  void Compact(size_t i);
+  // Splits piece `p` of held range p.range into copies from its kept bytes
+  // (`held`) and the rest (`rest`, read the ordinary way). REQUIRES: mu_.
+  void TakeHeld(const Piece& p, std::vector<HeldCopy>* held, std::vector<CopyOp>* rest) const;
   // Marks [src, src + len) of range `i` served; frees it when nothing is left. REQUIRES: mu_.
   void Delivered(size_t i, uint64_t src, uint64_t len);
   // Frees range `i`'s bytes and budget. REQUIRES: mu_.

@@ -105,6 +105,44 @@ Status ReadVia(SourceReader& r, OrderedFetch& f, const Layout& layout, uint64_t 
   return f.Noted(offset, plan->length) ? f.Serve(*plan, dst) : r.Execute(*plan, dst);
 }
 
+// The kernel's side of a push: pages handed to the sink are in the page
+// cache, so a reader's pass asks the daemon only for the others.
+struct PageCache {
+  std::mutex mu;
+  std::map<uint64_t, std::string> pages;  // offset -> bytes pushed there
+  PageSink Sink() {
+    return [this](uint64_t offset, const char* data, size_t len) {
+      std::lock_guard<std::mutex> lock(mu);
+      pages[offset] = std::string(data, len);
+    };
+  }
+  // Reads the whole file into `got`: cached pages from the cache, the rest
+  // through ReadVia in requests of at most 64 KiB.
+  Status Pass(SourceReader& r, OrderedFetch& f, const Layout& layout, std::string& got) {
+    std::map<uint64_t, std::string> cached;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      cached = pages;
+    }
+    uint64_t pos = 0;
+    auto ask = [&](uint64_t end) -> Status {
+      for (; pos < end;) {
+        const uint64_t n = std::min<uint64_t>(64 * kKiB, end - pos);
+        RETURN_IF_ERROR(ReadVia(r, f, layout, pos, n, got.data() + pos));
+        pos += n;
+      }
+      return Status::OK();
+    };
+    for (const auto& [offset, data] : cached) {
+      if (offset < pos) continue;
+      RETURN_IF_ERROR(ask(offset));
+      got.replace(offset, data.size(), data);
+      pos = offset + data.size();
+    }
+    return ask(layout.size());
+  }
+};
+
 TEST(ServedRecord, ClearedOnlyOnceMuchWasAskedAgain) {
   ServedRecord r;
   r.Add(0, 8 << 20);
@@ -208,13 +246,8 @@ TEST(OrderedFetch, RequestRacingTheStartIsServedByThePlan) {
 TEST(OrderedFetch, FetchedPagesArePushedAsTheFilesBytes) {
   Files t = MakeFiles(8, 300 * kKiB);  // a 100-byte header: no tensor starts on a page
   Reader r(t, 64ull << 20, 256 * kKiB);
-  std::mutex mu;
-  std::map<uint64_t, std::string> pushed;
-  PageSink sink = [&](uint64_t offset, const char* data, size_t len) {
-    std::lock_guard<std::mutex> lock(mu);
-    pushed[offset] = std::string(data, len);
-  };
-  auto f = r.reader->MakeOrderedFetch(t.layout, nullptr, sink);
+  PageCache cache;
+  auto f = r.reader->MakeOrderedFetch(t.layout, nullptr, cache.Sink());
   std::string got(t.layout->size(), '\0');
   ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100, 4 * kKiB, got.data() + 100).ok());
   ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100 + 300 * kKiB, 4 * kKiB, got.data() + 100 + 300 * kKiB).ok());
@@ -222,24 +255,52 @@ TEST(OrderedFetch, FetchedPagesArePushedAsTheFilesBytes) {
   const uint64_t sources = 8 * 300 * kKiB;
   for (int i = 0; i < 500 && r.reader->counters().ordered.load() < sources - 8 * kKiB; ++i)
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the last range's push
   uint64_t bytes = 0;
   {
-    std::lock_guard<std::mutex> lock(mu);
-    for (const auto& [offset, data] : pushed) {
+    std::lock_guard<std::mutex> lock(cache.mu);
+    for (const auto& [offset, data] : cache.pages) {
       EXPECT_EQ(offset % 4096, 0u);
       EXPECT_TRUE(data == t.expected.substr(offset, data.size())) << offset;
       bytes += data.size();
     }
   }
   EXPECT_GE(bytes, sources - 8 * 2 * 4096 - 8 * kKiB);  // all but each tensor's two edge pages and the reads
-  for (uint64_t o = 0; o < t.layout->size(); o += 64 * kKiB)
-    ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, o, std::min<uint64_t>(64 * kKiB, t.layout->size() - o),
-                        got.data() + o).ok());
+  // A pass of the consumer asks for the pages not pushed; the kernel keeps
+  // the two first requests' 8 KiB too, but this pass asks for them again,
+  // and they were never planned: every other byte once.
+  ASSERT_TRUE(cache.Pass(*r.reader, *f, *t.layout, got).ok());
   EXPECT_TRUE(got == t.expected);
-  // Every byte once, but the two first requests' 8 KiB: this pass asks for
-  // them again (a kernel keeps them), and they were never planned.
   EXPECT_EQ(r.reader->counters().fetched.load(), sources + 8 * kKiB);
   EXPECT_EQ(r.reader->counters().refetched.load(), 0u);
+}
+
+TEST(OrderedFetch, PushedRangesKeepOnlyThePagesTheyShare) {
+  // No tensor starts on a page, and 256 KiB ranges cut tensors off page
+  // boundaries: nearly every range shares a page with another. Held whole
+  // until the consumer asks for those pages, four ranges would fill the
+  // 1 MiB bound and stop the fetch; kept as their shared pages, the whole
+  // file is fetched and pushed while the consumer has read two requests.
+  Files t = MakeFiles(8, 300 * kKiB);
+  Reader r(t, 1 << 20, 256 * kKiB);
+  PageCache cache;
+  auto f = r.reader->MakeOrderedFetch(t.layout, nullptr, cache.Sink());
+  std::string got(t.layout->size(), '\0');
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100, 4 * kKiB, got.data() + 100).ok());
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100 + 300 * kKiB, 4 * kKiB, got.data() + 100 + 300 * kKiB).ok());
+  const uint64_t sources = 8 * 300 * kKiB;
+  for (int i = 0; i < 500 && r.reader->counters().ordered.load() < sources - 8 * kKiB; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_GE(r.reader->counters().ordered.load(), sources - 8 * kKiB);
+  // At most two pages per range and per tensor edge are kept.
+  const uint64_t ranges = f->range_count();
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the last range's push
+  EXPECT_LE(r.budget->held(), (ranges + 16) * 2 * 4096) << ranges << " ranges";
+  ASSERT_TRUE(cache.Pass(*r.reader, *f, *t.layout, got).ok());
+  EXPECT_TRUE(got == t.expected);
+  EXPECT_EQ(r.reader->counters().fetched.load(), sources + 8 * kKiB);
+  EXPECT_EQ(r.reader->counters().refetched.load(), 0u);
+  EXPECT_EQ(r.budget->held(), 0u);  // every kept byte was served
 }
 
 TEST(OrderedFetch, OneTensorFileIsNotPlanned) {
