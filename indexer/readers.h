@@ -26,9 +26,6 @@ std::unique_ptr<FormatReader> MakeByteCheckpointReader();
 // through whole.
 void AddSidecarFiles(const DirListing& dir, FileTable& files, Checkpoint& out);
 
-// "dir/name", or "name" when dir is the source root ("").
-std::string JoinPath(const std::string& dir, const std::string& name);
-
 // Records a problem on `out`; `incomplete` also marks the tensor list
 // untrustworthy (views fail) when nothing has yet.
 void AddProblem(Checkpoint& out, const std::string& message, bool incomplete);

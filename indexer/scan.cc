@@ -114,7 +114,7 @@ void WalkByNames(const Source& source,
     visit(*listing, reader);
     std::vector<std::string> claimed = reader ? reader->ClaimedSubdirs(*listing) : std::vector<std::string>{};
     for (const std::string& d : listing->dirs)
-      if (std::find(claimed.begin(), claimed.end(), d) == claimed.end()) pending.push_back(rel.empty() ? d : rel + "/" + d);
+      if (std::find(claimed.begin(), claimed.end(), d) == claimed.end()) pending.push_back(JoinRel(rel, d));
   }
 }
 
@@ -241,7 +241,7 @@ Result<Catalog> ScanSource(const Source& source, const ScanOptions& options) {
     if (ckpt) catalog.checkpoints.push_back(std::move(*ckpt));
     for (auto it = listing->dirs.rbegin(); it != listing->dirs.rend(); ++it)
       if (std::find(claimed.begin(), claimed.end(), *it) == claimed.end())
-        pending.push_back(rel.empty() ? *it : rel + "/" + *it);
+        pending.push_back(JoinRel(rel, *it));
     ++done;
     if (options.progress) options.progress(done, catalog.checkpoints.size());
   }
