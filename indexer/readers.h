@@ -1,4 +1,5 @@
-// Factories for the format readers (one .cc each) and helpers they share.
+// Helpers the format readers (one .cc each, registered in
+// indexer/formats.cc) share.
 #pragma once
 
 #include <map>
@@ -10,11 +11,6 @@
 #include "indexer/format_reader.h"
 
 namespace ckptfs {
-
-std::unique_ptr<FormatReader> MakeSafetensorsReader();
-std::unique_ptr<FormatReader> MakeDcpReader();
-std::unique_ptr<FormatReader> MakeTorchSaveReader();
-std::unique_ptr<FormatReader> MakeByteCheckpointReader();
 
 // Registers every file of the checkpoint's model folder that is not a weight
 // as out.sidecars (config, tokenizer, sentencepiece models, chat templates,

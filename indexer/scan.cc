@@ -20,18 +20,6 @@ bool DirListing::has_file(const std::string& name) const {
   return std::binary_search(files.begin(), files.end(), name);
 }
 
-std::vector<std::unique_ptr<FormatReader>> AllReaders() {
-  std::vector<std::unique_ptr<FormatReader>> r;
-  // Order matters: a folder with both safetensors and .bin files (common on
-  // the Hub) is read as safetensors; a DCP folder's common.pt is not a
-  // torch.save checkpoint of its own.
-  r.push_back(MakeByteCheckpointReader());
-  r.push_back(MakeSafetensorsReader());
-  r.push_back(MakeDcpReader());
-  r.push_back(MakeTorchSaveReader());
-  return r;
-}
-
 namespace {
 
 Result<DirListing> ListDir(const Source& source, const std::string& rel) {
