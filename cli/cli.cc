@@ -24,6 +24,7 @@
 
 #include "fs/mount.h"
 #include "fs/virtual_fs.h"
+#include "indexer/format_reader.h"
 #include "indexer/index_lifecycle.h"
 #include "indexer/index_store.h"
 #include "indexer/scan.h"
@@ -237,10 +238,9 @@ int BuildIndex(const Common& c, bool quiet) {
                  catalog->root.c_str(), catalog->checkpoints.size(), tensors, chunks, files, secs,
                  path.c_str());
   if (catalog->checkpoints.empty())
-    std::fprintf(stderr, "ckptfs: warning: no checkpoint recognised under %s (looked for PyTorch DCP .metadata + *.distcp, "
-                 "Megatron torch_dist, ByteCheckpoint, *.safetensors folders, torch.save *.bin/*.pt/*.ckpt; a "
+    std::fprintf(stderr, "ckptfs: warning: no checkpoint recognised under %s (looked for %s; a "
                  "mount shows checkpoints saved later as they commit)\n",
-                 catalog->root.c_str());
+                 catalog->root.c_str(), DescribeRecognised().c_str());
   PrintProblems(*catalog);
   if (size_t n = CountProblems(*catalog)) {
     std::fprintf(stderr, "ckptfs: %zu problem(s); the affected tensors read as EIO. Fix the source and re-run `ckptfs index`.\n", n);

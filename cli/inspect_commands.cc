@@ -20,6 +20,7 @@
 #include "core/planner.h"
 #include "core/safetensors.h"
 #include "core/lora.h"
+#include "core/hf_folder.h"
 #include "core/views.h"
 #include "fs/merged_view.h"
 #include "indexer/commit_record.h"
@@ -420,12 +421,14 @@ struct VFile {
   Attr attr;
 };
 
-// The files of every checkpoint's consolidated/ and tensors/.
+// The files of every checkpoint's views that verify reads (consolidated/
+// and tensors/: core/views.h).
 std::vector<VFile> ViewFiles(VirtualFs& fs, const std::vector<LoadedCheckpoint>& loaded) {
   std::vector<VFile> files;
   for (const LoadedCheckpoint& l : loaded)
-    for (const Checkpoint& ck = *l.ckpt; const char* view : {"consolidated", "tensors"}) {
-      std::string dir = (ck.dir.empty() ? "" : ck.dir + "/") + view;
+    for (const Checkpoint& ck = *l.ckpt; const ViewKindInfo& view : kViewKinds) {
+      if (!view.verified) continue;
+      std::string dir = JoinRel(ck.dir, view.name);
       auto d = fs.Resolve(dir);
       if (!d.ok() || !d->is_virtual) continue;
       auto entries = fs.ReadDir(d->ino);

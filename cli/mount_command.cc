@@ -14,7 +14,6 @@
 #include "fs/mount.h"
 #include "indexer/index_store.h"
 #include "indexer/scan.h"
-#include "source/s3_source.h"
 
 namespace ckptfs {
 namespace {
@@ -111,9 +110,9 @@ ReadOptions MakeReadOptions(const MountFlags& f, const Source& source, Log* out)
   if (f.fetch_hold_mib > 0) {
     read.hold = std::make_shared<FetchBudget>(uint64_t(f.fetch_hold_mib) << 20);
     // Ranges sized for the server, as many in flight as the client allows.
-    if (auto* s3 = dynamic_cast<const S3Source*>(&source)) {
-      read.hold_range_bytes = s3->config().part_size;
-      read.hold_threads = s3->config().max_threads;
+    if (auto shape = source.PreferredFetch()) {
+      read.hold_range_bytes = shape->range_bytes;
+      read.hold_threads = shape->threads;
     }
     out->Write(LogLevel::kInfo, "source-order fetch of whole files: ranges up to " +
                                     std::to_string(read.hold_range_bytes >> 10) + " KiB, " +
@@ -174,12 +173,7 @@ int MountAndServeFlags(const MountFlags& f, Common& c, const std::string& mountp
     return kExitMountFailed;
   }
   if (read.direct) out->Write(LogLevel::kInfo, read.direct->stats().Describe());
-  if (auto* s3 = dynamic_cast<const S3Source*>(source.get())) {
-    out->Write(LogLevel::kInfo, s3->fetched().Describe());
-    // Exact, for comparing with the per-checkpoint counts above it.
-    out->Write(LogLevel::kInfo, "s3: " + std::to_string(s3->fetched().bytes) + " bytes received");
-    if (s3->disk_cache()) out->Write(LogLevel::kInfo, s3->disk_cache()->stats().Describe());
-  }
+  for (const std::string& line : source->DescribeTraffic()) out->Write(LogLevel::kInfo, line);
   out->Write(LogLevel::kInfo, "unmounted " + mountpoint);
   return kExitOk;
 }

@@ -18,6 +18,8 @@
 
 #include "cli/commands.h"
 #include "cli/progress.h"
+#include "core/views.h"
+#include "source/source.h"
 
 namespace ckptfs {
 namespace {
@@ -26,7 +28,7 @@ namespace {
 int RunMeshListing(VirtualFs& fs, const std::string& spec) {
   int status = kExitOk;
   for (const std::string& ck : fs.CheckpointDirs()) {
-    std::string dir = (ck.empty() ? "" : ck + "/") + "mesh/" + spec;
+    std::string dir = JoinRel(JoinRel(ck, ViewDirName(ViewKind::kMesh)), spec);
     auto spec_dir = fs.Resolve(dir);
     if (!spec_dir.ok()) {  // the reason was logged by the lookup
       status = kExitNoSource;

@@ -63,7 +63,7 @@
 #include "core/compute.h"
 #include "core/meta.h"
 #include "core/status.h"
-#include "core/views.h"
+#include "core/hf_folder.h"
 
 namespace ckptfs {
 

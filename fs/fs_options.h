@@ -9,7 +9,7 @@
 #include <string>
 
 #include "core/meta.h"
-#include "core/views.h"
+#include "core/hf_folder.h"
 #include "source/source_reader.h"
 
 namespace ckptfs {

@@ -7,8 +7,6 @@
 namespace ckptfs {
 namespace {
 
-std::string Join(const std::string& dir, const std::string& name) { return dir.empty() ? name : dir + "/" + name; }
-
 // The names, sizes and mtimes of a directory's entries: what changes when a
 // file is added, renamed into place, grown or rewritten.
 std::string Signature(const SourceTree& tree, const std::string& rel) {
@@ -16,7 +14,7 @@ std::string Signature(const SourceTree& tree, const std::string& rel) {
   if (!names.ok()) return "";
   std::string sig;
   for (const std::string& name : *names) {
-    auto st = tree.Lstat(Join(rel, name));
+    auto st = tree.Lstat(JoinRel(rel, name));
     if (!st.ok()) continue;
     sig += name + ":" + std::to_string(st->st_size) + ":" + std::to_string(st->st_mtim.tv_sec) + "." +
            std::to_string(st->st_mtim.tv_nsec) + ";";
@@ -50,8 +48,8 @@ std::vector<std::string> LiveRoot::Walk(const std::set<std::string>& served) {
     auto names = fs_->tree().List(rel);
     if (!names.ok()) continue;
     for (const std::string& name : *names) {
-      auto st = fs_->tree().Lstat(Join(rel, name));
-      if (st.ok() && S_ISDIR(st->st_mode)) pending.push_back(Join(rel, name));
+      auto st = fs_->tree().Lstat(JoinRel(rel, name));
+      if (st.ok() && S_ISDIR(st->st_mode)) pending.push_back(JoinRel(rel, name));
     }
   }
   return out;
@@ -68,13 +66,13 @@ void LiveRoot::Offer(const std::string& rel, bool replacing) {
   else if (!(*found)->problems.empty()) why = (*found)->problems.front();
   if (!found.ok() || !*found || !why.empty()) {
     if (!why.empty() && waiting_.count(rel) == 0)
-      Log(Join(rel, "") + ": not served yet (looked at again when its files change): " + why);
+      Log(JoinRel(rel, "") + ": not served yet (looked at again when its files change): " + why);
     waiting_[rel] = sig;
     return;
   }
   waiting_.erase(rel);
   Checkpoint& ckpt = **found;
-  Log(Join(rel, "") + (replacing ? ": changed; indexed again (" : ": indexed (") + std::to_string(ckpt.tensors.size()) +
+  Log(JoinRel(rel, "") + (replacing ? ": changed; indexed again (" : ": indexed (") + std::to_string(ckpt.tensors.size()) +
       " tensors) and served");
   // Served first (the rows are handed over), persisted after: a store held
   // by another process delays no view; the next index or mount adds it.
@@ -84,7 +82,7 @@ void LiveRoot::Offer(const std::string& rel, bool replacing) {
   marks_.erase(rel);  // taken again from what was served now
   if (!copy) return;
   if (Status st = hooks_.commit(*copy); !st.ok())
-    Log(Join(rel, "") + ": served, but not recorded in the index (" + st.message() +
+    Log(JoinRel(rel, "") + ": served, but not recorded in the index (" + st.message() +
         "); the next `ckptfs index` or mount records it");
 }
 
@@ -104,7 +102,7 @@ std::string LiveRoot::Gone(const std::string& dir) {
 void LiveRoot::Remove(const std::string& dir, const std::string& why) {
   marks_.erase(dir);
   fs_->RemoveCheckpoint(dir);
-  Log(Join(dir, "") + ": gone; no longer served (" + why + ")");
+  Log(JoinRel(dir, "") + ": gone; no longer served (" + why + ")");
   if (hooks_.remove) (void)hooks_.remove(dir);
 }
 

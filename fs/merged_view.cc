@@ -32,12 +32,6 @@ Result<std::string> BaseModelType(const Source& source, const Checkpoint& joined
   return ParseModelFacts(text).model_type;
 }
 
-std::optional<std::string> MergedViewSuffix(const std::string& name) {
-  if (name == "merged") return "";
-  if (name.rfind("merged.", 0) == 0 && name.size() > 7) return name.substr(7);
-  return std::nullopt;
-}
-
 Result<MergedBuild> BuildMergedView(std::shared_ptr<const Source> source, const Checkpoint& adapter, const Checkpoint& base,
                                     LoraConfig config, const ConsolidatedOptions& options, DTypeView* dtype,
                                     ReadOptions read) {

@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "core/lora.h"
-#include "core/views.h"
+#include "core/hf_folder.h"
 #include "source/source.h"
 #include "source/source_reader.h"
 
@@ -45,10 +45,6 @@ std::string NoBaseCheckpoint(const LoraConfig& config, const std::string& base_d
 // config.json's model_type in `joined` (JoinAdapter's), "" without one:
 // LoraMergeInput::base_model_type.
 Result<std::string> BaseModelType(const Source& source, const Checkpoint& joined);
-
-// "merged" -> ""; "merged.bf16" -> "bf16"; nullopt for a name that is no
-// merged view.
-std::optional<std::string> MergedViewSuffix(const std::string& name);
 
 struct MergedBuild {
   std::shared_ptr<MergedSources> sources;

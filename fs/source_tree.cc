@@ -1,7 +1,5 @@
 #include "fs/source_tree.h"
 
-#include "source/posix_source.h"
-
 #include <dirent.h>
 #include <fcntl.h>
 #include <linux/openat2.h>
@@ -250,11 +248,10 @@ FsResult<std::unique_ptr<TreeFile>> ListedTree::OpenFile(const std::string& rel)
 }  // namespace
 
 FsResult<std::unique_ptr<SourceTree>> SourceTree::Open(std::shared_ptr<const Source> source) {
-  if (!dynamic_cast<const PosixSource*>(source.get())) {
-    return std::unique_ptr<SourceTree>(std::make_unique<ListedTree>(std::move(source)));
-  }
-  int fd = ::open(source->root().c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return FsError(errno, source->root() + ": " + std::strerror(errno));
+  const std::string local = source->LocalPath("");
+  if (local.empty()) return std::unique_ptr<SourceTree>(std::make_unique<ListedTree>(std::move(source)));
+  int fd = ::open(local.c_str(), O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return FsError(errno, local + ": " + std::strerror(errno));
   return std::unique_ptr<SourceTree>(std::make_unique<PosixTree>(std::move(source), fd));
 }
 

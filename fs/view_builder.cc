@@ -8,6 +8,9 @@
 #include <vector>
 
 #include "core/cast.h"
+#include "core/item_views.h"
+#include "core/mesh_view.h"
+#include "core/views.h"
 #include "fs/merged_view.h"
 
 namespace ckptfs {
@@ -50,23 +53,25 @@ Status ViewBuilder::Build(int i, FsNode* dir) {
   const Checkpoint& ckpt = served->ckpt;
   std::vector<PendingDir> pending;
   if (auto files = ConsolidatedView(ckpt, ckpt.files, options_.consolidated); files.ok())
-    pending.push_back({"consolidated", std::move(*files)});
+    pending.push_back({ViewDirName(ViewKind::kConsolidated), std::move(*files)});
   else
-    options_.Log(JoinRel(ckpt.dir, "consolidated") + ": not created: " + files.status().message());
+    options_.Log(JoinRel(ckpt.dir, ViewDirName(ViewKind::kConsolidated)) + ": not created: " +
+                 files.status().message());
   bool mergeable = false;
   if (IsPeftAdapter(ckpt)) {
     const std::string why = MergedRefusal(ckpt);
-    if (!why.empty()) options_.Log(JoinRel(ckpt.dir, "merged/: not created: " + why));
+    if (!why.empty()) options_.Log(JoinRel(ckpt.dir, ViewDirName(ViewKind::kMerged)) + "/: not created: " + why);
     mergeable = why.empty();
   }
-  pending.push_back({"tensors", {}, false, true});
-  if (auto items = BytesView(ckpt); !items.empty()) pending.push_back({"bytes", std::move(items)});
+  pending.push_back({ViewDirName(ViewKind::kTensors), {}, false, true});
+  if (auto items = BytesView(ckpt); !items.empty()) pending.push_back({ViewDirName(ViewKind::kBytes), std::move(items)});
   if (auto rules = RulesFor(ckpt); rules.ok()) {
     Layout text;
     text.AddLiteral(MeshReadme(*rules));
-    pending.push_back({"mesh", {{"README", std::make_shared<const Layout>(std::move(text)), ""}}, true});
+    pending.push_back(
+        {ViewDirName(ViewKind::kMesh), {{"README", std::make_shared<const Layout>(std::move(text)), ""}}, true});
   } else {
-    options_.Log(JoinRel(ckpt.dir, "mesh") + ": not created: " + rules.status().message());
+    options_.Log(JoinRel(ckpt.dir, ViewDirName(ViewKind::kMesh)) + ": not created: " + rules.status().message());
   }
   std::unique_lock lock(nodes_.mu());
   if (served->removed) return Status::OK();  // replaced while loading: attach nothing
@@ -79,7 +84,8 @@ Status ViewBuilder::Build(int i, FsNode* dir) {
     if (const bool fill = p.is_npy && view->children.empty(); view->is_npy != fill) view->is_npy = fill;
     for (ViewFile& f : p.files) nodes_.AddViewFile(view, std::move(f), i);
   }
-  if (mergeable) nodes_.AddVirtual(dir, "merged", /*is_dir=*/true, i)->is_dtype_view = true;  // built on first lookup
+  if (mergeable)  // built on first lookup
+    nodes_.AddVirtual(dir, ViewDirName(ViewKind::kMerged), /*is_dir=*/true, i)->is_dtype_view = true;
   return Status::OK();
 }
 
@@ -121,7 +127,7 @@ FsResult<uint64_t> ViewBuilder::OpenDTypeView(FsNode* dir, const std::string& na
     options_.Log(where + ": " + why);
     return FsError(ENOENT, where + ": " + why);
   };
-  auto view = DTypeViewFor(ckpt, SplitDTypeSuffix(name).second);
+  auto view = DTypeViewFor(ckpt, ParseViewName(name)->dtype_suffix);
   if (!view.ok()) return fail(view.status().message());
   auto files = ConsolidatedView(ckpt, ckpt.files, options_.consolidated, &*view);
   if (!files.ok()) return fail("not created: " + files.status().message());
@@ -159,7 +165,7 @@ FsResult<uint64_t> ViewBuilder::OpenMergedView(FsNode* dir, const std::string& n
   {
     std::shared_lock lock(nodes_.mu());
     i = dir->ckpt;
-    mergeable = dir->children.count("merged") > 0;  // BuildViews' verdict, logged once there
+    mergeable = dir->children.count(ViewDirName(ViewKind::kMerged)) > 0;  // BuildViews' verdict, logged once there
   }
   if (i < 0) return FsError(ENOENT, JoinRel(dir->rel, name) + ": no checkpoint here now");
   if (!mergeable) return FsError(ENOENT, JoinRel(dir->rel, name) + ": no merged view here (see the log)");
@@ -176,7 +182,7 @@ FsResult<uint64_t> ViewBuilder::OpenMergedView(FsNode* dir, const std::string& n
   auto base = RowsOf(target->second);
   if (!base.ok()) return fail("its base " + JoinRel(target->second, "") + ": " + base.status().message());
   std::optional<DTypeView> dtype;
-  if (const std::string suffix = *MergedViewSuffix(name); !suffix.empty()) {
+  if (const std::string suffix = ParseViewName(name)->dtype_suffix; !suffix.empty()) {
     auto to = ParseViewDType(suffix);
     if (!to) return fail("unknown dtype '" + suffix + "': the dtype views are .bf16, .fp16 and .fp32");
     dtype = DTypeView{*to, options_.keep_dtype, ""};
@@ -217,7 +223,7 @@ FsResult<uint64_t> ViewBuilder::OpenMesh(FsNode* mesh_dir, const std::string& na
   ASSIGN_OR_RETURN(BuildTurn turn, TakeBuildTurn(mesh_dir->ckpt, mesh_dir, name));
   if (turn.built) return turn.built;
   const Checkpoint& ckpt = ckpts_.ServedAt(mesh_dir->ckpt)->ckpt;
-  const std::string where = JoinRel(ckpt.dir, "mesh/" + name);
+  const std::string where = JoinRel(JoinRel(ckpt.dir, ViewDirName(ViewKind::kMesh)), name);
   auto fail = [&](const std::string& why) {
     options_.Log(where + ": " + why);
     return FsError(ENOENT, where + ": " + why);
@@ -275,7 +281,7 @@ FsError ViewBuilder::FillNpy(FsNode* npy_dir) {
   for (const auto& t : tensors) {
     auto f = NpyFile(t);
     if (!f.ok()) {
-      options_.Log(JoinRel(served->ckpt.dir, "tensors") + ": no files: " + f.status().message());
+      options_.Log(JoinRel(served->ckpt.dir, ViewDirName(ViewKind::kTensors)) + ": no files: " + f.status().message());
       sizes.clear();
       break;
     }
@@ -317,9 +323,10 @@ FsError ViewBuilder::EnsureLayout(FsNode* n, const Served& served) {
   if (spec) {
     std::shared_ptr<FsNode> up = nodes_.Find(spec->parent);
     if (!up) return FsError(ESTALE, nodes_.PathOf(*n) + ": its checkpoint was replaced or removed");
-    auto built = spec->is_spec                    ? OpenMesh(up.get(), spec->name)
-                 : MergedViewSuffix(spec->name) ? OpenMergedView(up.get(), spec->name)
-                                                : OpenDTypeView(up.get(), spec->name);
+    const auto view = ParseViewName(spec->name);
+    auto built = spec->is_spec                             ? OpenMesh(up.get(), spec->name)
+                 : view && view->kind == ViewKind::kMerged ? OpenMergedView(up.get(), spec->name)
+                                                           : OpenDTypeView(up.get(), spec->name);
     if (!built.ok()) return built.status();
   }
   std::shared_lock lock(nodes_.mu());
@@ -356,11 +363,14 @@ FsResult<uint64_t> ViewBuilder::Child(FsNode* p, const std::string& name) {
   if ((!child || !built) && p->is_mesh) {
     ASSIGN_OR_RETURN(child, OpenMesh(p, name));
   }
-  if ((!child || !built) && p->kind == NodeKind::kSourceDir && name.rfind("consolidated.", 0) == 0 &&
-      ViewsAttached(*p)) {
+  // A view opened by name, built on first lookup: consolidated.<dtype>/,
+  // merged/ and merged.<dtype>/.
+  const auto view = p->kind == NodeKind::kSourceDir ? ParseViewName(name) : std::nullopt;
+  const bool dtype_view = view && view->kind == ViewKind::kConsolidated && !view->dtype_suffix.empty();
+  if ((!child || !built) && dtype_view && ViewsAttached(*p)) {
     ASSIGN_OR_RETURN(child, OpenDTypeView(p, name));
   }
-  if ((!child || !built) && p->kind == NodeKind::kSourceDir && MergedViewSuffix(name) && ViewsAttached(*p)) {
+  if ((!child || !built) && view && view->kind == ViewKind::kMerged && ViewsAttached(*p)) {
     ASSIGN_OR_RETURN(child, OpenMergedView(p, name));
   }
   return child;

@@ -20,7 +20,7 @@
 #include <string>
 
 #include "core/meta.h"
-#include "core/views.h"
+#include "core/hf_folder.h"
 #include "fs/checkpoint_set.h"
 #include "fs/fs_error.h"
 #include "fs/fs_options.h"
@@ -59,10 +59,11 @@ class ViewBuilder {
   FsResult<uint64_t> OpenMesh(FsNode* mesh_dir, const std::string& spec_name);
   // consolidated.<dtype>/ of the checkpoint shown in `dir`, made on its
   // first lookup (ENOENT with a log line for an unknown dtype).
+  // REQUIRES: ParseViewName(name) is consolidated's, with a suffix.
   FsResult<uint64_t> OpenDTypeView(FsNode* dir, const std::string& name);
   // merged/ or merged.<dtype>/ of the LoRA adapter shown in `dir`, made on
   // its first lookup (fs/merged_view.h); ENOENT with a log line saying why
-  // when it cannot be.
+  // when it cannot be. REQUIRES: ParseViewName(name) is merged's.
   FsResult<uint64_t> OpenMergedView(FsNode* dir, const std::string& name);
   FsError FillNpy(FsNode* npy_dir);
   bool ViewsAttached(const FsNode& dir) const;

@@ -11,6 +11,7 @@
 #include <set>
 #include <shared_mutex>
 
+#include "core/views.h"
 #include "source/posix_source.h"
 
 namespace ckptfs {
@@ -185,15 +186,6 @@ FsResult<Attr> VirtualFs::AttrOf(const Node& n) const {
   return a;
 }
 
-namespace {
-
-bool IsViewName(const std::string& name) {
-  return name == "consolidated" || name == "tensors" || name == "mesh" || name == "bytes" ||
-         name.rfind("consolidated.", 0) == 0 || MergedViewSuffix(name);
-}
-
-}  // namespace
-
 FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name, bool for_kernel) {
   std::shared_ptr<Node> p = nodes_.Find(parent);
   if (!p) return FsError(ENOENT, "unknown inode " + std::to_string(parent));
@@ -213,7 +205,7 @@ FsResult<Attr> VirtualFs::Lookup(uint64_t parent, const std::string& name, bool 
   ckpts_.Touch(p->ckpt);
   ASSIGN_OR_RETURN(uint64_t child, views_.Child(p.get(), name));
   // A view of a checkpoint that cannot be loaded exists; it cannot be served.
-  if (!child && !load_error.ok() && IsViewName(name)) return FsError(EIO, load_error.message());
+  if (!child && !load_error.ok() && ParseViewName(name)) return FsError(EIO, load_error.message());
   if (!child) return FsError(ENOENT, JoinRel(nodes_.PathOf(*p), name) + ": no such file or directory");
   std::shared_ptr<Node> c = nodes_.Find(child);
   if (!c) return FsError(ESTALE, JoinRel(nodes_.PathOf(*p), name) + ": its checkpoint was replaced or removed");

@@ -93,7 +93,7 @@ Result<FlatTables> ReadFlatTables(const PickleValue* user, const std::string& re
 Result<Chunk> ItemChunk(const StorageInfo& si, const std::string& meta, const std::string& sub,
                                const TensorMeta& t, const Box& box, FileTable& files, const std::string& who) {
   if (!si.transforms.empty()) return Status::NotSupported(who + ": transformed ByteCheckpoint items are not supported");
-  ASSIGN_OR_RETURN(FileId id, files.Add(JoinPath(sub, si.relative_path)));
+  ASSIGN_OR_RETURN(FileId id, files.Add(JoinRel(sub, si.relative_path)));
   auto doc = Unpickle(meta);
   if (!doc.ok()) return doc.status().WithContext(who);
   ASSIGN_OR_RETURN(std::optional<TorchTensorRef> ref, MatchTorchTensor((*doc)->root()));
@@ -168,7 +168,7 @@ void AddFlatPieces(const Chunk& chunk, const Box& box, DType dtype, const std::v
 void AddByteItems(const std::string& part, const std::string& sub, const std::map<std::string, StorageInfo>& items,
                   FileTable& files, Checkpoint& out) {
   for (const auto& [key, si] : items) {
-    auto id = files.Add(JoinPath(sub, si.relative_path));
+    auto id = files.Add(JoinRel(sub, si.relative_path));
     if (!id.ok() || si.offset + si.length > files.at(*id).size) {
       AddProblem(out, part + ": item '" + key + "' cannot be served (missing or truncated file)", false);
       continue;
@@ -185,7 +185,7 @@ class ByteCheckpointReader : public FormatReader {
     for (const char* part : kParts) {
       if (!std::binary_search(dir.dirs.begin(), dir.dirs.end(), std::string(part))) continue;
       // Cheap: the pickle names its module as a string near the start.
-      const std::string meta = JoinPath(dir.rel, std::string(part) + "/.metadata");
+      const std::string meta = JoinRel(dir.rel, std::string(part) + "/.metadata");
       auto head = dir.source->ReadRange(meta, 0, 512);
       if (!head.ok()) {
         auto whole = dir.source->ReadWhole(meta);
@@ -204,7 +204,7 @@ class ByteCheckpointReader : public FormatReader {
     std::map<std::string, TensorMeta> all;
     FlatTables flat;
     for (const char* part : kParts) {
-      const std::string sub = JoinPath(dir.rel, part);
+      const std::string sub = JoinRel(dir.rel, part);
       const std::string meta_rel = sub + "/.metadata";
       if (!files.source().Identify(meta_rel).ok()) continue;
       Status st = ReadPart(part, sub, files, out, all, flat);

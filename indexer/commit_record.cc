@@ -11,7 +11,6 @@
 
 #include "indexer/index_store.h"
 #include "indexer/scan.h"
-#include "source/posix_source.h"
 
 namespace ckptfs {
 namespace {
@@ -63,7 +62,8 @@ Result<std::vector<uint32_t>> MatchChunks(const Checkpoint& record, const Tensor
 // store's is copied to a temporary file first, because RocksDB reads an
 // SST file only from a filesystem.
 Result<Checkpoint> ReadRecordOf(const Source& source, const std::string& rel, const std::string& sst) {
-  if (dynamic_cast<const PosixSource*>(&source)) return ReadCommitRecord(sst);
+  const std::string local = source.LocalPath(rel);
+  if (!local.empty()) return ReadCommitRecord(local);
   ASSIGN_OR_RETURN(std::string bytes, source.ReadWhole(rel));
   const char* tmpdir = std::getenv("TMPDIR");
   std::string tmp = std::string(tmpdir && *tmpdir ? tmpdir : "/tmp") + "/ckptfs-commit-XXXXXX";
@@ -150,9 +150,9 @@ Status UseCommitRecord(const Source& source, Checkpoint& ckpt) {
   if (!source.ModifyTimeNs(rel)) return Status::NotFound(sst + ": no commit record");
   // Only a record that really lies in this checkpoint (no symlink out of it);
   // an object store has no links.
-  if (dynamic_cast<const PosixSource*>(&source)) {
+  if (const std::string local = source.LocalPath(rel); !local.empty()) {
     char real[PATH_MAX];
-    if (!::realpath(sst.c_str(), real) || sst != real)
+    if (!::realpath(local.c_str(), real) || local != real)
       return Status::InvalidArgument("it is reached through a symlink");
   }
   ASSIGN_OR_RETURN(Checkpoint record, ReadRecordOf(source, rel, sst));

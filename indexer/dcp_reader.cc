@@ -255,8 +255,8 @@ FramedObjects FetchFraming(const DirListing& dir, FileTable& files, const DcpPla
     if (!si || !si->transforms.empty() || si->length == 0) continue;
     const uint64_t head = std::min(si->length, kTorchArchiveHeadBytes);
     const uint64_t tail = std::min(si->length, kTorchArchiveTailBytes);
-    auto& w = windows[JoinPath(dir.rel, si->relative_path)];
-    if (w.empty()) order.push_back(JoinPath(dir.rel, si->relative_path));
+    auto& w = windows[JoinRel(dir.rel, si->relative_path)];
+    if (w.empty()) order.push_back(JoinRel(dir.rel, si->relative_path));
     w.emplace_back(si->offset, head);
     w.emplace_back(si->offset + si->length - tail, tail);
   }
@@ -286,7 +286,7 @@ void AddTensorChunk(const DirListing& dir, FileTable& files, const DcpPlan& plan
   const StorageInfo* found = FindItem(plan, fqn, box, t);
   if (!found) return AddProblem(out, who + ": no item in the metadata's storage_data", false);
   const StorageInfo& si = *found;
-  const std::string rel = JoinPath(dir.rel, si.relative_path);
+  const std::string rel = JoinRel(dir.rel, si.relative_path);
   auto id = files.Add(rel);
   if (!id.ok()) return AddProblem(out, who + ": " + id.status().message(), true);
   Chunk c(box, {*id, si.offset, si.length}, t.dtype);
@@ -309,7 +309,7 @@ void AddTensorChunk(const DirListing& dir, FileTable& files, const DcpPlan& plan
 void AddByteItems(const DirListing& dir, FileTable& files, const std::map<std::string, StorageInfo>& items,
                          Checkpoint& out) {
   for (const auto& [key, si] : items) {
-    auto id = files.Add(JoinPath(dir.rel, si.relative_path));
+    auto id = files.Add(JoinRel(dir.rel, si.relative_path));
     if (!id.ok()) {
       AddProblem(out, "item '" + key + "': " + id.status().message(), false);
       continue;
@@ -347,7 +347,7 @@ class DcpReader : public FormatReader {
     out.format = dir.has_file("metadata.json") ? "megatron-torch-dist" : "dcp";
     DcpPlan plan;
     for (const std::string& meta_name : MetadataFiles(dir))
-      LoadMetadataFile(JoinPath(dir.rel, meta_name), files, plan, out);
+      LoadMetadataFile(JoinRel(dir.rel, meta_name), files, plan, out);
     ApplyReformulation(plan, out);
     std::vector<ChunkWork> work;
     for (const auto& [fqn, boxes] : plan.declared)

@@ -46,11 +46,11 @@ void AddFolder(const std::string& rel, const std::string& prefix, int depth, boo
   for (const std::string& name : e.files) {
     if (name[0] == '.' || (!with_weights && IsWeightOrShardIndex(name))) continue;
     if (out.sidecars.size() >= kMaxSidecarFiles || out.sidecars.count(prefix + name)) continue;
-    if (auto id = files.Add(JoinPath(rel, name)); id.ok()) out.sidecars[prefix + name] = *id;
+    if (auto id = files.Add(JoinRel(rel, name)); id.ok()) out.sidecars[prefix + name] = *id;
   }
   if (depth >= kMaxSidecarDepth) return;
   for (const std::string& name : e.dirs)
-    if (name[0] != '.') AddFolder(JoinPath(rel, name), prefix + name + "/", depth + 1, with_weights, files, out);
+    if (name[0] != '.') AddFolder(JoinRel(rel, name), prefix + name + "/", depth + 1, with_weights, files, out);
 }
 
 // Whether a folder holds weights anywhere below it (a checkpoint of its
@@ -60,7 +60,7 @@ bool HoldsWeights(const Source& source, const std::string& rel, int depth) {
   if (std::any_of(e.files.begin(), e.files.end(), IsWeightOrShardIndex)) return true;
   if (depth >= kMaxSidecarDepth) return !e.dirs.empty();
   return std::any_of(e.dirs.begin(), e.dirs.end(),
-                     [&](const std::string& d) { return d[0] != '.' && HoldsWeights(source, JoinPath(rel, d), depth + 1); });
+                     [&](const std::string& d) { return d[0] != '.' && HoldsWeights(source, JoinRel(rel, d), depth + 1); });
 }
 
 // The module folders sentence-transformers' modules.json names ("path":
@@ -77,10 +77,6 @@ std::set<std::string> ModuleFolders(const Source& source, const std::string& mod
 
 }  // namespace
 
-std::string JoinPath(const std::string& dir, const std::string& name) {
-  return dir.empty() ? name : dir + "/" + name;
-}
-
 void AddProblem(Checkpoint& out, const std::string& message, bool incomplete) {
   out.problems.push_back(message);
   if (incomplete && out.incomplete.empty()) out.incomplete = message;
@@ -95,10 +91,10 @@ std::vector<uint64_t> NormalizeStrides(const std::vector<uint64_t>& shape, const
 
 std::vector<std::string> IndexedFiles(const Source& source, const DirListing& dir, const std::string& index_name,
                                       Checkpoint& out, std::map<std::string, std::string>* weight_map) {
-  auto text = source.ReadWhole(JoinPath(dir.rel, index_name));
+  auto text = source.ReadWhole(JoinRel(dir.rel, index_name));
   auto j = text.ok() ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
   if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
-    AddProblem(out, JoinPath(dir.rel, index_name) + ": no weight_map object", true);
+    AddProblem(out, JoinRel(dir.rel, index_name) + ": no weight_map object", true);
     return {};
   }
   std::set<std::string> unique;
@@ -123,19 +119,19 @@ void FinishTensors(std::map<std::string, TensorMeta>& tensors, Checkpoint& out) 
 void AddSidecarFiles(const DirListing& dir, FileTable& files, Checkpoint& out) {
   // NeMo keeps the model folder's files in .hf_metadata/ (they win); a plain
   // folder keeps them beside the weights.
-  const std::string meta_rel = JoinPath(dir.rel, ".hf_metadata");
+  const std::string meta_rel = JoinRel(dir.rel, ".hf_metadata");
   if (std::find(dir.dirs.begin(), dir.dirs.end(), ".hf_metadata") != dir.dirs.end())
     AddFolder(meta_rel, "", 0, false, files, out);
-  std::set<std::string> modules = ModuleFolders(files.source(), JoinPath(dir.rel, "modules.json"));
+  std::set<std::string> modules = ModuleFolders(files.source(), JoinRel(dir.rel, "modules.json"));
   for (const std::string& name : dir.files) {
     if (name[0] == '.' || IsWeightOrShardIndex(name) || out.sidecars.count(name)) continue;
-    if (auto id = files.Add(JoinPath(dir.rel, name)); id.ok()) out.sidecars[name] = *id;
+    if (auto id = files.Add(JoinRel(dir.rel, name)); id.ok()) out.sidecars[name] = *id;
   }
   for (const std::string& name : dir.dirs) {
     if (name[0] == '.') continue;
     const bool module = modules.count(name) > 0;
-    if (!module && HoldsWeights(files.source(), JoinPath(dir.rel, name), 1)) continue;  // another checkpoint, not metadata
-    AddFolder(JoinPath(dir.rel, name), name + "/", 1, module, files, out);
+    if (!module && HoldsWeights(files.source(), JoinRel(dir.rel, name), 1)) continue;  // another checkpoint, not metadata
+    AddFolder(JoinRel(dir.rel, name), name + "/", 1, module, files, out);
   }
 }
 

@@ -1,4 +1,5 @@
-// Factories for the format readers (one .cc each) and helpers they share.
+// Helpers the format readers (one .cc each, registered in
+// indexer/formats.cc) share.
 #pragma once
 
 #include <map>
@@ -11,11 +12,6 @@
 
 namespace ckptfs {
 
-std::unique_ptr<FormatReader> MakeSafetensorsReader();
-std::unique_ptr<FormatReader> MakeDcpReader();
-std::unique_ptr<FormatReader> MakeTorchSaveReader();
-std::unique_ptr<FormatReader> MakeByteCheckpointReader();
-
 // Registers every file of the checkpoint's model folder that is not a weight
 // as out.sidecars (config, tokenizer, sentencepiece models, chat templates,
 // remote-code *.py, sentence-transformers' modules.json and 1_Pooling/...),
@@ -25,9 +21,6 @@ std::unique_ptr<FormatReader> MakeByteCheckpointReader();
 // checkpoint), except the module folders modules.json names, which pass
 // through whole.
 void AddSidecarFiles(const DirListing& dir, FileTable& files, Checkpoint& out);
-
-// "dir/name", or "name" when dir is the source root ("").
-std::string JoinPath(const std::string& dir, const std::string& name);
 
 // Records a problem on `out`; `incomplete` also marks the tensor list
 // untrustworthy (views fail) when nothing has yet.

@@ -136,7 +136,7 @@ std::vector<Pending> Register(const DirListing& dir, FileTable& files, const std
                               Checkpoint& out) {
   std::vector<Pending> pending;
   for (const std::string& name : names) {
-    const std::string rel = JoinPath(dir.rel, name);
+    const std::string rel = JoinRel(dir.rel, name);
     if (!dir.has_file(name)) {
       AddProblem(out, rel + ": listed in model.safetensors.index.json but missing", true);
       continue;
@@ -174,7 +174,7 @@ void ReadHeaders(const FileTable& files, std::vector<Pending>& pending) {
 void ReadFile(const DirListing& dir, FileTable& files, const Pending& p,
               const std::map<std::string, std::string>& weight_map, SafetensorsScan& scan, Checkpoint& out) {
   static const std::regex kShardName(R"(^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$)");
-  const std::string rel = JoinPath(dir.rel, p.name);
+  const std::string rel = JoinRel(dir.rel, p.name);
   const SourceFile& sf = files.at(p.id);
   const Result<SafetensorsHeader>& header = *p.header;
   if (!header.ok()) return AddProblem(out, rel + ": " + header.status().message(), true);
@@ -193,7 +193,7 @@ void CheckShardRanks(const DirListing& dir, const std::set<uint64_t>& ranks, Che
   std::string found;
   for (uint64_t r : ranks) found += (found.empty() ? "" : ",") + std::to_string(r);
   AddProblem(out,
-             JoinPath(dir.rel, "shard-*") + ": shard files of some ranks are missing (ranks found: " + found +
+             JoinRel(dir.rel, "shard-*") + ": shard files of some ranks are missing (ranks found: " + found +
                  "); tensors or parts only they held would be missing",
              // torch writes no file for a rank with nothing to save, but it
              // gives replicated tensors to the rank with the least data, so
@@ -222,11 +222,11 @@ void SetShapes(std::map<std::string, TensorMeta>& tensors) {
 // config.json and tokenizer files, checked against the shapes; NeMo's
 // fqn_to_file_index_mapping.json, checked against the tensors found.
 void AddSidecars(const DirListing& dir, FileTable& files, Checkpoint& out) {
-  const std::string meta_rel = JoinPath(dir.rel, ".hf_metadata");
+  const std::string meta_rel = JoinRel(dir.rel, ".hf_metadata");
   AddSidecarFiles(dir, files, out);
   if (auto it = out.sidecars.find("config.json"); it != out.sidecars.end())
     CheckAgainstConfig(files.source(), files.at(it->second).path, out);
-  const std::string mapping = JoinPath(meta_rel, "fqn_to_file_index_mapping.json");
+  const std::string mapping = JoinRel(meta_rel, "fqn_to_file_index_mapping.json");
   if (!files.source().Identify(mapping).ok()) return;
   auto text = files.source().ReadWhole(mapping);
   Status st = text.ok() ? ParseFileIndexMapping(*text, mapping, out) : text.status();
@@ -239,7 +239,7 @@ void AddSidecars(const DirListing& dir, FileTable& files, Checkpoint& out) {
   for (const auto& [fqn, index] : out.file_index)
     if (!present.count(fqn))
       AddProblem(out,
-                 JoinPath(meta_rel, "fqn_to_file_index_mapping.json") + " names tensor '" + fqn +
+                 JoinRel(meta_rel, "fqn_to_file_index_mapping.json") + " names tensor '" + fqn +
                      "', which no shard file holds (missing shard?)",
                  true);
 }
@@ -269,7 +269,7 @@ class SafetensorsReader : public FormatReader {
     for (const Pending& p : pending) ReadFile(dir, files, p, weight_map, scan, out);
     for (const auto& [fqn, file] : weight_map)
       if (!scan.tensors.count(fqn))
-        AddProblem(out, JoinPath(dir.rel, file) + ": tensor '" + fqn + "' listed in the index is not in the file", true);
+        AddProblem(out, JoinRel(dir.rel, file) + ": tensor '" + fqn + "' listed in the index is not in the file", true);
     CheckShardRanks(dir, scan.ranks, out);
     SetShapes(scan.tensors);
     // Tensors whose chunks disagree on rank keep that problem; the rest get

@@ -20,18 +20,6 @@ bool DirListing::has_file(const std::string& name) const {
   return std::binary_search(files.begin(), files.end(), name);
 }
 
-std::vector<std::unique_ptr<FormatReader>> AllReaders() {
-  std::vector<std::unique_ptr<FormatReader>> r;
-  // Order matters: a folder with both safetensors and .bin files (common on
-  // the Hub) is read as safetensors; a DCP folder's common.pt is not a
-  // torch.save checkpoint of its own.
-  r.push_back(MakeByteCheckpointReader());
-  r.push_back(MakeSafetensorsReader());
-  r.push_back(MakeDcpReader());
-  r.push_back(MakeTorchSaveReader());
-  return r;
-}
-
 namespace {
 
 Result<DirListing> ListDir(const Source& source, const std::string& rel) {
@@ -114,7 +102,7 @@ void WalkByNames(const Source& source,
     visit(*listing, reader);
     std::vector<std::string> claimed = reader ? reader->ClaimedSubdirs(*listing) : std::vector<std::string>{};
     for (const std::string& d : listing->dirs)
-      if (std::find(claimed.begin(), claimed.end(), d) == claimed.end()) pending.push_back(rel.empty() ? d : rel + "/" + d);
+      if (std::find(claimed.begin(), claimed.end(), d) == claimed.end()) pending.push_back(JoinRel(rel, d));
   }
 }
 
@@ -241,7 +229,7 @@ Result<Catalog> ScanSource(const Source& source, const ScanOptions& options) {
     if (ckpt) catalog.checkpoints.push_back(std::move(*ckpt));
     for (auto it = listing->dirs.rbegin(); it != listing->dirs.rend(); ++it)
       if (std::find(claimed.begin(), claimed.end(), *it) == claimed.end())
-        pending.push_back(rel.empty() ? *it : rel + "/" + *it);
+        pending.push_back(JoinRel(rel, *it));
     ++done;
     if (options.progress) options.progress(done, catalog.checkpoints.size());
   }

@@ -50,7 +50,7 @@ class TorchSaveReader : public FormatReader {
 
     std::map<std::string, TensorMeta> tensors;
     for (const std::string& name : names) {
-      const std::string rel = JoinPath(dir.rel, name);
+      const std::string rel = JoinRel(dir.rel, name);
       if (!dir.has_file(name)) {
         problem(rel + ": listed in pytorch_model.bin.index.json but missing", true);
         continue;

@@ -228,4 +228,16 @@ std::optional<int64_t> S3Source::ChangeTimeNs(const std::string& rel) const {
   return o->last_modified_ns;
 }
 
+std::optional<Source::FetchShape> S3Source::PreferredFetch() const {
+  return FetchShape{config().part_size, config().max_threads};
+}
+
+std::vector<std::string> S3Source::DescribeTraffic() const {
+  const S3Client::Stats stats = fetched();
+  // The exact byte count too, for comparing with per-checkpoint counts.
+  std::vector<std::string> lines = {stats.Describe(), "s3: " + std::to_string(stats.bytes) + " bytes received"};
+  if (cache_) lines.push_back(cache_->stats().Describe());
+  return lines;
+}
+
 }  // namespace ckptfs

@@ -54,6 +54,10 @@ class S3Source : public Source {
   std::optional<int64_t> ModifyTimeNs(const std::string& rel) const override { return ChangeTimeNs(rel); }
   bool ReadsArePinned() const override { return true; }
   bool CachesReads() const override { return false; }
+  // The client's part size and threads.
+  std::optional<FetchShape> PreferredFetch() const override;
+  // Requests and bytes fetched, and the disk cache's counts when there is one.
+  std::vector<std::string> DescribeTraffic() const override;
 
   const S3Config& config() const { return client_->config(); }
   // What the client fetched so far.

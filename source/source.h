@@ -174,6 +174,29 @@ class Source {
   // POSIX: device and inode), so a walk never enters one twice.
   virtual std::string DirKey(const std::string& rel) const { return rel; }
 
+  // Capabilities. Callers outside source/ ask these, never the backend's
+  // type, so a new backend is one class here and nothing elsewhere.
+
+  // The path of entry `rel` on this host's filesystem, for what only a real
+  // file will do (RocksDB opens an SST by path; inotify watches a path; a
+  // tree opened beneath a root descriptor); "" when the backend's files are
+  // not files here (object storage), and callers then go through Open().
+  virtual std::string LocalPath(const std::string& rel) const { return ""; }
+
+  // How a whole file is best fetched in order, for a backend with round
+  // trips to hide: ranges of `range_bytes`, `threads` of them in flight.
+  struct FetchShape {
+    uint64_t range_bytes = 0;
+    unsigned threads = 0;
+  };
+  // nullopt: no preference (the reader's defaults hold).
+  virtual std::optional<FetchShape> PreferredFetch() const { return std::nullopt; }
+
+  // What reading this source has cost so far, one log line each (object
+  // storage: requests and bytes fetched, the disk cache's hits); none for a
+  // backend whose reads cost nothing worth reporting. Safe from any thread.
+  virtual std::vector<std::string> DescribeTraffic() const { return {}; }
+
   // Convenience: [offset, offset + len) of file `rel`, and all of it.
   Result<std::string> ReadRange(const std::string& rel, uint64_t offset, uint64_t len) const;
   Result<std::string> ReadWhole(const std::string& rel) const;

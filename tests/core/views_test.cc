@@ -1,8 +1,12 @@
+#include "core/hf_folder.h"
+#include "core/item_views.h"
+#include "core/mesh_view.h"
 #include "core/views.h"
 
 #include <gtest/gtest.h>
 
 #include <ctime>
+#include <set>
 #include <nlohmann/json.hpp>
 
 #include "core/planner.h"
@@ -426,6 +430,57 @@ TEST(DTypeView, CastsFloatsNotKeptNotAlreadyInTheDType) {
                       {"a.weight", true}, {"b.router.bias", false}, {"c.ids", false}, {"d.weight", false},
                       {"e.packed", false}}));
   EXPECT_EQ(CastSlices(*slices, {DType::kBF16, "(", ""}).code(), Status::Code::kInvalidArgument);
+}
+
+// The view directory names docs/SEMANTICS.md ("Virtual namespace") lists.
+TEST(ViewKinds, EveryDocumentedViewNameIsRecognised) {
+  struct Case {
+    const char* name;
+    ViewKind kind;
+    const char* suffix;
+  };
+  for (const Case& c : {Case{"consolidated", ViewKind::kConsolidated, ""},
+                        Case{"consolidated.bf16", ViewKind::kConsolidated, "bf16"},
+                        Case{"consolidated.fp16", ViewKind::kConsolidated, "fp16"},
+                        Case{"consolidated.fp32", ViewKind::kConsolidated, "fp32"},
+                        Case{"merged", ViewKind::kMerged, ""},
+                        Case{"merged.bf16", ViewKind::kMerged, "bf16"},
+                        Case{"mesh", ViewKind::kMesh, ""},
+                        Case{"tensors", ViewKind::kTensors, ""},
+                        Case{"bytes", ViewKind::kBytes, ""}}) {
+    auto v = ParseViewName(c.name);
+    ASSERT_TRUE(v.has_value()) << c.name;
+    EXPECT_EQ(v->kind, c.kind) << c.name;
+    EXPECT_EQ(v->dtype_suffix, c.suffix) << c.name;
+  }
+  // Any other suffix is still a request for the dtype view, refused by the
+  // builder with the reason in the log (docs/SEMANTICS.md).
+  EXPECT_EQ(ParseViewName("consolidated.int8")->dtype_suffix, "int8");
+}
+
+TEST(ViewKinds, NearMissesAreNoViews) {
+  for (const char* name : {"consolidatedx", "consolidated.", "merged.", "mergedx", "mesh.bf16", "tensors.fp16",
+                           "bytes.bf16", "Consolidated", "consolidate", "tensor", ".consolidated", "", "."})
+    EXPECT_FALSE(ParseViewName(name).has_value()) << "'" << name << "'";
+}
+
+TEST(ViewKinds, NamesAreUniqueAndRoundTrip) {
+  std::set<std::string> names;
+  for (const ViewKindInfo& k : kViewKinds) {
+    EXPECT_TRUE(names.insert(k.name).second) << k.name;
+    EXPECT_EQ(std::string(ViewDirName(k.kind)), k.name);
+    EXPECT_EQ(ParseViewName(k.name)->kind, k.kind);
+  }
+  // docs/SEMANTICS.md: five view directories.
+  EXPECT_EQ(names, (std::set<std::string>{"consolidated", "merged", "mesh", "tensors", "bytes"}));
+}
+
+TEST(ViewKinds, VerifyReadsConsolidatedAndTensors) {
+  // docs/CLI.md, verify: "reading every byte of consolidated/ and tensors/".
+  std::set<std::string> verified;
+  for (const ViewKindInfo& k : kViewKinds)
+    if (k.verified) verified.insert(k.name);
+  EXPECT_EQ(verified, (std::set<std::string>{"consolidated", "tensors"}));
 }
 
 }  // namespace

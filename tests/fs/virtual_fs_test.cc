@@ -17,6 +17,7 @@
 #include <thread>
 
 #include "core/safetensors.h"
+#include "core/views.h"
 #include "fs/source_tree.h"
 #include "indexer/scan.h"
 #include "source/posix_source.h"
@@ -85,6 +86,29 @@ TEST_F(VirtualFsTest, ConsolidatedSitsNextToTheCheckpoint) {
   EXPECT_EQ((*view)[0].name, "config.json");
   EXPECT_EQ((*view)[1].name, "model.safetensors");
   EXPECT_EQ((*view)[1].attr.mode, S_IFREG | 0444u);
+}
+
+// The tree, the builder and core/views.h's list agree: every directory the
+// builder attaches is a view name, a dtype view opens by its name, and a
+// near miss is ENOENT (not EIO, not a view).
+TEST_F(VirtualFsTest, EveryViewTheBuilderAttachesIsInTheViewList) {
+  auto entries = vfs_->ReadDir(vfs_->Resolve("model")->ino);
+  ASSERT_TRUE(entries.ok());
+  int views = 0;
+  for (const auto& e : *entries) {
+    if (!e.attr.is_virtual) continue;
+    ++views;
+    EXPECT_TRUE(ParseViewName(e.name).has_value()) << e.name;
+  }
+  EXPECT_EQ(views, 3);  // consolidated, mesh, tensors (no bytes/, no merged/ here)
+  auto bf16 = vfs_->Resolve("model/consolidated.bf16");
+  ASSERT_TRUE(bf16.ok()) << bf16.status().message();
+  EXPECT_TRUE(bf16->is_virtual);
+  for (const char* miss : {"model/consolidatedx", "model/consolidated.", "model/merged.", "model/mesh.bf16"}) {
+    auto a = vfs_->Resolve(miss);
+    ASSERT_FALSE(a.ok()) << miss;
+    EXPECT_EQ(a.status().err(), ENOENT) << miss << ": " << a.status().message();
+  }
 }
 
 TEST_F(VirtualFsTest, ConsolidatedBytesAreTheWholeTensorInOrder) {
