@@ -1,6 +1,8 @@
 // The store: one RocksDB database per source root, holding its checkpoints
 // as rows (schema 2, docs/INDEX.md; the rows themselves: indexer/store_rows.h).
-// This file and index_store.cc are the only places that know RocksDB exists.
+// Its .cc files (index_store.cc: the rows API; store_open.cc: where a store
+// lives and how it opens; commit_record_sst.cc: writers' commit records)
+// are the only places that know RocksDB exists.
 //
 // On disk the store is a directory carrying a marker file, CKPTFS_STORE
 // ({"schema": 2, "root": ...}), beside RocksDB's own files. ckptfs writes
@@ -28,10 +30,6 @@
 #include "core/meta.h"
 #include "core/status.h"
 #include "indexer/store_rows.h"
-
-namespace ckptfs {
-class Source;
-}
 
 namespace rocksdb {
 class DB;
@@ -135,25 +133,5 @@ class Store {
   // Writes (Commit, Remove, Ingest) also take it exclusively, one at a time.
   mutable std::shared_mutex mu_;
 };
-
-// Writes a writer's commit record: the rows Commit() would write for `ckpt`
-// (source "writer"), sorted, as an SST file at `sst_path`. `ckpt.dir` and
-// every file path are relative to `abs_root` (an absolute path, or the
-// s3://BUCKET/PREFIX root the writer uploaded under).
-Status WriteCommitRecord(const std::string& abs_root, const Checkpoint& ckpt, const std::string& sst_path);
-
-// The checkpoint a writer's commit record (WriteCommitRecord) describes,
-// its rows checked as untrusted input (one checkpoint's keys, paths inside
-// it, counts and file ids consistent), its paths relative to the root the
-// writer had. Nothing here says the files still hold what it describes:
-// see indexer/commit_record.h.
-Result<Checkpoint> ReadCommitRecord(const std::string& sst_path);
-
-// Stats every source file and compares it with the indexed identity; Stale
-// naming the first few changed files, or OK.
-Status CheckSources(const Catalog& catalog);
-// The same for files of one root (`files` as Store::LoadFiles returns them).
-Status CheckSources(const std::string& root, const std::vector<SourceFile>& files);
-Status CheckSources(const Source& source, const std::vector<SourceFile>& files);
 
 }  // namespace ckptfs

@@ -14,6 +14,7 @@
 
 #include "core/safetensors.h"
 #include "indexer/scan.h"
+#include "indexer/source_check.h"
 #include "source/posix_source.h"
 
 namespace ckptfs {

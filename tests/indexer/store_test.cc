@@ -1,6 +1,7 @@
 // The store (schema 2): round trips, per-checkpoint commits, atomicity,
 // refusals of directories that are not ours, v1 rebuild, the writer lock,
 // read-only catch-up, and writers' commit records.
+#include "indexer/commit_record.h"
 #include "indexer/index_store.h"
 
 #include <gtest/gtest.h>
