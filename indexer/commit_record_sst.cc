@@ -44,19 +44,19 @@ Result<std::vector<rows::Row>> ReadSst(const std::string& path) {
 }
 
 // The checkpoint a writer's rows describe, checked as untrusted input: one
-// commit record, every other row inside that checkpoint's key range.
+// checkpoint row, every other row inside that checkpoint's key range.
 Result<Checkpoint> DecodeCommitRows(const std::vector<rows::Row>& all, CheckpointEntry* entry) {
-  const rows::Row* record = nullptr;
+  const rows::Row* head = nullptr;
   for (const rows::Row& r : all) {
-    if (!r.key.starts_with(rows::kCommitPrefix)) continue;
-    if (record) return Status::Corruption("two commit records");
-    record = &r;
+    if (!r.key.starts_with(rows::kCheckpointRowPrefix)) continue;
+    if (head) return Status::Corruption("two checkpoint rows");
+    head = &r;
   }
-  if (!record) return Status::Corruption("no commit record row");
-  ASSIGN_OR_RETURN(*entry, rows::DecodeCommitRecord(record->key, record->value));
+  if (!head) return Status::Corruption("no checkpoint row");
+  ASSIGN_OR_RETURN(*entry, rows::DecodeCheckpointRow(head->key, head->value));
   rows::CheckpointDecoder decoder(*entry, /*strict=*/true);
   for (const rows::Row& r : all)
-    if (&r != record) RETURN_IF_ERROR(decoder.Add(r.key, r.value));
+    if (&r != head) RETURN_IF_ERROR(decoder.Add(r.key, r.value));
   return decoder.Finish();
 }
 

@@ -18,16 +18,16 @@ namespace {
 using store_internal::FromRocks;
 using store_internal::NowNs;
 
-// Positions `it` at the commit record of `dir` and decodes it; NotFound
+// Positions `it` at the checkpoint row of `dir` and decodes it; NotFound
 // when the checkpoint has none.
-Result<CheckpointEntry> SeekCommitRecord(rocksdb::Iterator& it, const std::string& dir, const std::string& path) {
-  const std::string key = rows::CommitKey(dir);
+Result<CheckpointEntry> SeekCheckpointRow(rocksdb::Iterator& it, const std::string& dir, const std::string& path) {
+  const std::string key = rows::CheckpointRowKey(dir);
   it.Seek(key);
   if (!it.Valid() || it.key() != key) {
     RETURN_IF_ERROR(FromRocks(it.status(), "read index " + path));
     return Status::NotFound("checkpoint '" + dir + "' is not in index " + path);
   }
-  return rows::DecodeCommitRecord(key, it.value().ToStringView());
+  return rows::DecodeCheckpointRow(key, it.value().ToStringView());
 }
 
 }  // namespace
@@ -36,13 +36,14 @@ std::vector<CheckpointEntry> Store::List() const {
   std::shared_lock lock(mu_);
   std::vector<CheckpointEntry> out;
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
-  for (it->Seek(rows::kCommitPrefix); it->Valid() && it->key().starts_with(rows::kCommitPrefix); it->Next()) {
-    auto e = rows::DecodeCommitRecord(it->key().ToStringView(), it->value().ToStringView());
+  const std::string prefix = rows::kCheckpointRowPrefix;
+  for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next()) {
+    auto e = rows::DecodeCheckpointRow(it->key().ToStringView(), it->value().ToStringView());
     if (e.ok()) {
       out.push_back(std::move(*e));
     } else {
       out.emplace_back();
-      out.back().dir = *rows::DirOfCommitKey(it->key().ToStringView());
+      out.back().dir = *rows::DirOfCheckpointRowKey(it->key().ToStringView());
     }
   }
   return out;
@@ -50,13 +51,13 @@ std::vector<CheckpointEntry> Store::List() const {
 
 Result<Checkpoint> Store::Load(const std::string& dir) const {
   std::shared_lock lock(mu_);
-  // One iterator reads the commit record and the rows from one snapshot.
+  // One iterator reads the checkpoint row and the data rows from one snapshot.
   // The rows are decoded once and kept by the caller: their blocks would
   // only fill the block cache (~19 MB uncompressed for 1M chunks).
   rocksdb::ReadOptions read;
   read.fill_cache = false;
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(read));
-  ASSIGN_OR_RETURN(CheckpointEntry entry, SeekCommitRecord(*it, dir, path_));
+  ASSIGN_OR_RETURN(CheckpointEntry entry, SeekCheckpointRow(*it, dir, path_));
   rows::CheckpointDecoder decoder(entry, /*strict=*/false);
   const std::string end = rows::DataEnd(dir);
   for (it->Seek(rows::DataBegin(dir)); it->Valid() && it->key().compare(end) < 0; it->Next())
@@ -70,7 +71,7 @@ Result<Checkpoint> Store::Load(const std::string& dir) const {
 Result<std::vector<SourceFile>> Store::LoadFiles(const std::string& dir) const {
   std::shared_lock lock(mu_);
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
-  ASSIGN_OR_RETURN(CheckpointEntry entry, SeekCommitRecord(*it, dir, path_));
+  ASSIGN_OR_RETURN(CheckpointEntry entry, SeekCheckpointRow(*it, dir, path_));
   rows::CheckpointDecoder decoder(entry, /*strict=*/false);
   const std::string prefix = rows::FilesPrefix(dir);
   for (it->Seek(prefix); it->Valid() && it->key().starts_with(prefix); it->Next())
@@ -86,7 +87,8 @@ Status Store::WriteRows(const std::vector<rows::Row>& rows, const std::string& d
     // Tombstones only where there are rows, so adding checkpoints does not
     // pile them up.
     std::string value;
-    if (db_->Get(rocksdb::ReadOptions(), rows::CommitKey(dir), &value).ok()) batch.Delete(rows::CommitKey(dir));
+    const std::string key = rows::CheckpointRowKey(dir);
+    if (db_->Get(rocksdb::ReadOptions(), key, &value).ok()) batch.Delete(key);
     std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
     it->Seek(rows::DataBegin(dir));
     if (it->Valid() && it->key().compare(rows::DataEnd(dir)) < 0)
@@ -119,9 +121,9 @@ Status Store::Remove(const std::string& dir) {
   return WriteRows({}, dir, /*replace=*/true);
 }
 
-Status Store::WriteRowsWithoutCommitRecordForTesting(const Checkpoint& ckpt) {
+Status Store::WriteRowsWithoutCheckpointRowForTesting(const Checkpoint& ckpt) {
   ASSIGN_OR_RETURN(std::vector<rows::Row> rows, rows::EncodeCheckpoint(ckpt, rows::kSourceScan, NowNs()));
-  rows.pop_back();  // the commit record
+  rows.pop_back();  // the checkpoint row
   std::unique_lock lock(mu_);
   return WriteRows(rows, ckpt.dir, /*replace=*/true);
 }
@@ -130,8 +132,8 @@ Result<std::vector<rows::Row>> Store::RawRows(const std::string& dir) const {
   std::shared_lock lock(mu_);
   std::vector<rows::Row> out;
   std::string value;
-  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), rows::CommitKey(dir), &value);
-  if (s.ok()) out.push_back({rows::CommitKey(dir), value});
+  rocksdb::Status s = db_->Get(rocksdb::ReadOptions(), rows::CheckpointRowKey(dir), &value);
+  if (s.ok()) out.push_back({rows::CheckpointRowKey(dir), value});
   else if (!s.IsNotFound()) return FromRocks(s, "read index " + path_);
   std::unique_ptr<rocksdb::Iterator> it(db_->NewIterator(rocksdb::ReadOptions()));
   const std::string end = rows::DataEnd(dir);

@@ -9,9 +9,10 @@
 // into, and deletes from, only a directory that carries the marker (or an
 // index of schema 1, which it recognises and rebuilds).
 //
-// Each checkpoint is committed in one atomic write ending with its commit
-// record; a checkpoint without one does not exist for readers. Committing or
-// removing one checkpoint touches no row of another.
+// Each checkpoint is committed in one atomic write ending with its
+// checkpoint row (its commit point, rows::CheckpointRowKey); a checkpoint
+// without one does not exist for readers. Committing or removing one
+// checkpoint touches no row of another.
 //
 // One process writes a store at a time (kReadWrite holds RocksDB's lock and
 // writes its pid into `writer.pid` next to the marker); any number read it
@@ -71,15 +72,15 @@ class Store {
   // index or a damaged store rebuilt, stale temporary directories removed).
   const std::vector<std::string>& notices() const { return notices_; }
 
-  // Every committed checkpoint, by dir. An entry whose commit record cannot
+  // Every committed checkpoint, by dir. An entry whose checkpoint row cannot
   // be decoded has an empty `format`; Load() of it says why.
   std::vector<CheckpointEntry> List() const;
-  // All rows of one committed checkpoint; NotFound without a commit record.
+  // All rows of one committed checkpoint; NotFound without a checkpoint row.
   Result<Checkpoint> Load(const std::string& dir) const;
   // Only the source files of one committed checkpoint (their identity when
   // indexed): what a staleness check needs, without reading its tensors.
   Result<std::vector<SourceFile>> LoadFiles(const std::string& dir) const;
-  // Replaces the rows of ckpt.dir (one WriteBatch, commit record last).
+  // Replaces the rows of ckpt.dir (one WriteBatch, checkpoint row last).
   // Rows reach SST files when the memtable fills and when the store closes.
   Status Commit(const Checkpoint& ckpt);
   Status Remove(const std::string& dir);
@@ -105,11 +106,11 @@ class Store {
 
   // Every row as one JSON object per line ({"key", "value"}, values decoded).
   Status Dump(std::ostream& out) const;
-  // The raw rows of `dir`: its commit record then its data rows.
+  // The raw rows of `dir`: its checkpoint row then its data rows.
   Result<std::vector<rows::Row>> RawRows(const std::string& dir) const;
-  // Writes ckpt's data rows without their commit record, as a commit killed
-  // before its record was written would leave them. For tests.
-  Status WriteRowsWithoutCommitRecordForTesting(const Checkpoint& ckpt);
+  // Writes ckpt's data rows without their checkpoint row, as a commit killed
+  // before that row was written would leave them. For tests.
+  Status WriteRowsWithoutCheckpointRowForTesting(const Checkpoint& ckpt);
 
  private:
   Store(std::string path, std::string root, Access access);

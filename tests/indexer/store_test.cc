@@ -284,16 +284,16 @@ TEST_F(StoreTest, RemoveDropsOnlyThatCheckpoint) {
   EXPECT_TRUE(store->Load("a/b").ok());
 }
 
-TEST_F(StoreTest, RowsWithoutTheirCommitRecordAreAbsent) {
+TEST_F(StoreTest, RowsWithoutTheirCheckpointRowAreAbsent) {
   auto store = OpenOk(Access::kReadWrite);
   ASSERT_TRUE(store->Commit(FullCheckpoint("kept")).ok());
-  ASSERT_TRUE(store->WriteRowsWithoutCommitRecordForTesting(FullCheckpoint("new")).ok());
+  ASSERT_TRUE(store->WriteRowsWithoutCheckpointRowForTesting(FullCheckpoint("new")).ok());
   // A checkpoint committed before, then rewritten by a commit that died
-  // before its record: absent, neither old nor mixed.
+  // before its checkpoint row: absent, neither old nor mixed.
   ASSERT_TRUE(store->Commit(FullCheckpoint("old")).ok());
   Checkpoint newer = FullCheckpoint("old");
   newer.tensors.resize(1);
-  ASSERT_TRUE(store->WriteRowsWithoutCommitRecordForTesting(newer).ok());
+  ASSERT_TRUE(store->WriteRowsWithoutCheckpointRowForTesting(newer).ok());
 
   auto raw = store->RawRows("new");
   ASSERT_TRUE(raw.ok());
@@ -572,7 +572,7 @@ TEST_F(StoreTest, IngestedCommitRecordEqualsWhatCommitStores) {
   ExpectSameCheckpoint(*b, *a);
   EXPECT_EQ(ingested->List().at(0).source, "writer");
 
-  // Same data rows, byte for byte; the commit records differ in source and time.
+  // Same data rows, byte for byte; the checkpoint rows differ in source and time.
   auto ra = ingested->RawRows("step_7"), rb = committed->RawRows("step_7");
   ASSERT_TRUE(ra.ok() && rb.ok());
   ASSERT_EQ(ra->size(), rb->size());
