@@ -1,11 +1,8 @@
 // Multipart uploads from the ring (what and why: s3_stager.h).
 #include "writer/s3_stager.h"
 
-#include <pthread.h>
-
 #include <algorithm>
 #include <cstring>
-#include <system_error>
 
 #include "core/crc32c.h"
 #include "core/digest.h"
@@ -39,20 +36,9 @@ Result<std::unique_ptr<S3Stager>> S3Stager::Create(const S3StagerOptions& option
 }
 
 Status S3Stager::Start() {
-  for (int i = 0; i < options_.buffers; ++i) {
-    ASSIGN_OR_RETURN(void* p, engine_->AllocBuffer(options_.part_bytes));
-    ring_.push_back(static_cast<uint8_t*>(p));
-    free_.push_back(i);
-  }
-  try {
-    for (int i = 0; i < options_.upload_threads; ++i) {
-      threads_.emplace_back([this] { IoLoop(); });
-      ::pthread_setname_np(threads_.back().native_handle(), "ckptfs-io");
-    }
-  } catch (const std::system_error& e) {
-    return Status::IOError(std::string("S3 stager: cannot start an upload thread: ") + e.what());
-  }
-  return Status::OK();
+  RETURN_IF_ERROR(AllocRing(*engine_, options_.buffers, options_.part_bytes, ring_, free_));
+  return StartIoThreads(options_.upload_threads, [this] { IoLoop(); }, threads_,
+                        "S3 stager: cannot start an upload thread");
 }
 
 S3Stager::~S3Stager() {
@@ -354,15 +340,7 @@ Result<S3ObjectUpload> S3Stager::FinishObject(int object) {
 }
 
 Result<Checksums> S3Stager::TakeChecksums(uint64_t tag) {
-  std::vector<PieceSum> pieces;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = sums_.find(tag);
-    if (it == sums_.end()) return Status::NotFound("S3 stager: nothing was written under tag " + std::to_string(tag));
-    pieces = std::move(it->second);
-    sums_.erase(it);
-  }
-  return CombinePieceSums(std::move(pieces), options_.zip_crc32, "S3 stager", tag);
+  return TakePieceSums(mu_, sums_, tag, options_.zip_crc32, "S3 stager");
 }
 
 Status S3Stager::Abort(int object) {
