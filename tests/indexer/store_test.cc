@@ -1,7 +1,6 @@
 // The store (schema 2): round trips, per-checkpoint commits, atomicity,
 // refusals of directories that are not ours, v1 rebuild, the writer lock,
 // read-only catch-up, and writers' commit records.
-#include "indexer/commit_record.h"
 #include "indexer/index_store.h"
 
 #include <gtest/gtest.h>
@@ -17,6 +16,9 @@
 #include <thread>
 
 #include <nlohmann/json.hpp>
+
+#include "indexer/commit_record.h"
+#include "tests/indexer/test_dirs.h"
 
 namespace ckptfs {
 namespace {
@@ -167,26 +169,15 @@ std::map<std::string, std::string> Snapshot(const fs::path& dir) {
   return out;
 }
 
-class StoreTest : public ::testing::Test {
+class StoreTest : public RootAndIndexTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) / ("store_" + std::to_string(::getpid()) + "_" +
-                                             ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_ / "root");
-    root_ = fs::canonical(dir_ / "root").string();
-    index_ = (dir_ / "index").string();
-  }
-  void TearDown() override { fs::remove_all(dir_); }
+  StoreTest() : RootAndIndexTest("store") {}
 
   std::unique_ptr<Store> OpenOk(Access access, const std::string& index = "") {
     auto s = Store::Open(index.empty() ? index_ : index, root_, access);
     EXPECT_TRUE(s.ok()) << s.status().ToString();
     return s.ok() ? std::move(*s) : nullptr;
   }
-
-  fs::path dir_;
-  std::string root_, index_;
 };
 
 TEST_F(StoreTest, CommitThenLoadGivesBackEveryField) {
