@@ -28,6 +28,7 @@
 #include "indexer/index_lifecycle.h"
 #include "indexer/index_store.h"
 #include "indexer/scan.h"
+#include "indexer/source_check.h"
 #include "cli/progress.h"
 #include "cli/store_loader.h"
 

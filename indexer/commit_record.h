@@ -1,4 +1,7 @@
-// A writer's commit record, checked against the files before it is used.
+// A writer's commit record: the SST file of store rows it leaves in
+// .ckptfs/commit.sst (written, and read as untrusted input, by
+// commit_record_sst.cc; ingested by Store::Ingest), and that record checked
+// against the files before it is used (commit_record.cc).
 //
 // A scan reads what a checkpoint's files say (DCP's .metadata items,
 // safetensors headers). ckptfs's writer also leaves a commit record
@@ -20,6 +23,19 @@
 #include "source/source.h"
 
 namespace ckptfs {
+
+// Writes a writer's commit record: the rows Commit() would write for `ckpt`
+// (source "writer"), sorted, as an SST file at `sst_path`. `ckpt.dir` and
+// every file path are relative to `abs_root` (an absolute path, or the
+// s3://BUCKET/PREFIX root the writer uploaded under).
+Status WriteCommitRecord(const std::string& abs_root, const Checkpoint& ckpt, const std::string& sst_path);
+
+// The checkpoint a writer's commit record (WriteCommitRecord) describes,
+// its rows checked as untrusted input (one checkpoint's keys, paths inside
+// it, counts and file ids consistent), its paths relative to the root the
+// writer had. Nothing here says the files still hold what it describes:
+// see ApplyCommitRecord below.
+Result<Checkpoint> ReadCommitRecord(const std::string& sst_path);
 
 // Copies `record`'s checksums onto `scanned` when the two describe the same
 // tensors stored in the same bytes; else InvalidArgument naming the first

@@ -4,6 +4,7 @@
 #include <set>
 
 #include "indexer/scan.h"
+#include "indexer/source_check.h"
 
 namespace ckptfs {
 

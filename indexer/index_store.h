@@ -1,15 +1,18 @@
 // The store: one RocksDB database per source root, holding its checkpoints
 // as rows (schema 2, docs/INDEX.md; the rows themselves: indexer/store_rows.h).
-// This file and index_store.cc are the only places that know RocksDB exists.
+// Its .cc files (index_store.cc: the rows API; store_open.cc: where a store
+// lives and how it opens; commit_record_sst.cc: writers' commit records)
+// are the only places that know RocksDB exists.
 //
 // On disk the store is a directory carrying a marker file, CKPTFS_STORE
 // ({"schema": 2, "root": ...}), beside RocksDB's own files. ckptfs writes
 // into, and deletes from, only a directory that carries the marker (or an
 // index of schema 1, which it recognises and rebuilds).
 //
-// Each checkpoint is committed in one atomic write ending with its commit
-// record; a checkpoint without one does not exist for readers. Committing or
-// removing one checkpoint touches no row of another.
+// Each checkpoint is committed in one atomic write ending with its
+// checkpoint row (its commit point, rows::CheckpointRowKey); a checkpoint
+// without one does not exist for readers. Committing or removing one
+// checkpoint touches no row of another.
 //
 // One process writes a store at a time (kReadWrite holds RocksDB's lock and
 // writes its pid into `writer.pid` next to the marker); any number read it
@@ -28,10 +31,6 @@
 #include "core/meta.h"
 #include "core/status.h"
 #include "indexer/store_rows.h"
-
-namespace ckptfs {
-class Source;
-}
 
 namespace rocksdb {
 class DB;
@@ -73,15 +72,15 @@ class Store {
   // index or a damaged store rebuilt, stale temporary directories removed).
   const std::vector<std::string>& notices() const { return notices_; }
 
-  // Every committed checkpoint, by dir. An entry whose commit record cannot
+  // Every committed checkpoint, by dir. An entry whose checkpoint row cannot
   // be decoded has an empty `format`; Load() of it says why.
   std::vector<CheckpointEntry> List() const;
-  // All rows of one committed checkpoint; NotFound without a commit record.
+  // All rows of one committed checkpoint; NotFound without a checkpoint row.
   Result<Checkpoint> Load(const std::string& dir) const;
   // Only the source files of one committed checkpoint (their identity when
   // indexed): what a staleness check needs, without reading its tensors.
   Result<std::vector<SourceFile>> LoadFiles(const std::string& dir) const;
-  // Replaces the rows of ckpt.dir (one WriteBatch, commit record last).
+  // Replaces the rows of ckpt.dir (one WriteBatch, checkpoint row last).
   // Rows reach SST files when the memtable fills and when the store closes.
   Status Commit(const Checkpoint& ckpt);
   Status Remove(const std::string& dir);
@@ -107,11 +106,11 @@ class Store {
 
   // Every row as one JSON object per line ({"key", "value"}, values decoded).
   Status Dump(std::ostream& out) const;
-  // The raw rows of `dir`: its commit record then its data rows.
+  // The raw rows of `dir`: its checkpoint row then its data rows.
   Result<std::vector<rows::Row>> RawRows(const std::string& dir) const;
-  // Writes ckpt's data rows without their commit record, as a commit killed
-  // before its record was written would leave them. For tests.
-  Status WriteRowsWithoutCommitRecordForTesting(const Checkpoint& ckpt);
+  // Writes ckpt's data rows without their checkpoint row, as a commit killed
+  // before that row was written would leave them. For tests.
+  Status WriteRowsWithoutCheckpointRowForTesting(const Checkpoint& ckpt);
 
  private:
   Store(std::string path, std::string root, Access access);
@@ -135,25 +134,5 @@ class Store {
   // Writes (Commit, Remove, Ingest) also take it exclusively, one at a time.
   mutable std::shared_mutex mu_;
 };
-
-// Writes a writer's commit record: the rows Commit() would write for `ckpt`
-// (source "writer"), sorted, as an SST file at `sst_path`. `ckpt.dir` and
-// every file path are relative to `abs_root` (an absolute path, or the
-// s3://BUCKET/PREFIX root the writer uploaded under).
-Status WriteCommitRecord(const std::string& abs_root, const Checkpoint& ckpt, const std::string& sst_path);
-
-// The checkpoint a writer's commit record (WriteCommitRecord) describes,
-// its rows checked as untrusted input (one checkpoint's keys, paths inside
-// it, counts and file ids consistent), its paths relative to the root the
-// writer had. Nothing here says the files still hold what it describes:
-// see indexer/commit_record.h.
-Result<Checkpoint> ReadCommitRecord(const std::string& sst_path);
-
-// Stats every source file and compares it with the indexed identity; Stale
-// naming the first few changed files, or OK.
-Status CheckSources(const Catalog& catalog);
-// The same for files of one root (`files` as Store::LoadFiles returns them).
-Status CheckSources(const std::string& root, const std::vector<SourceFile>& files);
-Status CheckSources(const Source& source, const std::vector<SourceFile>& files);
 
 }  // namespace ckptfs

@@ -231,7 +231,7 @@ json TensorValueToJson(std::string_view fqn, std::string_view value) {
 
 }  // namespace
 
-std::string CommitKey(const std::string& dir) { return kCommitPrefix + dir; }
+std::string CheckpointRowKey(const std::string& dir) { return kCheckpointRowPrefix + dir; }
 
 std::string DataBegin(const std::string& dir) {
   std::string k = kDataPrefix + dir;
@@ -276,21 +276,21 @@ Result<std::vector<Row>> EncodeCheckpoint(const Checkpoint& ckpt, const std::str
     std::snprintf(idx, sizeof idx, "%08x/", uint32_t(index));
     out.push_back({DataKey(ckpt.dir, kMappingTag, idx + fqn), ""});
   }
-  json record = {{"format", ckpt.format},           {"source", source},
-                 {"committed_at_ns", committed_at_ns}, {"tensors", ckpt.tensors.size()},
-                 {"chunks", chunks},                  {"files", ckpt.files.size()}};
-  out.push_back({CommitKey(ckpt.dir), record.dump()});
+  json row = {{"format", ckpt.format},           {"source", source},
+              {"committed_at_ns", committed_at_ns}, {"tensors", ckpt.tensors.size()},
+              {"chunks", chunks},                  {"files", ckpt.files.size()}};
+  out.push_back({CheckpointRowKey(ckpt.dir), row.dump()});
   return out;
 }
 
-Result<std::string> DirOfCommitKey(std::string_view key) {
-  if (!key.starts_with(kCommitPrefix)) return Status::Corruption("not a commit record key");
-  return std::string(key.substr(std::strlen(kCommitPrefix)));
+Result<std::string> DirOfCheckpointRowKey(std::string_view key) {
+  if (!key.starts_with(kCheckpointRowPrefix)) return Status::Corruption("not a checkpoint row key");
+  return std::string(key.substr(std::strlen(kCheckpointRowPrefix)));
 }
 
-Result<CheckpointEntry> DecodeCommitRecord(std::string_view key, std::string_view value) {
+Result<CheckpointEntry> DecodeCheckpointRow(std::string_view key, std::string_view value) {
   CheckpointEntry e;
-  ASSIGN_OR_RETURN(e.dir, DirOfCommitKey(key));
+  ASSIGN_OR_RETURN(e.dir, DirOfCheckpointRowKey(key));
   json j = json::parse(value, nullptr, /*allow_exceptions=*/false);
   try {
     e.format = j.at("format").get<std::string>();
@@ -300,7 +300,7 @@ Result<CheckpointEntry> DecodeCommitRecord(std::string_view key, std::string_vie
     e.chunks = j.at("chunks").get<uint64_t>();
     e.files = j.at("files").get<uint64_t>();
   } catch (const std::exception& ex) {
-    return Status::Corruption("commit record of '" + e.dir + "' is malformed: " + ex.what());
+    return Status::Corruption("checkpoint row of '" + e.dir + "' is malformed: " + ex.what());
   }
   return e;
 }
@@ -309,8 +309,8 @@ CheckpointDecoder::CheckpointDecoder(const CheckpointEntry& entry, bool strict)
     : entry_(entry), strict_(strict), prefix_(DataBegin(entry.dir)) {
   ckpt_.dir = entry.dir;
   ckpt_.format = entry.format;
-  // The record's count is a hint only (Finish checks it); a damaged one
-  // must not make us reserve terabytes.
+  // The checkpoint row's count is a hint only (Finish checks it); a damaged
+  // one must not make us reserve terabytes.
   ckpt_.tensors.reserve(std::min<uint64_t>(entry.tensors, 1u << 24));
 }
 
@@ -405,7 +405,7 @@ Result<Checkpoint> CheckpointDecoder::Finish() {
   for (bool have : have_file_)
     if (!have) return Status::Corruption(what + "file table has a gap");
   if (ckpt_.files.size() != entry_.files || ckpt_.tensors.size() != entry_.tensors || chunks_ != entry_.chunks)
-    return Status::Corruption(what + "rows disagree with the commit record's counts");
+    return Status::Corruption(what + "rows disagree with the checkpoint row's counts");
   auto bad = [&](FileId id) { return id >= ckpt_.files.size(); };
   for (const SourceFile& f : ckpt_.files)
     if (f.derived() && bad(f.base)) return Status::Corruption(what + f.path + " derives from an unknown file");

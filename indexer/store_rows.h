@@ -1,8 +1,8 @@
 // The rows of the store, schema 2 (docs/INDEX.md): how a Checkpoint becomes
-// keys and values and back. Pure encoding; indexer/index_store.cc is what
-// writes and reads them with RocksDB.
+// keys and values and back. Pure encoding; the store's .cc files
+// (indexer/index_store.h) write and read them with RocksDB.
 //
-// Every key of one checkpoint starts with "c/<dir>" (its commit record) or
+// Every key of one checkpoint starts with "c/<dir>" (its checkpoint row) or
 // "d/<dir>\0" (its data rows), so a checkpoint is replaced, removed or loaded
 // without touching another, and one tensor ("d/<dir>\0t<fqn>"), one
 // checkpoint's tensors ("d/<dir>\0t") and one mapped consolidated file's
@@ -22,10 +22,11 @@
 
 namespace ckptfs {
 
-// What List() reports per committed checkpoint, without loading its tensors.
+// A checkpoint row, decoded: what List() reports per committed checkpoint,
+// without loading its tensors.
 struct CheckpointEntry {
   std::string dir;     // relative to the source root ("" = the root itself)
-  std::string format;  // "" when the commit record cannot be decoded (Load says why)
+  std::string format;  // "" when the checkpoint row cannot be decoded (Load says why)
   std::string source;  // "scan" (ckptfs index / a live mount) or "writer" (an ingested commit record)
   int64_t committed_at_ns = 0;
   uint64_t tensors = 0, chunks = 0, files = 0;
@@ -36,7 +37,7 @@ namespace rows {
 inline constexpr int kSchemaVersion = 2;
 inline constexpr char kFormatKey[] = "meta/format";  // {"schema": 2}
 inline constexpr char kRootKey[] = "meta/root";      // absolute source root, raw
-inline constexpr char kCommitPrefix[] = "c/";
+inline constexpr char kCheckpointRowPrefix[] = "c/";
 inline constexpr char kDataPrefix[] = "d/";
 inline constexpr char kSourceScan[] = "scan";
 inline constexpr char kSourceWriter[] = "writer";
@@ -45,22 +46,22 @@ struct Row {
   std::string key, value;
 };
 
-std::string CommitKey(const std::string& dir);
+std::string CheckpointRowKey(const std::string& dir);
 // [DataBegin, DataEnd) holds every data row of `dir` and nothing else.
 std::string DataBegin(const std::string& dir);
 std::string DataEnd(const std::string& dir);
 // Every file row of `dir` starts with this (they come first among its rows).
 std::string FilesPrefix(const std::string& dir);
 
-// The checkpoint's data rows, then its commit record (always last). Fails
-// when the checkpoint cannot be stored faithfully (a chunk naming a file
-// that is not in its table, a NUL in a name).
+// The checkpoint's data rows, then its checkpoint row (always last: the
+// commit point). Fails when the checkpoint cannot be stored faithfully (a
+// chunk naming a file that is not in its table, a NUL in a name).
 Result<std::vector<Row>> EncodeCheckpoint(const Checkpoint& ckpt, const std::string& source,
                                           int64_t committed_at_ns);
 
-// The checkpoint directory a commit key names, or nullopt-like error.
-Result<std::string> DirOfCommitKey(std::string_view key);
-Result<CheckpointEntry> DecodeCommitRecord(std::string_view key, std::string_view value);
+// The checkpoint directory a checkpoint row's key names, or Corruption.
+Result<std::string> DirOfCheckpointRowKey(std::string_view key);
+Result<CheckpointEntry> DecodeCheckpointRow(std::string_view key, std::string_view value);
 
 // Rebuilds one checkpoint from its data rows, given in key order.
 class CheckpointDecoder {
@@ -70,7 +71,7 @@ class CheckpointDecoder {
   // checkpoint directory.
   CheckpointDecoder(const CheckpointEntry& entry, bool strict);
   Status Add(std::string_view key, std::string_view value);
-  // Checks the rows against the commit record's counts and the file table.
+  // Checks the rows against the checkpoint row's counts and the file table.
   Result<Checkpoint> Finish();
   // The files added so far, unchecked: for a staleness check that reads
   // only the file rows (Store::LoadFiles).

@@ -281,33 +281,6 @@ bool S3Client::FollowRegion(const Response& resp) const {
 
 S3Client::~S3Client() = default;
 
-std::string S3Client::Encode(const std::string& s, bool keep_slash) {
-  static const char* kHex = "0123456789ABCDEF";
-  std::string out;
-  for (unsigned char c : s) {
-    if (std::isalnum(c) || c == '-' || c == '_' || c == '.' || c == '~' || (keep_slash && c == '/')) {
-      out += char(c);
-    } else {
-      out += '%';
-      out += kHex[c >> 4];
-      out += kHex[c & 15];
-    }
-  }
-  return out;
-}
-
-std::string S3Client::Url(const S3Config& config, const std::string& ep, const std::string& key,
-                          const std::string& query) {
-  std::string url;
-  if (config.path_style) {
-    url = ep + "/" + Encode(config.location.bucket, false) + "/" + Encode(key, true);
-  } else {
-    const size_t scheme = ep.find("://") + 3;
-    url = ep.substr(0, scheme) + config.location.bucket + "." + ep.substr(scheme) + "/" + Encode(key, true);
-  }
-  return query.empty() ? url : url + "?" + query;
-}
-
 std::unique_ptr<S3Client::Handle> S3Client::Borrow() const {
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -369,7 +342,7 @@ S3Client::Response S3Client::Perform(const Request& r, int64_t timeout_ms, int64
   CURL* c = h->curl;
   curl_easy_reset(c);
   const auto [region, endpoint] = RegionAndEndpoint();
-  const std::string url = Url(config_, endpoint, r.key, r.query);
+  const std::string url = S3Url(config_, endpoint, r.key, r.query);
   curl_easy_setopt(c, CURLOPT_URL, url.c_str());
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);  // threads
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, kConnectTimeoutMs);
@@ -577,8 +550,8 @@ Result<S3ListPage> S3Client::List(const std::string& prefix) const {
     Request r;
     r.listing = true;
     // Sorted by name: the canonical query string of SigV4.
-    r.query = (token.empty() ? "" : "continuation-token=" + Encode(token, false) + "&") +
-              "delimiter=%2F&list-type=2&prefix=" + Encode(prefix, false);
+    r.query = (token.empty() ? "" : "continuation-token=" + S3Encode(token, false) + "&") +
+              "delimiter=%2F&list-type=2&prefix=" + S3Encode(prefix, false);
     Response resp = PerformWithRetries(r, kMaxAttempts);
     if (resp.curl != CURLE_OK || resp.http != 200 || !resp.last_retry_cause.empty()) return Explain(r, resp);
     const std::string& xml = resp.body;
@@ -609,7 +582,7 @@ Status S3Client::Probe(const std::string& prefix) const {
   Request r;
   r.listing = true;
   // No delimiter: the first key anywhere below the prefix, read next.
-  r.query = "list-type=2&max-keys=1&prefix=" + Encode(prefix, false);
+  r.query = "list-type=2&max-keys=1&prefix=" + S3Encode(prefix, false);
   // Answers of a server that is there are retried as always; no server
   // at all fails at once.
   Response resp = PerformWithRetries(r, kMaxAttempts, /*retry_connect=*/false);
@@ -676,12 +649,6 @@ std::string S3Client::Stats::Describe() const {
 
 // --- Uploads -----------------------------------------------------------------
 
-uint64_t S3Body::size() const {
-  uint64_t n = 0;
-  for (const auto& [p, len] : spans) n += len;
-  return n;
-}
-
 namespace {
 
 // A request with a verb.
@@ -721,7 +688,7 @@ Result<std::string> S3Client::UploadPart(const std::string& key, const std::stri
                                          const S3Body& body, S3PartCheck check, uint32_t crc32c,
                                          const std::string& md5_base64) const {
   // Sorted by name: the canonical query string of SigV4.
-  Request r = Upload("PUT", key, "partNumber=" + std::to_string(number) + "&uploadId=" + Encode(upload_id, false), &body);
+  Request r = Upload("PUT", key, "partNumber=" + std::to_string(number) + "&uploadId=" + S3Encode(upload_id, false), &body);
   if (check == S3PartCheck::kCrc32c) r.headers.push_back("x-amz-checksum-crc32c: " + Crc32cBase64(crc32c));
   else r.headers.push_back("Content-MD5: " + md5_base64);
   Response resp = PerformWithRetries(r, kMaxAttempts);
@@ -739,21 +706,11 @@ Result<std::string> S3Client::UploadPart(const std::string& key, const std::stri
   return etag;
 }
 
-std::string S3Client::CompletionXml(const std::vector<S3CompletedPart>& parts, S3PartCheck check) {
-  std::string xml = "<CompleteMultipartUpload xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">";
-  for (const S3CompletedPart& p : parts) {
-    xml += "<Part><PartNumber>" + std::to_string(p.number) + "</PartNumber><ETag>" + p.etag + "</ETag>";
-    if (check == S3PartCheck::kCrc32c) xml += "<ChecksumCRC32C>" + Crc32cBase64(p.crc32c) + "</ChecksumCRC32C>";
-    xml += "</Part>";
-  }
-  return xml + "</CompleteMultipartUpload>";
-}
-
 Status S3Client::CompleteMultipartUpload(const std::string& key, const std::string& upload_id,
                                          const std::vector<S3CompletedPart>& parts, S3PartCheck check) const {
-  const std::string xml = CompletionXml(parts, check);
+  const std::string xml = S3CompletionXml(parts, check);
   S3Body body{{{xml.data(), xml.size()}}};
-  Request r = Upload("POST", key, "uploadId=" + Encode(upload_id, false), &body);
+  Request r = Upload("POST", key, "uploadId=" + S3Encode(upload_id, false), &body);
   r.completion = true;
   r.headers.push_back("Content-Type: application/xml");
   Response resp = PerformWithRetries(r, kMaxAttempts);
@@ -768,7 +725,7 @@ Status S3Client::CompleteMultipartUpload(const std::string& key, const std::stri
 }
 
 Status S3Client::AbortMultipartUpload(const std::string& key, const std::string& upload_id) const {
-  Request r = Upload("DELETE", key, "uploadId=" + Encode(upload_id, false), nullptr);
+  Request r = Upload("DELETE", key, "uploadId=" + S3Encode(upload_id, false), nullptr);
   Response resp = PerformWithRetries(r, kMaxAttempts);
   if (Answered(resp, 204) || Answered(resp, 200) || (resp.curl == CURLE_OK && resp.http == 404)) return Status::OK();
   return Explain(r, resp);
@@ -779,9 +736,9 @@ Result<std::vector<S3MultipartUploadInfo>> S3Client::ListMultipartUploads(const 
   std::string key_marker, id_marker;
   for (int page = 0; page < 1'000'000; ++page) {
     std::string q;
-    if (!key_marker.empty()) q += "key-marker=" + Encode(key_marker, false) + "&";
-    q += "prefix=" + Encode(prefix, false) + "&";
-    if (!id_marker.empty()) q += "upload-id-marker=" + Encode(id_marker, false) + "&";
+    if (!key_marker.empty()) q += "key-marker=" + S3Encode(key_marker, false) + "&";
+    q += "prefix=" + S3Encode(prefix, false) + "&";
+    if (!id_marker.empty()) q += "upload-id-marker=" + S3Encode(id_marker, false) + "&";
     Request r = Upload("GET", "", q + "uploads=", nullptr);
     Response resp = PerformWithRetries(r, kMaxAttempts);
     if (!Answered(resp, 200)) return Explain(r, resp);

@@ -1,4 +1,6 @@
-// HTTP to an S3 server: the only code that knows libcurl.
+// HTTP to an S3 server: the only code that knows libcurl. What requests
+// and answers carry, and how keys, URLs and bodies are spelled, is
+// source/s3_wire.h (no libcurl there).
 //
 // Requests are signed by libcurl (CURLOPT_AWS_SIGV4); we send
 // x-amz-content-sha256 ourselves (the hash of the empty body for GET, HEAD
@@ -36,45 +38,9 @@
 
 #include "core/status.h"
 #include "source/s3_config.h"
+#include "source/s3_wire.h"
 
 namespace ckptfs {
-
-struct S3ObjectInfo {
-  std::string key;  // full key
-  uint64_t size = 0;
-  std::string etag;  // as the server sends it, quotes included
-  int64_t last_modified_ns = 0;
-};
-
-// A request body: spans of memory sent in order, never copied (an upload
-// part straight from the writer's ring). They must stay unchanged until the
-// call returns (a retried request sends them again).
-struct S3Body {
-  std::vector<std::pair<const char*, uint64_t>> spans;
-  uint64_t size() const;
-};
-
-// How an upload's parts are checked by the server.
-enum class S3PartCheck {
-  kCrc32c,  // x-amz-checksum-crc32c per part, ChecksumCRC32C in the completion
-  kMd5,     // Content-MD5 per part (a server that ignores the CRC32C headers)
-};
-
-struct S3CompletedPart {
-  int number = 0;       // 1..10000
-  std::string etag;     // as UploadPart's answer sent it
-  uint32_t crc32c = 0;  // sent in the completion with S3PartCheck::kCrc32c
-};
-
-struct S3MultipartUploadInfo {
-  std::string key;
-  std::string upload_id;
-};
-
-struct S3ListPage {
-  std::vector<S3ObjectInfo> objects;
-  std::vector<std::string> common_prefixes;  // full prefixes, ending in '/'
-};
 
 class S3Client {
  public:
@@ -125,9 +91,6 @@ class S3Client {
   // DeleteObject; a key that is not there is OK (S3 answers 204 either way).
   Status Delete(const std::string& key) const;
 
-  // The XML body of CompleteMultipartUpload (exposed for tests).
-  static std::string CompletionXml(const std::vector<S3CompletedPart>& parts, S3PartCheck check);
-
   // What a mount checks first: a wrong endpoint, secret or bucket, or
   // credentials that may list but not read, fail at once (no server at all
   // is not retried; a busy one is). Lists the prefix and HEADs its first key.
@@ -144,15 +107,6 @@ class S3Client {
 
   static constexpr int kMaxAttempts = 8;
   static constexpr int64_t kRetryBudgetMs = 60'000;
-
-  // Percent-encodes `s` as S3 wants it (RFC 3986 unreserved kept; '/' kept
-  // when `keep_slash`).
-  static std::string Encode(const std::string& s, bool keep_slash);
-  // The URL of `key` (with `query`, if any) at `endpoint`, addressed by
-  // path (endpoint/bucket/key) or by host name (bucket.endpoint/key) as
-  // `config.path_style` says.
-  static std::string Url(const S3Config& config, const std::string& endpoint, const std::string& key,
-                         const std::string& query);
 
   // One request and its answer (defined in the .cc).
   struct Request;

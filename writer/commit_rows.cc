@@ -16,6 +16,7 @@
 
 #include "core/coverage.h"
 #include "core/crc32c.h"
+#include "indexer/commit_record.h"
 #include "indexer/index_store.h"
 #include "indexer/torch_zip.h"
 #include "source/posix_source.h"

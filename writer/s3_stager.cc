@@ -1,24 +1,14 @@
 // Multipart uploads from the ring (what and why: s3_stager.h).
 #include "writer/s3_stager.h"
 
-#include <pthread.h>
-
 #include <algorithm>
 #include <cstring>
-#include <system_error>
 
 #include "core/crc32c.h"
 #include "core/digest.h"
 #include "core/zip_crc32.h"
 
 namespace ckptfs {
-
-uint64_t PartBytesFor(uint64_t largest_object, uint64_t preferred) {
-  constexpr uint64_t kMiB = 1ull << 20;
-  uint64_t p = std::max(preferred, kS3MinPartBytes);
-  p = std::max(p, (largest_object + kS3MaxParts - 1) / kS3MaxParts);
-  return (p + kMiB - 1) / kMiB * kMiB;
-}
 
 S3Stager::S3Stager(const S3StagerOptions& options, std::shared_ptr<const S3Client> client,
                    std::unique_ptr<CopyEngine> engine)
@@ -39,20 +29,9 @@ Result<std::unique_ptr<S3Stager>> S3Stager::Create(const S3StagerOptions& option
 }
 
 Status S3Stager::Start() {
-  for (int i = 0; i < options_.buffers; ++i) {
-    ASSIGN_OR_RETURN(void* p, engine_->AllocBuffer(options_.part_bytes));
-    ring_.push_back(static_cast<uint8_t*>(p));
-    free_.push_back(i);
-  }
-  try {
-    for (int i = 0; i < options_.upload_threads; ++i) {
-      threads_.emplace_back([this] { IoLoop(); });
-      ::pthread_setname_np(threads_.back().native_handle(), "ckptfs-io");
-    }
-  } catch (const std::system_error& e) {
-    return Status::IOError(std::string("S3 stager: cannot start an upload thread: ") + e.what());
-  }
-  return Status::OK();
+  RETURN_IF_ERROR(AllocRing(*engine_, options_.buffers, options_.part_bytes, ring_, free_));
+  return StartIoThreads(options_.upload_threads, [this] { IoLoop(); }, threads_,
+                        "S3 stager: cannot start an upload thread");
 }
 
 S3Stager::~S3Stager() {
@@ -84,21 +63,9 @@ void S3Stager::Fail(const Status& st) {
   cv_.notify_all();
 }
 
-uint64_t S3Stager::PartSize(const Object& o, int k) const {
-  return std::min(options_.part_bytes, o.size - uint64_t(k) * options_.part_bytes);
-}
-
 Result<int> S3Stager::OpenObject(const std::string& key, uint64_t size) {
   if (joined_) return Status::InvalidArgument("S3 stager: closed");
-  const uint64_t nparts = (size + options_.part_bytes - 1) / options_.part_bytes;
-  if (nparts > kS3MaxParts)
-    return Status::InvalidArgument(key + ": " + std::to_string(size) + " bytes in parts of " +
-                                   std::to_string(options_.part_bytes) + " is " + std::to_string(nparts) +
-                                   " parts, more than S3's 10,000; use a larger part size");
-  Object o;
-  o.key = key;
-  o.size = size;
-  o.parts.resize(nparts);
+  ASSIGN_OR_RETURN(Object o, S3UploadPlan::Make(key, size, options_.part_bytes));
   if (size > 0) {
     ASSIGN_OR_RETURN(auto created, client_->CreateMultipartUpload(key));
     o.upload_id = created.first;
@@ -164,12 +131,12 @@ Status S3Stager::Write(int object, uint64_t offset, const Slice& src, uint64_t t
     while (o.cur < k) RETURN_IF_ERROR(Seal(object));
     if (o.parts[k].buffer < 0) RETURN_IF_ERROR(Acquire(o));
     const uint64_t in_part = at - uint64_t(k) * options_.part_bytes;
-    const uint64_t n = std::min(src.size - done, PartSize(o, k) - in_part);
+    const uint64_t n = std::min(src.size - done, o.PartSize(k) - in_part);
     const int buffer = o.parts[k].buffer;
     RETURN_IF_ERROR(engine_->Copy(buffer, ring_[buffer] + in_part, Slice{p + done, n, src.device, src.stream}));
     o.pending.push_back({in_part, n, tag, tag_offset + done});
     done += n;
-    if (in_part + n == PartSize(o, k)) RETURN_IF_ERROR(Seal(object));
+    if (in_part + n == o.PartSize(k)) RETURN_IF_ERROR(Seal(object));
   }
   return Status::OK();
 }
@@ -284,7 +251,7 @@ Status S3Stager::Upload(int object, int k) {
     Object& o = objects_[object];
     Part& part = o.parts[k];
     key = o.key, upload_id = o.upload_id, check = o.check;
-    size = PartSize(o, k);
+    size = o.PartSize(k);
     data = ring_[part.buffer];
     spans = part.spans;
     // The holes' bytes into the buffer (immutable once filled).
@@ -354,15 +321,7 @@ Result<S3ObjectUpload> S3Stager::FinishObject(int object) {
 }
 
 Result<Checksums> S3Stager::TakeChecksums(uint64_t tag) {
-  std::vector<PieceSum> pieces;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = sums_.find(tag);
-    if (it == sums_.end()) return Status::NotFound("S3 stager: nothing was written under tag " + std::to_string(tag));
-    pieces = std::move(it->second);
-    sums_.erase(it);
-  }
-  return CombinePieceSums(std::move(pieces), options_.zip_crc32, "S3 stager", tag);
+  return TakePieceSums(mu_, sums_, tag, options_.zip_crc32, "S3 stager");
 }
 
 Status S3Stager::Abort(int object) {

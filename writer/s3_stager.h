@@ -26,7 +26,8 @@
 //
 // Part size: objects of up to 10,000 parts (S3's limit); parts are >= 5 MiB
 // (S3's minimum for all but the last), chosen by the caller from the
-// expected sizes (PartBytesFor).
+// expected sizes (PartBytesFor). Each object's parts, holes and pieces are
+// its S3UploadPlan (s3_upload_plan.h); this class moves bytes through them.
 //
 // Part checksums: x-amz-checksum-crc32c per part, combined from the pieces'
 // CRC32Cs and the holes' (Crc32cCombine: no second pass), and listed in the
@@ -58,6 +59,7 @@
 #include "core/status.h"
 #include "source/s3_client.h"
 #include "writer/copy_engine.h"
+#include "writer/s3_upload_plan.h"
 #include "writer/stager.h"
 
 namespace ckptfs {
@@ -69,26 +71,9 @@ struct S3StagerOptions {
   bool zip_crc32 = true;
 };
 
-// S3's limits on multipart uploads.
-inline constexpr uint64_t kS3MinPartBytes = 5ull << 20;
-inline constexpr uint64_t kS3MaxParts = 10'000;
-
-// The smallest part size >= `preferred` (and >= 5 MiB) that puts an object
-// of `largest_object` bytes in at most 10,000 parts, rounded up to a MiB.
-uint64_t PartBytesFor(uint64_t largest_object, uint64_t preferred);
-
-// What FinishObject returns: the parts to complete the upload with.
-struct S3ObjectUpload {
-  std::string key;
-  std::string upload_id;  // "" when the object was empty: it was PUT whole
-  S3PartCheck check = S3PartCheck::kCrc32c;
-  std::vector<S3CompletedPart> parts;
-};
-
 class S3Stager {
  public:
-  // Fills the bytes of a hole, given the combined checksums of its tag.
-  using HoleFill = std::function<std::string(const Checksums&)>;
+  using HoleFill = S3HoleFill;
 
   static Result<std::unique_ptr<S3Stager>> Create(const S3StagerOptions& options,
                                                   std::shared_ptr<const S3Client> client,
@@ -119,39 +104,10 @@ class S3Stager {
   uint64_t part_bytes() const { return options_.part_bytes; }
 
  private:
-  struct Piece {
-    uint64_t offset_in_part, size, tag, tag_offset;
-  };
-  struct Hole {
-    uint64_t offset = 0, length = 0, tag = 0;
-    HoleFill fill;
-    bool filled = false;
-    std::string bytes;
-  };
-  struct Part {
-    int buffer = -1;
-    bool sealed = false;      // the producer moved past it
-    bool checksummed = false; // its pieces' sums filed
-    bool sent = false;        // uploaded, or taken by a thread to upload
-    std::vector<size_t> holes;  // into Object::holes
-    struct Span {
-      uint64_t offset, size;  // within the part
-      uint32_t crc32c;
-    };
-    std::vector<Span> spans;  // its pieces', once checksummed
-  };
-  struct Object {
-    std::string key, upload_id;
-    S3PartCheck check = S3PartCheck::kCrc32c;
-    uint64_t size = 0;
-    std::vector<Part> parts;
-    std::vector<Hole> holes;
-    std::map<uint64_t, std::vector<size_t>> holes_of_tag;
-    std::vector<S3CompletedPart> done;
-    int cur = 0;  // producer: the part being filled
-    std::vector<Piece> pending;  // producer: the current part's pieces
-    bool aborted = false;
-  };
+  using Object = S3UploadPlan;
+  using Piece = S3UploadPlan::Piece;
+  using Hole = S3UploadPlan::Hole;
+  using Part = S3UploadPlan::Part;
   struct Job {
     int object = 0, part = 0;
     std::vector<Piece> pieces;  // empty for an upload-only job
@@ -159,7 +115,6 @@ class S3Stager {
   };
   S3Stager(const S3StagerOptions& options, std::shared_ptr<const S3Client> client, std::unique_ptr<CopyEngine> engine);
   Status Start();
-  uint64_t PartSize(const Object& o, int k) const;
   Status Seal(int object);                        // REQUIRES: producer; the current part
   Status Acquire(Object& o);                      // REQUIRES: producer; a buffer for o.parts[o.cur]
   void IoLoop();

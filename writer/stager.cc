@@ -60,24 +60,33 @@ Result<std::unique_ptr<Stager>> Stager::Create(const StagerOptions& options, std
   return s;
 }
 
-Status Stager::Start() {
-  for (int i = 0; i < options_.buffers; ++i) {
-    ASSIGN_OR_RETURN(void* p, engine_->AllocBuffer(options_.buffer_bytes));
-    ring_.push_back(static_cast<uint8_t*>(p));
-    free_.push_back(i);
-  }
-  // A thread that cannot be started is a Status, not an exception out of
-  // Create; the threads started so far are joined by the destructor.
-  try {
-    for (int i = 0; i < options_.io_threads; ++i) {
-      threads_.emplace_back([this] { IoLoop(); });
-      // "ckptfs-io" in top -H, gdb and /proc/PID/task/*/comm.
-      ::pthread_setname_np(threads_.back().native_handle(), "ckptfs-io");
-    }
-  } catch (const std::system_error& e) {
-    return Status::IOError(std::string("stager: cannot start an I/O thread: ") + e.what());
+Status AllocRing(CopyEngine& engine, int buffers, uint64_t bytes, std::vector<uint8_t*>& ring,
+                 std::vector<int>& free) {
+  for (int i = 0; i < buffers; ++i) {
+    ASSIGN_OR_RETURN(void* p, engine.AllocBuffer(bytes));
+    ring.push_back(static_cast<uint8_t*>(p));
+    free.push_back(i);
   }
   return Status::OK();
+}
+
+Status StartIoThreads(int count, const std::function<void()>& loop, std::vector<std::thread>& threads,
+                      const std::string& what) {
+  try {
+    for (int i = 0; i < count; ++i) {
+      threads.emplace_back(loop);
+      ::pthread_setname_np(threads.back().native_handle(), "ckptfs-io");
+    }
+  } catch (const std::system_error& e) {
+    return Status::IOError(what + ": " + e.what());
+  }
+  return Status::OK();
+}
+
+Status Stager::Start() {
+  RETURN_IF_ERROR(AllocRing(*engine_, options_.buffers, options_.buffer_bytes, ring_, free_));
+  // The threads started before a failure are joined by the destructor.
+  return StartIoThreads(options_.io_threads, [this] { IoLoop(); }, threads_, "stager: cannot start an I/O thread");
 }
 
 Status Stager::Close() {
@@ -297,16 +306,21 @@ Result<Checksums> CombinePieceSums(std::vector<PieceSum> pieces, bool zip_crc32,
   return c;
 }
 
-Result<Checksums> Stager::TakeChecksums(uint64_t tag) {
+Result<Checksums> TakePieceSums(std::mutex& mu, std::map<uint64_t, std::vector<PieceSum>>& sums, uint64_t tag,
+                                bool zip_crc32, const std::string& who) {
   std::vector<PieceSum> pieces;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = sums_.find(tag);
-    if (it == sums_.end()) return Status::NotFound("stager: nothing was written under tag " + std::to_string(tag));
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = sums.find(tag);
+    if (it == sums.end()) return Status::NotFound(who + ": nothing was written under tag " + std::to_string(tag));
     pieces = std::move(it->second);
-    sums_.erase(it);
+    sums.erase(it);
   }
-  return CombinePieceSums(std::move(pieces), options_.zip_crc32, "stager", tag);
+  return CombinePieceSums(std::move(pieces), zip_crc32, who, tag);
+}
+
+Result<Checksums> Stager::TakeChecksums(uint64_t tag) {
+  return TakePieceSums(mu_, sums_, tag, options_.zip_crc32, "stager");
 }
 
 StagerStats Stager::stats() const {

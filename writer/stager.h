@@ -31,6 +31,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -70,6 +71,25 @@ struct PieceSum {
 // tile [0, n) exactly once.
 Result<Checksums> CombinePieceSums(std::vector<PieceSum> pieces, bool zip_crc32, const std::string& who,
                                    uint64_t tag);
+
+// What the stager and the S3 stager (s3_stager.h) both start with and
+// both answer TakeChecksums from.
+//
+// `buffers` ring buffers of `bytes` from `engine`, every one free. Those
+// allocated before a failure stay in `ring` for the caller to free.
+Status AllocRing(CopyEngine& engine, int buffers, uint64_t bytes, std::vector<uint8_t*>& ring,
+                 std::vector<int>& free);
+// Starts `count` threads running `loop`, each named "ckptfs-io" (in top -H,
+// gdb and /proc/PID/task/*/comm). A thread that cannot be started is an
+// IOError starting with `what`, not an exception; those started so far stay
+// in `threads` for the caller to join.
+Status StartIoThreads(int count, const std::function<void()>& loop, std::vector<std::thread>& threads,
+                      const std::string& what);
+// Takes the pieces filed under `tag` out of `sums` (holding `mu` only for
+// that) and combines them (CombinePieceSums); NotFound, naming `who`, when
+// nothing was written under the tag.
+Result<Checksums> TakePieceSums(std::mutex& mu, std::map<uint64_t, std::vector<PieceSum>>& sums, uint64_t tag,
+                                bool zip_crc32, const std::string& who);
 
 struct StagerStats {
   uint64_t staged_bytes = 0;  // through the ring

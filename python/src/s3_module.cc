@@ -123,6 +123,24 @@ py::tuple UploadTuple(const S3ObjectUpload& u) {
   return py::make_tuple(u.key, u.upload_id, CheckName(u.check), parts);
 }
 
+// The calls every rank file uploaded through an S3Stager answers alike
+// (DcpFileWriter and SafetensorsFileWriter): write, upload, abort, size.
+template <typename PyFile>
+void BindS3FileCalls(py::class_<PyFile>& c, const char* write_doc) {
+  c.def("write", [](PyFile& f, uint32_t item, uintptr_t ptr, uint64_t nbytes, int device, uint64_t stream,
+                    bool copy_host) {
+         CheckS3(NoGil([&] {
+           return f.file->Write(item, Slice{reinterpret_cast<const void*>(ptr), nbytes, device, stream}, copy_host);
+         }));
+       }, py::arg("item"), py::arg("ptr"), py::arg("nbytes"), py::arg("device") = kHostDevice,
+       py::arg("stream") = 0, py::arg("copy_host") = true, write_doc)
+      .def_property_readonly("upload", [](const PyFile& f) { return UploadTuple(f.file->upload()); },
+                             "(key, upload_id, check, [(number, etag, crc32c)]) after finish().")
+      .def("abort", [](PyFile& f) { CheckS3(NoGil([&] { return f.file->Abort(); })); },
+           "Abort the multipart upload (after a failure).")
+      .def_property_readonly("size", [](const PyFile& f) { return f.file->file_size(); });
+}
+
 void BindS3Writer(py::module_& m) {
   py::class_<PyS3Stager>(m, "S3Stager")
       .def(py::init([](std::shared_ptr<S3Client> client, uint64_t part_bytes, int buffers, int upload_threads,
@@ -142,8 +160,8 @@ void BindS3Writer(py::module_& m) {
   m.def("part_bytes_for", &PartBytesFor, py::arg("largest_object"), py::arg("preferred"),
         "The part size (>= preferred, >= 5 MiB, a MiB multiple) that keeps an object within 10,000 parts.");
 
-  py::class_<PyS3DcpFile>(m, "S3DcpFile")
-      .def(py::init([](PyS3Stager& s, const std::string& key) {
+  py::class_<PyS3DcpFile> dcp(m, "S3DcpFile");
+  dcp.def(py::init([](PyS3Stager& s, const std::string& key) {
              return PyS3DcpFile{TakeS3(DcpFileWriter::CreateS3(s.stager.get(), key))};
            }),
            py::keep_alive<1, 2>(), py::arg("stager"), py::arg("key"))
@@ -153,31 +171,20 @@ void BindS3Writer(py::module_& m) {
       .def("add_bytes", [](PyS3DcpFile& f, uint64_t n) { return TakeS3(f.file->AddBytes(n)); })
       .def("seal", [](PyS3DcpFile& f) { CheckS3(NoGil([&] { return f.file->Seal(); })); },
            "After the last add_*: open the multipart upload and plan the framing.")
-      .def("write", [](PyS3DcpFile& f, uint32_t item, uintptr_t ptr, uint64_t nbytes, int device, uint64_t stream,
-                       bool copy_host) {
-             CheckS3(NoGil([&] {
-               return f.file->Write(item, Slice{reinterpret_cast<const void*>(ptr), nbytes, device, stream}, copy_host);
-             }));
-           }, py::arg("item"), py::arg("ptr"), py::arg("nbytes"), py::arg("device") = kHostDevice,
-           py::arg("stream") = 0, py::arg("copy_host") = true, "Queue the item's next bytes (always copied into the ring).")
       .def("finish", [](PyS3DcpFile& f) {
              auto r = NoGil([&] { return f.file->Finish(); });
              py::list out;
              for (const DcpItemResult& i : TakeS3(std::move(r)))
                out.append(py::make_tuple(i.offset, i.length, i.data_offset, i.data_length, i.crc32c));
              return out;
-           }, "Every part uploaded (not completed): [(offset, length, data_offset, data_length, crc32c)] per item.")
-      .def_property_readonly("upload", [](const PyS3DcpFile& f) { return UploadTuple(f.file->upload()); },
-                             "(key, upload_id, check, [(number, etag, crc32c)]) after finish().")
-      .def("abort", [](PyS3DcpFile& f) { CheckS3(NoGil([&] { return f.file->Abort(); })); },
-           "Abort the multipart upload (after a failure).")
-      .def_property_readonly("size", [](const PyS3DcpFile& f) { return f.file->file_size(); });
+           }, "Every part uploaded (not completed): [(offset, length, data_offset, data_length, crc32c)] per item.");
+  BindS3FileCalls(dcp, "Queue the item's next bytes (always copied into the ring).");
 }
 
 // One rank's shard of the HF layout as a multipart upload (safetensors_file_writer.h).
 void BindS3Safetensors(py::module_& m) {
-  py::class_<PyS3SafetensorsFile>(m, "S3SafetensorsFile")
-      .def(py::init([](PyS3Stager& s, const std::string& key) {
+  py::class_<PyS3SafetensorsFile> st(m, "S3SafetensorsFile");
+  st.def(py::init([](PyS3Stager& s, const std::string& key) {
              return PyS3SafetensorsFile{TakeS3(SafetensorsFileWriter::CreateS3(s.stager.get(), key))};
            }),
            py::keep_alive<1, 2>(), py::arg("stager"), py::arg("key"))
@@ -190,25 +197,14 @@ void BindS3Safetensors(py::module_& m) {
            }, py::arg("metadata"), "Lay the file out with `metadata` as __metadata__, open the upload, queue the header.")
       .def_property_readonly("data_begins", [](const PyS3SafetensorsFile& f) { return f.file->DataBegins(); },
                              "After seal: where each tensor's bytes begin, in add_tensor order (write in this order).")
-      .def("write", [](PyS3SafetensorsFile& f, uint32_t item, uintptr_t ptr, uint64_t nbytes, int device,
-                       uint64_t stream, bool copy_host) {
-             CheckS3(NoGil([&] {
-               return f.file->Write(item, Slice{reinterpret_cast<const void*>(ptr), nbytes, device, stream}, copy_host);
-             }));
-           }, py::arg("item"), py::arg("ptr"), py::arg("nbytes"), py::arg("device") = kHostDevice,
-           py::arg("stream") = 0, py::arg("copy_host") = true, "Queue the tensor's next bytes (always copied into the ring).")
       .def("finish", [](PyS3SafetensorsFile& f) {
              auto r = NoGil([&] { return f.file->Finish(); });
              py::list out;
              for (const SafetensorsItemResult& i : TakeS3(std::move(r)))
                out.append(py::make_tuple(i.offset, i.length, i.crc32c));
              return out;
-           }, "Every part uploaded (not completed): [(offset, length, crc32c)] of each tensor's raw bytes.")
-      .def_property_readonly("upload", [](const PyS3SafetensorsFile& f) { return UploadTuple(f.file->upload()); },
-                             "(key, upload_id, check, [(number, etag, crc32c)]) after finish().")
-      .def("abort", [](PyS3SafetensorsFile& f) { CheckS3(NoGil([&] { return f.file->Abort(); })); },
-           "Abort the multipart upload (after a failure).")
-      .def_property_readonly("size", [](const PyS3SafetensorsFile& f) { return f.file->file_size(); });
+           }, "Every part uploaded (not completed): [(offset, length, crc32c)] of each tensor's raw bytes.");
+  BindS3FileCalls(st, "Queue the tensor's next bytes (always copied into the ring).");
 }
 
 }  // namespace

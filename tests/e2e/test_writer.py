@@ -207,13 +207,9 @@ def test_verify_rereads_every_chunk_against_its_crc32c(saved, tmp_path):
 def test_a_copy_that_keeps_mtimes_keeps_its_checksums(saved, tmp_path):
     """cp -a / rsync -a keep mtimes, so the commit record stays current and
     the copy is verified against the writer's checksums."""
-    from harness import run_ckptfs
     copy = tmp_path / "root" / "step_3"
     shutil.copytree(saved["dir"], copy)  # copy2: mtimes kept
-    p = run_ckptfs("verify", str(copy), "--json", index_dir=str(tmp_path / "idx"), text_stdout=True)
-    report = json.loads(p.stdout)
-    assert p.returncode == 0 and report["problems"] == [] and report["warnings"] == [], report
-    assert report["checksummed_chunks"] == sum(len(t["chunks"]) for t in saved["rows"]["tensors"]), report
+    writer_util.assert_verify_checks_every_chunk(str(copy), saved["rows"], str(tmp_path / "idx"))
 
 
 def test_verify_says_when_a_writers_checksums_do_not_apply(saved, tmp_path):

@@ -108,12 +108,8 @@ def test_tensor_items_are_zips_with_correct_crcs(saved):
 
 
 def test_verify_checks_every_chunk_against_the_writers_crc32c(saved, s3_env, tmp_path):
-    p = run_ckptfs("verify", f"s3://{BUCKET}/{saved['root']}", "--json", index_dir=str(tmp_path / "idx"),
-                   text_stdout=True)
-    assert p.returncode == 0, p.stdout + p.stderr
-    report = json.loads(p.stdout)
-    assert report["problems"] == [] and report["warnings"] == [], report
-    assert report["checksummed_chunks"] == sum(len(t["chunks"]) for t in saved["rows"]["tensors"]), report
+    writer_util.assert_verify_checks_every_chunk(f"s3://{BUCKET}/{saved['root']}", saved["rows"],
+                                                 str(tmp_path / "idx"))
 
 
 def test_verify_names_a_chunk_altered_after_the_save(saved, s3_env, tmp_path):

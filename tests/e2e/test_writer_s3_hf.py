@@ -30,7 +30,7 @@ import torch
 from safetensors import safe_open
 
 import writer_util
-from harness import run_ckptfs, spawn_ranks
+from harness import spawn_ranks
 from s3_server import ACCESS_KEY, BUCKET, SECRET_KEY
 
 GEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "writer_hf_gen.py")
@@ -138,12 +138,8 @@ def test_a_mount_serves_consolidated_exactly_and_verify_checks_every_chunk(saved
     assert served.keys() == saved["oracle"].keys()
     bad = [k for k, v in saved["oracle"].items() if not _equal(v, served[k])]
     assert not bad, bad
-    p = run_ckptfs("verify", f"s3://{BUCKET}/{saved['root']}", "--json", index_dir=str(tmp_path / "idx"),
-                   text_stdout=True)
-    assert p.returncode == 0, p.stdout + p.stderr
-    report = json.loads(p.stdout)
-    assert report["problems"] == [] and report["warnings"] == [], report
-    assert report["checksummed_chunks"] == sum(len(t["chunks"]) for t in saved["rows"]["tensors"]), report
+    writer_util.assert_verify_checks_every_chunk(f"s3://{BUCKET}/{saved['root']}", saved["rows"],
+                                                 str(tmp_path / "idx"))
 
 
 # --- faults ------------------------------------------------------------------

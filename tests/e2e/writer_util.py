@@ -1,9 +1,13 @@
 """Helpers for the writer end-to-end tests: an independent CRC32C, the
-bytes a row points at, and which chunk a byte of a file belongs to."""
+bytes a row points at, which chunk a byte of a file belongs to, and
+`ckptfs verify` checking every chunk a writer recorded."""
 
 from __future__ import annotations
 
+import json
 import os
+
+from harness import run_ckptfs
 
 
 def _table() -> list[int]:
@@ -42,3 +46,15 @@ def chunk_at(rows: dict, file: str, offset: int) -> tuple[str, dict] | None:
             if c["file"] == file and c["offset"] <= offset < c["offset"] + c["length"]:
                 return t["fqn"], c
     return None
+
+
+def assert_verify_checks_every_chunk(root: str, rows: dict, index_dir: str) -> dict:
+    """`ckptfs verify --json root` exits 0 with no problem and no warning, and
+    checks one CRC32C per chunk of the writer's ``rows`` (counted from the
+    rows, not from ckptfs). Returns the report."""
+    p = run_ckptfs("verify", root, "--json", index_dir=index_dir, text_stdout=True)
+    assert p.returncode == 0, p.stdout + p.stderr
+    report = json.loads(p.stdout)
+    assert report["problems"] == [] and report["warnings"] == [], report
+    assert report["checksummed_chunks"] == sum(len(t["chunks"]) for t in rows["tensors"]), report
+    return report

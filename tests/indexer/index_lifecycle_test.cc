@@ -15,26 +15,22 @@
 
 #include "indexer/scan.h"
 #include "source/posix_source.h"
+#include "tests/indexer/test_dirs.h"
 
 namespace ckptfs {
 namespace {
 
 namespace fs = std::filesystem;
 
-class IndexLifecycleTest : public ::testing::Test {
+class IndexLifecycleTest : public RootAndIndexTest {
  protected:
+  IndexLifecycleTest() : RootAndIndexTest("lifecycle") {}
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) / ("lifecycle_" + std::to_string(::getpid()) + "_" +
-                                             ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_ / "root");
-    root_ = fs::canonical(dir_ / "root").string();
-    index_ = (dir_ / "index").string();
+    RootAndIndexTest::SetUp();
     auto source = PosixSource::OpenRoot(root_);
     ASSERT_TRUE(source.ok()) << source.status().ToString();
     source_ = *source;
   }
-  void TearDown() override { fs::remove_all(dir_); }
 
   // A Hugging Face folder `dir` with one F32 tensor `name` of `n` elements.
   void SaveCheckpoint(const std::string& dir, const std::string& name, size_t n) {
@@ -79,8 +75,6 @@ class IndexLifecycleTest : public ::testing::Test {
     return false;
   }
 
-  fs::path dir_;
-  std::string root_, index_;
   std::shared_ptr<PosixSource> source_;
   int builds_ = 0;
   std::vector<std::string> notes_;

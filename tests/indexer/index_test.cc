@@ -14,7 +14,9 @@
 
 #include "core/safetensors.h"
 #include "indexer/scan.h"
+#include "indexer/source_check.h"
 #include "source/posix_source.h"
+#include "tests/indexer/test_dirs.h"
 
 namespace ckptfs {
 namespace {
@@ -24,9 +26,7 @@ namespace fs = std::filesystem;
 class IndexTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) / ("index_" + std::to_string(::getpid()) + "_" +
-                                             ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
+    dir_ = FreshTestDir("index");
     fs::create_directories(dir_ / "ckpt");
   }
   void TearDown() override { fs::remove_all(dir_); }

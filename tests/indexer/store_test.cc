@@ -17,6 +17,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "indexer/commit_record.h"
+#include "tests/indexer/test_dirs.h"
+
 namespace ckptfs {
 namespace {
 
@@ -166,26 +169,15 @@ std::map<std::string, std::string> Snapshot(const fs::path& dir) {
   return out;
 }
 
-class StoreTest : public ::testing::Test {
+class StoreTest : public RootAndIndexTest {
  protected:
-  void SetUp() override {
-    dir_ = fs::path(::testing::TempDir()) / ("store_" + std::to_string(::getpid()) + "_" +
-                                             ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_ / "root");
-    root_ = fs::canonical(dir_ / "root").string();
-    index_ = (dir_ / "index").string();
-  }
-  void TearDown() override { fs::remove_all(dir_); }
+  StoreTest() : RootAndIndexTest("store") {}
 
   std::unique_ptr<Store> OpenOk(Access access, const std::string& index = "") {
     auto s = Store::Open(index.empty() ? index_ : index, root_, access);
     EXPECT_TRUE(s.ok()) << s.status().ToString();
     return s.ok() ? std::move(*s) : nullptr;
   }
-
-  fs::path dir_;
-  std::string root_, index_;
 };
 
 TEST_F(StoreTest, CommitThenLoadGivesBackEveryField) {
@@ -283,16 +275,16 @@ TEST_F(StoreTest, RemoveDropsOnlyThatCheckpoint) {
   EXPECT_TRUE(store->Load("a/b").ok());
 }
 
-TEST_F(StoreTest, RowsWithoutTheirCommitRecordAreAbsent) {
+TEST_F(StoreTest, RowsWithoutTheirCheckpointRowAreAbsent) {
   auto store = OpenOk(Access::kReadWrite);
   ASSERT_TRUE(store->Commit(FullCheckpoint("kept")).ok());
-  ASSERT_TRUE(store->WriteRowsWithoutCommitRecordForTesting(FullCheckpoint("new")).ok());
+  ASSERT_TRUE(store->WriteRowsWithoutCheckpointRowForTesting(FullCheckpoint("new")).ok());
   // A checkpoint committed before, then rewritten by a commit that died
-  // before its record: absent, neither old nor mixed.
+  // before its checkpoint row: absent, neither old nor mixed.
   ASSERT_TRUE(store->Commit(FullCheckpoint("old")).ok());
   Checkpoint newer = FullCheckpoint("old");
   newer.tensors.resize(1);
-  ASSERT_TRUE(store->WriteRowsWithoutCommitRecordForTesting(newer).ok());
+  ASSERT_TRUE(store->WriteRowsWithoutCheckpointRowForTesting(newer).ok());
 
   auto raw = store->RawRows("new");
   ASSERT_TRUE(raw.ok());
@@ -571,7 +563,7 @@ TEST_F(StoreTest, IngestedCommitRecordEqualsWhatCommitStores) {
   ExpectSameCheckpoint(*b, *a);
   EXPECT_EQ(ingested->List().at(0).source, "writer");
 
-  // Same data rows, byte for byte; the commit records differ in source and time.
+  // Same data rows, byte for byte; the checkpoint rows differ in source and time.
   auto ra = ingested->RawRows("step_7"), rb = committed->RawRows("step_7");
   ASSERT_TRUE(ra.ok() && rb.ok());
   ASSERT_EQ(ra->size(), rb->size());

@@ -69,20 +69,20 @@ TEST(S3Config, RequestUrlsPutTheBucketInTheHostOrThePath) {
   flags.no_sign_request = true;
   auto aws = ResolveS3Config("s3://my-bucket/runs", flags, Env({{"AWS_REGION", "eu-west-1"}}));
   ASSERT_TRUE(aws.ok());
-  EXPECT_EQ(S3Client::Url(*aws, aws->endpoint, "runs/a b+c/é.distcp", ""),
+  EXPECT_EQ(S3Url(*aws, aws->endpoint, "runs/a b+c/é.distcp", ""),
             "https://my-bucket.s3.eu-west-1.amazonaws.com/runs/a%20b%2Bc/%C3%A9.distcp");
-  EXPECT_EQ(S3Client::Url(*aws, aws->endpoint, "", "list-type=2&prefix=runs%2F"),
+  EXPECT_EQ(S3Url(*aws, aws->endpoint, "", "list-type=2&prefix=runs%2F"),
             "https://my-bucket.s3.eu-west-1.amazonaws.com/?list-type=2&prefix=runs%2F");
   flags.force_path_style = true;
   auto forced = ResolveS3Config("s3://my-bucket/runs", flags, Env({{"AWS_REGION", "eu-west-1"}}));
-  EXPECT_EQ(S3Client::Url(*forced, forced->endpoint, "runs/x", ""),
+  EXPECT_EQ(S3Url(*forced, forced->endpoint, "runs/x", ""),
             "https://s3.eu-west-1.amazonaws.com/my-bucket/runs/x");
   flags.force_path_style = false;
   auto dotted = ResolveS3Config("s3://my.bucket/runs", flags, Env({}));
-  EXPECT_EQ(S3Client::Url(*dotted, dotted->endpoint, "runs/x", ""),
+  EXPECT_EQ(S3Url(*dotted, dotted->endpoint, "runs/x", ""),
             "https://s3.us-east-1.amazonaws.com/my.bucket/runs/x");
   auto other = ResolveS3Config("s3://my-bucket/runs", flags, Env({{"AWS_ENDPOINT_URL", "http://127.0.0.1:9000/"}}));
-  EXPECT_EQ(S3Client::Url(*other, other->endpoint, "runs/x", ""), "http://127.0.0.1:9000/my-bucket/runs/x");
+  EXPECT_EQ(S3Url(*other, other->endpoint, "runs/x", ""), "http://127.0.0.1:9000/my-bucket/runs/x");
 }
 
 TEST(S3Config, CaBundleFromTheEnvironmentElseTheProfile) {
@@ -126,8 +126,8 @@ TEST(S3Config, DescribeNeverShowsTheSecret) {
 }
 
 TEST(S3Client, EncodesKeysAsS3Wants) {
-  EXPECT_EQ(S3Client::Encode("a b+c/ü~.-_", true), "a%20b%2Bc/%C3%BC~.-_");
-  EXPECT_EQ(S3Client::Encode("a/b", false), "a%2Fb");
+  EXPECT_EQ(S3Encode("a b+c/ü~.-_", true), "a%20b%2Bc/%C3%BC~.-_");
+  EXPECT_EQ(S3Encode("a/b", false), "a%2Fb");
 }
 
 }  // namespace

@@ -65,12 +65,12 @@ TEST(Digest, Crc32cHeaderIsBase64OfTheBigEndianValue) {
 
 TEST(S3Upload, CompletionXmlListsPartsInOrderWithTheirChecksums) {
   std::vector<S3CompletedPart> parts = {{1, "\"a1\"", 0xE3069283u}, {2, "\"b2\"", 0}};
-  EXPECT_EQ(S3Client::CompletionXml(parts, S3PartCheck::kCrc32c),
+  EXPECT_EQ(S3CompletionXml(parts, S3PartCheck::kCrc32c),
             "<CompleteMultipartUpload xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">"
             "<Part><PartNumber>1</PartNumber><ETag>\"a1\"</ETag><ChecksumCRC32C>4waSgw==</ChecksumCRC32C></Part>"
             "<Part><PartNumber>2</PartNumber><ETag>\"b2\"</ETag><ChecksumCRC32C>AAAAAA==</ChecksumCRC32C></Part>"
             "</CompleteMultipartUpload>");
-  EXPECT_EQ(S3Client::CompletionXml(parts, S3PartCheck::kMd5),
+  EXPECT_EQ(S3CompletionXml(parts, S3PartCheck::kMd5),
             "<CompleteMultipartUpload xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\">"
             "<Part><PartNumber>1</PartNumber><ETag>\"a1\"</ETag></Part>"
             "<Part><PartNumber>2</PartNumber><ETag>\"b2\"</ETag></Part>"
