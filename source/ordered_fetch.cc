@@ -80,46 +80,6 @@ void ServedRecord::Add(uint64_t offset, uint64_t length) {
   spans_.Add(offset, offset + length);
 }
 
-void IntervalSet::Add(uint64_t begin, uint64_t end) {
-  if (begin >= end) return;
-  auto it = spans_.upper_bound(begin);
-  if (it != spans_.begin() && std::prev(it)->second >= begin) --it;
-  while (it != spans_.end() && it->first <= end) {
-    begin = std::min(begin, it->first);
-    end = std::max(end, it->second);
-    it = spans_.erase(it);
-  }
-  spans_.emplace(begin, end);
-}
-
-uint64_t IntervalSet::Remove(uint64_t begin, uint64_t end) {
-  if (begin >= end) return 0;
-  uint64_t removed = 0;
-  auto it = spans_.upper_bound(begin);
-  if (it != spans_.begin()) --it;
-  while (it != spans_.end() && it->first < end) {
-    const uint64_t b = it->first, e = it->second;
-    if (e <= begin) {
-      ++it;
-      continue;
-    }
-    removed += std::min(e, end) - std::max(b, begin);
-    it = spans_.erase(it);
-    if (b < begin) spans_.emplace(b, begin);
-    if (e > end) it = spans_.emplace(end, e).first;
-  }
-  return removed;
-}
-
-uint64_t IntervalSet::Bytes(uint64_t begin, uint64_t end) const {
-  uint64_t n = 0;
-  auto it = spans_.upper_bound(begin);
-  if (it != spans_.begin()) --it;
-  for (; it != spans_.end() && it->first < end; ++it)
-    if (it->second > begin) n += std::min(end, it->second) - std::max(begin, it->first);
-  return n;
-}
-
 OrderedFetch::OrderedFetch(std::shared_ptr<const Layout> layout, std::shared_ptr<ServedRecord> served,
                            Options options, Fetch fetch, Execute execute, Check check)
     : layout_(std::move(layout)),
@@ -330,9 +290,7 @@ void OrderedFetch::FetchRange(size_t i, bool push) {
     if (st.ok()) {
       r.fetched = true;
       options_.counters->ordered.fetch_add(r.length, std::memory_order_relaxed);
-      r.bytes = bytes;
-      r.kept = {{r.offset, {r.offset + r.length, 0}}};
-      r.charged = r.length;
+      r.held = HeldBytes(bytes, r.offset, r.length);
       r.state = State::kHeld;
       if (r.needed.empty() || stop_.load()) Free(i);
     } else {
@@ -348,62 +306,25 @@ void OrderedFetch::FetchRange(size_t i, bool push) {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [src, len] : pushed)
     if (r.state == State::kHeld) Delivered(i, src, len);
-  if (r.state == State::kHeld) Compact(i);
+  // What is left is what the consumer has yet to ask for: its budget goes
+  // back to the fetch.
+  const uint64_t before = r.held.size();
+  if (r.state == State::kHeld && r.held.Compact(r.needed)) options_.budget->Release(before - r.held.size());
 }
 
-void OrderedFetch::Compact(size_t i) {
-  Range& r = ranges_[i];
-  uint64_t keep = 0;
-  for (const auto& [b, e] : r.needed.spans()) keep += e - b;
-  if (keep * 2 > r.charged) return;  // a copy would free less than it costs
-  std::shared_ptr<char[]> small;
-  try {
-    small.reset(new char[keep]);
-  } catch (const std::bad_alloc&) {
-    return;  // keeps the whole range; it is freed as before
+void OrderedFetch::TakeHeld(const Piece& p, std::vector<HeldBytes::Copy>* held, std::vector<CopyOp>* rest) const {
+  std::vector<std::pair<uint64_t, uint64_t>> missing;
+  ranges_[p.range].held.Take(p.src, p.length, p.dst, held, &missing);
+  for (const auto& [src, len] : missing) {
+    rest->push_back({p.file, src, p.dst + (src - p.src), len});
+    options_.counters->refetched.fetch_add(len, std::memory_order_relaxed);
   }
-  std::map<uint64_t, Range::Kept> kept;
-  uint64_t at = 0;
-  for (const auto& [b, e] : r.needed.spans()) {
-    // needed ⊆ kept: a needed byte is one no consumer was served yet.
-    auto k = std::prev(r.kept.upper_bound(b));
-    std::memcpy(small.get() + at, r.bytes.get() + k->second.at + (b - k->first), e - b);
-    kept[b] = {e, at};
-    at += e - b;
-  }
-  options_.budget->Release(r.charged - keep);
-  r.charged = keep;
-  r.bytes = std::move(small);
-  r.kept = std::move(kept);
-}
-
-void OrderedFetch::TakeHeld(const Piece& p, std::vector<HeldCopy>* held, std::vector<CopyOp>* rest) const {
-  const Range& r = ranges_[p.range];
-  const uint64_t end = p.src + p.length;
-  uint64_t pos = p.src;
-  auto k = r.kept.upper_bound(pos);
-  if (k != r.kept.begin()) --k;
-  auto ordinary = [&](uint64_t b, uint64_t e) {
-    if (b >= e) return;
-    rest->push_back({p.file, b, p.dst + (b - p.src), e - b});
-    options_.counters->refetched.fetch_add(e - b, std::memory_order_relaxed);
-  };
-  for (; k != r.kept.end() && k->first < end; ++k) {
-    const uint64_t b = std::max(pos, k->first), e = std::min(end, k->second.end);
-    if (b >= e) continue;
-    ordinary(pos, b);
-    held->push_back({r.bytes, r.bytes.get() + k->second.at + (b - k->first), p.dst + (b - p.src), e - b});
-    pos = e;
-  }
-  ordinary(pos, end);
 }
 
 void OrderedFetch::Free(size_t i) {
   Range& r = ranges_[i];
-  if (r.state == State::kHeld) options_.budget->Release(r.charged);
-  r.charged = 0;
-  r.bytes.reset();
-  r.kept.clear();
+  if (r.state == State::kHeld) options_.budget->Release(r.held.size());
+  r.held.Reset();
   r.state = State::kDone;
 }
 
@@ -434,7 +355,7 @@ Status OrderedFetch::Serve(const ReadPlan& plan, char* dst) {
     }
   }
   for (size_t i : claimed) FetchRange(i, false);
-  std::vector<HeldCopy> held;
+  std::vector<HeldBytes::Copy> held;
   // The ordinary path's share: pieces not held, and the bytes of converted
   // values (never planned) with their conversions.
   ReadPlan rest;
@@ -460,7 +381,7 @@ Status OrderedFetch::Serve(const ReadPlan& plan, char* dst) {
   }
   for (const CopyOp& c : plan.copies)
     if (c.to_scratch) rest.copies.push_back(c);
-  for (const HeldCopy& h : held) std::memcpy(dst + h.dst, h.from, h.length);
+  for (const HeldBytes::Copy& h : held) std::memcpy(dst + h.dst, h.from, h.length);
   if (!rest.copies.empty() || !rest.converts.empty()) RETURN_IF_ERROR(execute_(rest, dst));
   std::sort(held_files.begin(), held_files.end());
   held_files.erase(std::unique(held_files.begin(), held_files.end()), held_files.end());

@@ -69,6 +69,8 @@
 #include "core/layout.h"
 #include "core/planner.h"
 #include "core/status.h"
+#include "source/held_bytes.h"
+#include "source/interval_set.h"
 #include "source/tensor_push.h"
 
 namespace ckptfs {
@@ -107,20 +109,6 @@ class FetchBudget {
   uint64_t peak_ = 0;
 };
 
-// Disjoint half-open intervals of byte offsets.
-class IntervalSet {
- public:
-  void Add(uint64_t begin, uint64_t end);
-  // Removes [begin, end); returns how many bytes were in the set.
-  uint64_t Remove(uint64_t begin, uint64_t end);
-  uint64_t Bytes(uint64_t begin, uint64_t end) const;  // in [begin, end)
-  bool empty() const { return spans_.empty(); }
-  const std::map<uint64_t, uint64_t>& spans() const { return spans_; }  // begin -> end
-
- private:
-  std::map<uint64_t, uint64_t> spans_;
-};
-
 // The bytes of one virtual file served so far, by any of its handles: the
 // kernel keeps them in the file's page cache, so a plan started later
 // leaves them out. Requests for kClearAfter bytes served before say the
@@ -141,6 +129,23 @@ class ServedRecord {
   mutable std::mutex mu_;  // guards the fields below
   IntervalSet spans_;
   uint64_t again_ = 0;  // bytes asked again since the last clear
+};
+
+// One source range of a whole-file plan (OrderedFetch), and where its
+// needed bytes go in the virtual file.
+enum class RangeState { kQueued, kFetching, kHeld, kDone, kFailed };
+struct PlannedRange {
+  // Source bytes [src, src + len) are virtual bytes [virt, virt + len).
+  struct Mapping {
+    uint64_t src, virt, len;
+  };
+  FileId file = 0;
+  uint64_t offset = 0, length = 0;
+  IntervalSet needed;  // source bytes in it still to be served
+  RangeState state = RangeState::kQueued;
+  bool fetched = false;
+  HeldBytes held;              // while kHeld
+  std::vector<Mapping> maps;  // where its needed bytes go in the virtual file
 };
 
 class OrderedFetch {
@@ -190,39 +195,12 @@ class OrderedFetch {
   // checked unchanged. REQUIRES: started().
   Status Serve(const ReadPlan& plan, char* dst);
 
-  // For tests: ranges planned, and how many were fetched.
-  size_t range_count() const;
+  size_t range_count() const;  // for tests: ranges planned
 
  private:
-  enum class State { kQueued, kFetching, kHeld, kDone, kFailed };
-  // Source bytes [src, src + len) are virtual bytes [virt, virt + len).
-  struct Mapping {
-    uint64_t src, virt, len;
-  };
-  struct Range {
-    FileId file = 0;
-    uint64_t offset = 0, length = 0;
-    IntervalSet needed;  // source bytes in it still to be served
-    State state = State::kQueued;
-    bool fetched = false;
-    // While kHeld: source bytes [b, kept[b].end) are at bytes + kept[b].at.
-    // The whole range once fetched; after its pages were pushed, only what
-    // is still needed (the pages it shares with another range), so that the
-    // budget holds what the consumer has yet to ask for, not whole ranges.
-    std::shared_ptr<char[]> bytes;
-    struct Kept {
-      uint64_t end, at;
-    };
-    std::map<uint64_t, Kept> kept;
-    uint64_t charged = 0;        // budget taken for `bytes`
-    std::vector<Mapping> maps;   // where its needed bytes go in the virtual file
-  };
-  // Bytes of a held range copied into a reply.
-  struct HeldCopy {
-    std::shared_ptr<char[]> bytes;  // keeps `from` alive outside the lock
-    const char* from;
-    uint64_t dst, length;
-  };
+  using State = RangeState;
+  using Mapping = PlannedRange::Mapping;
+  using Range = PlannedRange;
   // A piece of a copy, inside range `range` or in none (npos).
   struct Piece {
     size_t range;
@@ -247,12 +225,9 @@ class OrderedFetch {
   // threads push: a reader's thread holds the kernel's locks on the pages
   // of its own request, and a push into them would wait for itself.
   void FetchRange(size_t i, bool push);
-  // Keeps only the still-needed bytes of held range `i` when that frees
-  // most of it (after its pages were pushed). REQUIRES: mu_.
-  void Compact(size_t i);
   // Splits piece `p` of held range p.range into copies from its kept bytes
   // (`held`) and the rest (`rest`, read the ordinary way). REQUIRES: mu_.
-  void TakeHeld(const Piece& p, std::vector<HeldCopy>* held, std::vector<CopyOp>* rest) const;
+  void TakeHeld(const Piece& p, std::vector<HeldBytes::Copy>* held, std::vector<CopyOp>* rest) const;
   // Marks [src, src + len) of range `i` served; frees it when nothing is left. REQUIRES: mu_.
   void Delivered(size_t i, uint64_t src, uint64_t len);
   // Frees range `i`'s bytes and budget. REQUIRES: mu_.

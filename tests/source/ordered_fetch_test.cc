@@ -143,6 +143,33 @@ struct PageCache {
   }
 };
 
+TEST(HeldBytes, CompactedKeepsItsSpansAndReportsTheRestMissing) {
+  std::shared_ptr<char[]> bytes(new char[1000]);
+  for (int i = 0; i < 1000; ++i) bytes[i] = char(i % 251);
+  HeldBytes held(bytes, 5000, 1000);  // source bytes [5000, 6000)
+  IntervalSet keep;
+  keep.Add(5010, 5020);
+  keep.Add(5900, 5950);
+  IntervalSet most;
+  most.Add(5000, 5600);
+  EXPECT_FALSE(HeldBytes(bytes, 5000, 1000).Compact(most));  // frees less than half
+  ASSERT_TRUE(held.Compact(keep));
+  EXPECT_EQ(held.size(), 60u);
+  bytes.reset();  // the compacted copy owns its bytes
+  std::vector<HeldBytes::Copy> copies;
+  std::vector<std::pair<uint64_t, uint64_t>> missing;
+  held.Take(5005, 940, 100, &copies, &missing);  // [5005, 5945) into dst 100
+  ASSERT_EQ(copies.size(), 2u);
+  EXPECT_EQ(copies[0].dst, 105u);
+  EXPECT_EQ(copies[0].length, 10u);
+  EXPECT_EQ(copies[1].dst, 995u);
+  EXPECT_EQ(copies[1].length, 45u);
+  for (const auto& c : copies)
+    for (uint64_t k = 0; k < c.length; ++k) EXPECT_EQ(c.from[k], char((c.dst - 100 + 5 + k) % 251));
+  const std::vector<std::pair<uint64_t, uint64_t>> want = {{5005, 5}, {5020, 880}};
+  EXPECT_EQ(missing, want);
+}
+
 TEST(ServedRecord, ClearedOnlyOnceMuchWasAskedAgain) {
   ServedRecord r;
   r.Add(0, 8 << 20);
