@@ -60,7 +60,7 @@ WORKER = textwrap.dedent("""
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(out, thread_count=1))
     dist.destroy_process_group()
     # Done: exit before the interpreter's finalization, where torch's gloo
-    # threads have aborted finished ranks (tests/e2e/harness.py, end_rank).
+    # threads have aborted finished ranks (tools/ranks.py, end_rank).
     sys.stdout.flush()
     os._exit(0)
 """)

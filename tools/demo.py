@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests" / "e2e"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -63,13 +62,13 @@ def unmount(mnt: Path) -> None:
 
 
 def train_in_background(root: Path, s3: "ObjectStorage", refs: Path, steps: int, save_every: int) -> threading.Thread:
-    import harness  # tests/e2e/harness.py: the rank spawner
+    import ranks  # tools/ranks.py: the rank spawner
     job = {"root": str(root), "s3_root": s3.url, "refs": str(refs), "steps": steps, "save_every": save_every}
     errors: list[BaseException] = []
 
     def run_ranks() -> None:
         try:
-            harness.spawn_ranks(str(ROOT / "tools" / "demo_train.py"), 2, job, name="demo-train",
+            ranks.spawn_ranks(str(ROOT / "tools" / "demo_train.py"), 2, job, name="demo-train",
                                 env={"HF_HUB_OFFLINE": "1", **s3.env}, timeout=900)
         except BaseException as e:  # reported by the eval loop
             errors.append(e)

@@ -21,7 +21,7 @@ fixed input, computed before the save), REFS/step_N.saved and
 REFS/step_N.s3saved (the times the saves returned): the eval half compares
 what it loads from the mounts with these.
 
-Run by tools/demo.py through tests/e2e/harness.spawn_ranks:
+Run by tools/demo.py through tools/ranks.spawn_ranks:
     python3 tools/demo_train.py _worker RANK WORLD INIT_FILE JOB_FILE
 """
 from __future__ import annotations
@@ -33,8 +33,6 @@ import time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "tests", "e2e"))
 
 CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
@@ -145,7 +143,7 @@ if __name__ == "__main__":
     if len(sys.argv) == 6 and sys.argv[1] == "_worker":
         with open(sys.argv[5]) as f:
             _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.load(f))
-        from harness import end_rank
+        from ranks import end_rank  # tools/ranks.py, beside this script
         end_rank()
     else:
         sys.exit(__doc__)
