@@ -23,16 +23,13 @@ constexpr uint64_t kHintChunk = 512 << 10;
 
 SourceReader::SourceReader(std::shared_ptr<const Source> source, const std::vector<SourceFile>* files,
                            GroupPolicy policy, uint64_t decoded_cache_bytes, ReadOptions read)
-    : source_(std::move(source)),
-      files_(files),
+    : files_(files),
       policy_(policy),
-      objects_(files->size()),
-      stale_(files->size()),
+      objects_(std::move(source), files),
       counters_(std::make_shared<FetchCounters>()),
-      any_stale_(std::make_unique<std::atomic<bool>>(false)),
       decoded_(decoded_cache_bytes),
       read_(read),
-      prefetch_(files, policy, [this](FileId id) { return Object(id); }),
+      prefetch_(files, policy, [this](FileId id) { return objects_.Get(id); }),
       pusher_(read.push_tensor_bytes, &prefetch_,
               [this](const ReadPlan& plan, char* dst) { return Execute(plan, dst); }) {}
 
@@ -43,9 +40,9 @@ SourceReader::SourceReader(const std::string& root, const std::vector<SourceFile
 Result<std::shared_ptr<const std::string>> SourceReader::Decoded(FileId id) {
   if (auto kept = decoded_.Find(id)) return kept;
   const SourceFile& f = (*files_)[id];
-  ASSIGN_OR_RETURN(const SourceObject* obj, Object(f.base));
+  ASSIGN_OR_RETURN(const SourceObject* obj, objects_.Get(f.base));
   ASSIGN_OR_RETURN(std::string bytes, DecodeItem(f.transform, *obj, f.base_offset, f.base_length, f.size, f.path));
-  RETURN_IF_ERROR(CheckUnchanged(f.base, *obj));
+  RETURN_IF_ERROR(objects_.CheckUnchanged(f.base, *obj));
   if (bytes.size() != f.size)
     return Status::Stale(f.path + ": decodes to " + std::to_string(bytes.size()) + " bytes, indexed as " +
                          std::to_string(f.size) + "; run `ckptfs index` again");
@@ -59,8 +56,6 @@ SourceReader::~SourceReader() {
   pusher_.Stop();
   prefetch_.Stop();
 }
-
-uint64_t SourceReader::bytes_read() const { return counters_->fetched.load(); }
 
 std::unique_ptr<OrderedFetch> SourceReader::MakeOrderedFetch(std::shared_ptr<const Layout> layout,
                                                              std::shared_ptr<ServedRecord> served,
@@ -78,9 +73,9 @@ std::unique_ptr<OrderedFetch> SourceReader::MakeOrderedFetch(std::shared_ptr<con
   // Whole ranges, read and then checked as every read is (the header's
   // guarantee); counted as fetched.
   auto fetch = [this](FileId id, uint64_t offset, uint64_t len, char* dst) -> Status {
-    ASSIGN_OR_RETURN(const SourceObject* obj, Object(id));
+    ASSIGN_OR_RETURN(const SourceObject* obj, objects_.Get(id));
     RETURN_IF_ERROR(obj->ReadAt(offset, len, dst));
-    RETURN_IF_ERROR(CheckUnchanged(id, *obj));
+    RETURN_IF_ERROR(objects_.CheckUnchanged(id, *obj));
     counters_->fetched.fetch_add(len, std::memory_order_relaxed);
     return Status::OK();
   };
@@ -90,58 +85,7 @@ std::unique_ptr<OrderedFetch> SourceReader::MakeOrderedFetch(std::shared_ptr<con
       [this](const std::vector<FileId>& ids) { return CheckSources(ids); });
 }
 
-Result<const SourceObject*> SourceReader::Object(FileId id) {
-  if (id >= objects_.size()) return Status::Corruption("read plan names unknown file " + std::to_string(id));
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!stale_[id].empty()) return Status::Stale(stale_[id]);
-    if (objects_[id]) return objects_[id].get();
-  }
-  auto opened = source_->Open(PathOf(id));
-  if (!opened.ok()) return opened.status();
-  std::unique_ptr<SourceObject> obj = std::move(opened).value();
-  RETURN_IF_ERROR(CheckUnchanged(id, *obj));
-  std::lock_guard<std::mutex> lock(mu_);
-  if (!objects_[id]) objects_[id] = std::move(obj);  // else another thread won the race
-  return objects_[id].get();
-}
-
-Status SourceReader::MarkStale(FileId id, const std::string& what) {
-  std::string why = PathOf(id) + ": " + what + " since indexing; run `ckptfs index` again";
-  std::lock_guard<std::mutex> lock(mu_);
-  if (stale_[id].empty()) stale_[id] = why;
-  any_stale_->store(true);
-  return Status::Stale(why);
-}
-
-Status SourceReader::CheckUnchanged(FileId id, const SourceObject& obj) {
-  const SourceFile& f = (*files_)[id];
-  ASSIGN_OR_RETURN(SourceFile by_object, obj.Identity());
-  std::string what = source_->DescribeChange(f, by_object);
-  // The path is checked too: a file renamed over the source or deleted
-  // leaves our object on the old file, whose bytes are no longer the
-  // source's.
-  if (what.empty() && !source_->ReadsArePinned()) {
-    auto by_path = source_->Identify(f.path);
-    what = by_path.ok() ? source_->DescribeChange(f, *by_path) : "gone (" + by_path.status().message() + ")";
-  }
-  return what.empty() ? Status::OK() : MarkStale(id, what);
-}
-
-Status SourceReader::Recheck() {
-  for (FileId id = 0; id < files_->size(); ++id) {
-    const SourceFile& f = (*files_)[id];
-    if (f.derived()) continue;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!stale_[id].empty()) return Status::Stale(stale_[id]);
-    }
-    auto now = source_->Identify(f.path);
-    std::string what = now.ok() ? source_->DescribeChange(f, *now) : "gone (" + now.status().message() + ")";
-    if (!what.empty()) return MarkStale(id, what);
-  }
-  return Status::OK();
-}
+Status SourceReader::Recheck() { return objects_.Recheck(); }
 
 Status SourceReader::ReadOne(const SourceRead& r, char* dst, char* converted, std::vector<char>& scratch) {
   if ((*files_)[r.file].derived()) {
@@ -152,7 +96,7 @@ Status SourceReader::ReadOne(const SourceRead& r, char* dst, char* converted, st
       std::memcpy((g.to_scratch ? converted : dst) + g.dst_offset, bytes->data() + r.offset + g.read_offset, g.length);
     return Status::OK();
   }
-  ASSIGN_OR_RETURN(const SourceObject* obj, Object(r.file));
+  ASSIGN_OR_RETURN(const SourceObject* obj, objects_.Get(r.file));
   DirectIo* direct = read_.direct.get();
   if (r.direct()) {
     RETURN_IF_ERROR(obj->ReadAtVia(r.offset, r.length, dst + r.gathers[0].dst_offset, direct));
@@ -170,7 +114,7 @@ void SourceReader::Hint(const std::vector<SourceRead>& reads, size_t first) {
   for (size_t i = first; i < reads.size(); ++i) {
     const SourceRead& r = reads[i];
     if ((*files_)[r.file].derived()) continue;  // decoded whole, on first read
-    auto obj = Object(r.file);
+    auto obj = objects_.Get(r.file);
     // A hint that cannot be given costs nothing but speed; the read that
     // needs the bytes reports the problem.
     if (!obj.ok()) continue;
@@ -218,8 +162,7 @@ Status SourceReader::CheckSources(const std::vector<FileId>& ids) {
   for (FileId raw : ids) {
     const SourceFile& f = (*files_)[raw];
     const FileId id = f.derived() ? f.base : raw;
-    ASSIGN_OR_RETURN(const SourceObject* obj, Object(id));
-    RETURN_IF_ERROR(CheckUnchanged(id, *obj));
+    RETURN_IF_ERROR(objects_.Check(id));
   }
   return Status::OK();
 }
@@ -258,8 +201,7 @@ Status SourceReader::CheckReads(const std::vector<SourceRead>& reads) {
     FileId id = f.derived() ? f.base : r.file;
     if (id == last) continue;
     last = id;
-    ASSIGN_OR_RETURN(const SourceObject* obj, Object(id));
-    RETURN_IF_ERROR(CheckUnchanged(id, *obj));
+    RETURN_IF_ERROR(objects_.Check(id));
   }
   return Status::OK();
 }
@@ -289,7 +231,7 @@ Result<FilledRange> SourceReader::ReadFilled(const SourceRead& r) {
     f.shared = std::move(bytes);
     return f;
   }
-  ASSIGN_OR_RETURN(const SourceObject* obj, Object(r.file));
+  ASSIGN_OR_RETURN(const SourceObject* obj, objects_.Get(r.file));
   ASSIGN_OR_RETURN(FilledRange f, obj->ReadFilled(r.offset, r.length, read_.direct.get()));
   counters_->fetched.fetch_add(r.length, std::memory_order_relaxed);
   return f;

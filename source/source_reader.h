@@ -39,6 +39,7 @@
 #include "source/readahead.h"
 #include "source/scatter_reply.h"
 #include "source/source.h"
+#include "source/source_objects.h"
 #include "source/source_prefetch.h"
 #include "source/tensor_push.h"
 #include "source/transform.h"
@@ -118,13 +119,6 @@ class SourceReader {
   void ReadAhead(ReadStream& stream, const std::shared_ptr<const Layout>& layout, uint64_t offset,
                  uint64_t length, const PageSink& sink = {});
 
-  // Read-ahead keeps at most this many objects (descriptors) open besides
-  // the one per source file the reads use.
-  static constexpr size_t kPrefetchFds = SourcePrefetch::kMaxObjects;
-
-  // Bytes read from source files so far (for benchmarks).
-  uint64_t bytes_read() const;
-
   // What this reader fetched and served, counted into `counters` from now
   // on (a checkpoint's, kept across unloads). Call before the reader is
   // shared between threads.
@@ -140,7 +134,7 @@ class SourceReader {
                                                  std::shared_ptr<ServedRecord> served, PageSink sink = {});
 
   // True once any source was seen changed (reads of it fail from then on).
-  bool any_stale() const { return any_stale_->load(); }
+  bool any_stale() const { return objects_.any_stale(); }
 
   // Checks sources `ids` are unchanged since indexing, as Execute does after
   // its reads (a derived source: its base file): for bytes computed from
@@ -163,11 +157,6 @@ class SourceReader {
   Status CheckReads(const std::vector<SourceRead>& reads);
   // The bytes of read `r` in memory of their own.
   Result<FilledRange> ReadFilled(const SourceRead& r);
-  Result<const SourceObject*> Object(FileId id);
-  // Compares the file's identity now (open object and path) with the indexed one.
-  Status CheckUnchanged(FileId id, const SourceObject& obj);
-  // Records `what` changed about file `id`; returns the Stale error.
-  Status MarkStale(FileId id, const std::string& what);
   // WillNeed of the ranges of reads[first..]: starts their I/O at once
   // without waiting for it.
   void Hint(const std::vector<SourceRead>& reads, size_t first);
@@ -176,14 +165,10 @@ class SourceReader {
   // The decoded bytes of derived source `id`, from the cache or decoded now.
   Result<std::shared_ptr<const std::string>> Decoded(FileId id);
 
-  std::shared_ptr<const Source> source_;
   const std::vector<SourceFile>* files_;
   GroupPolicy policy_;
-  std::mutex mu_;  // guards objects_ and stale_; never held during I/O
-  std::vector<std::unique_ptr<SourceObject>> objects_;  // null until opened, then never replaced
-  std::vector<std::string> stale_;  // non-empty: why file i may no longer be read
+  SourceObjects objects_;  // each source's object, and whether it changed
   std::shared_ptr<FetchCounters> counters_;  // never null
-  std::unique_ptr<std::atomic<bool>> any_stale_;
 
   DecodedCache decoded_;
 

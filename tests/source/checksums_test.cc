@@ -122,12 +122,12 @@ TEST_F(GateTest, GoodChunksServeTheirBytesAndAreVerifiedOnce) {
   auto a = Read(*reader, 5000, 10);  // inside chunk 1: all of it is read first
   ASSERT_TRUE(a.ok()) << a.status().message();
   EXPECT_EQ(*a, data_.substr(5000, 10));
-  const uint64_t after_first = reader->bytes_read();
+  const uint64_t after_first = reader->counters().fetched.load();
   EXPECT_GE(after_first, data_.size() - 1000);
   auto b = Read(*reader, 9000, 10);  // the verdict is kept: only these bytes
   ASSERT_TRUE(b.ok()) << b.status().message();
   EXPECT_EQ(*b, data_.substr(9000, 10));
-  EXPECT_EQ(reader->bytes_read(), after_first + 10);
+  EXPECT_EQ(reader->counters().fetched.load(), after_first + 10);
 }
 
 TEST_F(GateTest, ABadChunkFailsEveryReadTouchingItAndOnlyThose) {

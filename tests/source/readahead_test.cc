@@ -204,7 +204,7 @@ ManyFiles MakeManyFiles(uint64_t n, uint64_t row) {
 // checkpoint of many files must not make it take one per file on top of
 // the reads' own (a daemon near its descriptor limit would then fail reads).
 TEST(SourceReaderReadAhead, KeepsAtMostKPrefetchFdsDescriptors) {
-  constexpr uint64_t kFiles = SourceReader::kPrefetchFds * 3, kRow = 64 << 10;
+  constexpr uint64_t kFiles = SourcePrefetch::kMaxObjects * 3, kRow = 64 << 10;
   ManyFiles m = MakeManyFiles(kFiles, kRow);
   auto layout = std::make_shared<const Layout>(m.layout);
   const size_t before = OpenDescriptors();
@@ -227,11 +227,11 @@ TEST(SourceReaderReadAhead, KeepsAtMostKPrefetchFdsDescriptors) {
       ASSERT_TRUE(reader.Execute(*plan, got.data() + at).ok());
       reader.ReadAhead(stream, layout, at, plan->length);
     }
-    // Limit: one reading descriptor per file and kPrefetchFds read-ahead
+    // Limit: one reading descriptor per file and SourcePrefetch::kMaxObjects read-ahead
     // ones, plus /dev/null while a prefetch runs. Wait until read-ahead has
     // reached the first two (it has then run over more files than it may
     // keep open), checking the limit is never passed.
-    const size_t limit = before + kFiles + SourceReader::kPrefetchFds;
+    const size_t limit = before + kFiles + SourcePrefetch::kMaxObjects;
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (most < limit && std::chrono::steady_clock::now() < deadline) {
       ASSERT_TRUE(reader.Execute(*whole, got.data()).ok());
