@@ -7,9 +7,9 @@
 
 namespace ckptfs {
 
-HeldBytes::HeldBytes(std::shared_ptr<char[]> bytes, uint64_t offset, uint64_t length)
+HeldBytes::HeldBytes(std::shared_ptr<char[]> bytes, uint64_t offset, uint64_t length, uint64_t at)
     : bytes_(std::move(bytes)), size_(length) {
-  spans_[offset] = {offset + length, 0};
+  spans_[offset] = {offset + length, at};
 }
 
 bool HeldBytes::Compact(const IntervalSet& spans) {

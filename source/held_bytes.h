@@ -23,8 +23,9 @@ namespace ckptfs {
 class HeldBytes {
  public:
   HeldBytes() = default;
-  // Holds source bytes [offset, offset + length), which `bytes` holds whole.
-  HeldBytes(std::shared_ptr<char[]> bytes, uint64_t offset, uint64_t length);
+  // Holds source bytes [offset, offset + length), which `bytes` holds whole
+  // from byte `at` on.
+  HeldBytes(std::shared_ptr<char[]> bytes, uint64_t offset, uint64_t length, uint64_t at = 0);
 
   // Keeps only `spans` (source offsets; every byte of them held now) when
   // that frees at least half of what is held. Returns whether it did; false

@@ -1,9 +1,10 @@
 #include "source/ordered_fetch.h"
 
+#include "source/direct_io.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <new>
 #include <system_error>
 
 #include <unistd.h>
@@ -26,7 +27,11 @@ std::string Gb(uint64_t n) { return std::to_string(n) + " bytes"; }
 
 std::string FetchCounters::Describe() const {
   return "fetched " + Gb(fetched.load()) + " from its sources (" + Gb(ordered.load()) + " in source order, " +
-         Gb(refetched.load()) + " refetched), served " + Gb(served.load());
+         Gb(direct.load()) + " with O_DIRECT, " + Gb(refetched.load()) + " refetched), served " + Gb(served.load());
+}
+
+uint64_t FetchBudget::RangeBytes(uint64_t capacity, uint64_t wanted) {
+  return std::max<uint64_t>(kDirectAlign, AlignDown(std::min(wanted, capacity), kDirectAlign));
 }
 
 bool FetchBudget::Acquire(uint64_t n, const std::function<bool()>& stop) {
@@ -88,8 +93,7 @@ OrderedFetch::OrderedFetch(std::shared_ptr<const Layout> layout, std::shared_ptr
       execute_(std::move(execute)),
       check_(std::move(check)),
       served_(served ? std::move(served) : std::make_shared<ServedRecord>()) {
-  // A range never needs more than the whole bound.
-  options_.range_bytes = std::max<uint64_t>(4096, std::min(options_.range_bytes, options_.budget->capacity()));
+  options_.range_bytes = FetchBudget::RangeBytes(options_.budget->capacity(), options_.range_bytes);
   options_.threads = std::max(1u, options_.threads);
 }
 
@@ -175,7 +179,7 @@ void OrderedFetch::Build() {
         // Across a small gap, unless it holds bytes served already: those
         // would be fetched a second time.
         const bool joins = r && r->file == file && pos - (r->offset + r->length) <= kMaxGap &&
-                           pos < r->offset + options_.range_bytes &&
+                           pos < AlignDown(r->offset, kDirectAlign) + options_.range_bytes &&
                            left_out[file].Bytes(r->offset + r->length, pos) == 0;
         if (!joins) {
           ranges_.push_back({});
@@ -183,7 +187,9 @@ void OrderedFetch::Build() {
           r->file = file;
           r->offset = pos;
         }
-        const uint64_t take = std::min(e, r->offset + options_.range_bytes);
+        // Its aligned span (AlignSpan, what its buffer holds) is at most
+        // range_bytes: a buffer of the usual size (RangeBuffers).
+        const uint64_t take = std::min(e, AlignDown(r->offset, kDirectAlign) + options_.range_bytes);
         r->needed.Add(pos, take);
         r->length = take - r->offset;
         pos = take;
@@ -277,20 +283,18 @@ void OrderedFetch::Work() {
 
 void OrderedFetch::FetchRange(size_t i, bool push) {
   Range& r = ranges_[i];  // offset, length and file never change once built
-  std::shared_ptr<char[]> bytes;
-  Status st;
-  try {
-    bytes.reset(new char[r.length]);  // written whole by fetch_ before it is read
-    st = fetch_(r.file, r.offset, r.length, bytes.get());
-  } catch (const std::bad_alloc&) {
-    st = Status::IOError("out of memory for a source range");  // its readers read it the ordinary way
-  }
+  const AlignedSpan span = AlignSpan(r.offset, r.length);
+  std::shared_ptr<char[]> buffer = options_.budget->buffers().Take(span.length);
+  // Its readers read it the ordinary way, which reports the cause.
+  Status st = buffer ? Status::OK() : Status::IOError("out of memory for a source range");
+  char* bytes = buffer ? buffer.get() + span.skip : nullptr;  // written whole by fetch_ before it is read
+  if (st.ok()) st = fetch_(r.file, r.offset, r.length, bytes);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (st.ok()) {
       r.fetched = true;
       options_.counters->ordered.fetch_add(r.length, std::memory_order_relaxed);
-      r.held = HeldBytes(bytes, r.offset, r.length);
+      r.held = HeldBytes(buffer, r.offset, r.length, span.skip);
       r.state = State::kHeld;
       if (r.needed.empty() || stop_.load()) Free(i);
     } else {
@@ -302,7 +306,7 @@ void OrderedFetch::FetchRange(size_t i, bool push) {
   changed_.notify_all();
   if (!st.ok() || !push || !options_.sink || stop_.load()) return;
   // Outside the lock: readers of the range's other bytes need not wait.
-  const auto pushed = Push(r, bytes.get());
+  const auto pushed = Push(r, bytes);
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [src, len] : pushed)
     if (r.state == State::kHeld) Delivered(i, src, len);

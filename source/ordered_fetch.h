@@ -71,6 +71,7 @@
 #include "core/status.h"
 #include "source/held_bytes.h"
 #include "source/interval_set.h"
+#include "source/range_buffers.h"
 #include "source/tensor_push.h"
 
 namespace ckptfs {
@@ -79,16 +80,23 @@ namespace ckptfs {
 struct FetchCounters {
   std::atomic<uint64_t> fetched{0};    // source bytes read (every path)
   std::atomic<uint64_t> ordered{0};    // of those, by source-order plans
+  std::atomic<uint64_t> direct{0};     // of those, read with O_DIRECT (SourceObject::ReadOnce)
   std::atomic<uint64_t> refetched{0};  // bytes of planned ranges read again after being freed
   std::atomic<uint64_t> served{0};     // bytes of virtual files replied to readers
   // "fetched N bytes from its sources (...), served M bytes"
   std::string Describe() const;
 };
 
-// The memory bound shared by the held ranges of a mount. Thread-safe.
+// The memory bound shared by the held ranges of a mount, and the buffers
+// they are held in. Thread-safe.
 class FetchBudget {
  public:
-  explicit FetchBudget(uint64_t capacity) : capacity_(capacity) {}
+  // `range_bytes`: the mount's largest fetch (ReadOptions::hold_range_bytes).
+  explicit FetchBudget(uint64_t capacity, uint64_t range_bytes = 8ull << 20)
+      : capacity_(capacity), buffers_(RangeBytes(capacity, range_bytes)) {}
+  // The largest fetch a bound of `capacity` allows for a wanted one: never
+  // more than the whole bound, a whole number of pages.
+  static uint64_t RangeBytes(uint64_t capacity, uint64_t wanted);
   // Takes `n` bytes, waiting while they do not fit; false once `stop()`
   // holds (checked every few ms).
   bool Acquire(uint64_t n, const std::function<bool()>& stop);
@@ -100,9 +108,11 @@ class FetchBudget {
   uint64_t peak() const;
   // "source-order hold: peak N bytes of the M-byte bound"
   std::string Describe() const;
+  RangeBuffers& buffers() { return buffers_; }
 
  private:
   const uint64_t capacity_;
+  RangeBuffers buffers_;
   mutable std::mutex mu_;  // guards the fields below
   std::condition_variable room_;
   uint64_t held_ = 0;
@@ -151,7 +161,10 @@ struct PlannedRange {
 class OrderedFetch {
  public:
   // Reads [offset, offset + len) of source `file` into dst, identity-checked
-  // and counted in FetchCounters::fetched.
+  // and counted in FetchCounters::fetched. `dst` lies offset % kDirectAlign
+  // bytes into memory aligned to kDirectAlign that holds the whole aligned
+  // span around the range (AlignSpan), which the read may overwrite: room
+  // for an O_DIRECT read (SourceObject::ReadOnce).
   using Fetch = std::function<Status(FileId file, uint64_t offset, uint64_t len, char* dst)>;
   // The ordinary path: fills dst as the plan says (SourceReader::Execute).
   using Execute = std::function<Status(const ReadPlan& plan, char* dst)>;

@@ -128,6 +128,7 @@ class PosixObject : public SourceObject {
   Status ReadAt(uint64_t offset, uint64_t len, char* dst) const override;
   Result<FilledRange> ReadFilled(uint64_t offset, uint64_t len, DirectIo* direct) const override;
   Status ReadAtVia(uint64_t offset, uint64_t len, char* dst, DirectIo* direct) const override;
+  Result<uint64_t> ReadOnce(uint64_t offset, uint64_t len, char* dst) const override;
   Result<SourceFile> Identity() const override;
   void WillNeed(uint64_t offset, uint64_t len) const override;
   void Prefetch(uint64_t offset, uint64_t len, const std::function<bool()>& go_on) const override;
@@ -135,8 +136,8 @@ class PosixObject : public SourceObject {
 
  private:
   // The O_DIRECT descriptor, opened on first use (-1: this file is read
-  // buffered; see OpenDirect).
-  int DirectFd(DirectIo& direct) const;
+  // buffered; see OpenDirect, counted in `stats` when given).
+  int DirectFd(DirectStats* stats) const;
   Result<FilledRange> Buffered(uint64_t offset, uint64_t len, DirectIo* direct) const;
 
   int fd_;
@@ -155,7 +156,7 @@ Status PosixObject::ReadAt(uint64_t offset, uint64_t len, char* dst) const {
 }
 
 Result<FilledRange> PosixObject::ReadFilled(uint64_t offset, uint64_t len, DirectIo* direct) const {
-  if (!direct || len == 0 || DirectFd(*direct) < 0) return Buffered(offset, len, direct);
+  if (!direct || len == 0 || DirectFd(&direct->stats()) < 0) return Buffered(offset, len, direct);
   const AlignedSpan span = AlignSpan(offset, len);
   std::optional<Buffer> pooled = direct->pool().TryTake(span.length);
   if (!pooled) {
@@ -178,7 +179,7 @@ Result<FilledRange> PosixObject::ReadFilled(uint64_t offset, uint64_t len, Direc
 }
 
 Status PosixObject::ReadAtVia(uint64_t offset, uint64_t len, char* dst, DirectIo* direct) const {
-  if (!direct || len == 0 || DirectFd(*direct) < 0) {
+  if (!direct || len == 0 || DirectFd(&direct->stats()) < 0) {
     if (direct) direct->stats().buffered_bytes.fetch_add(len, std::memory_order_relaxed);
     return ReadAt(offset, len, dst);
   }
@@ -190,6 +191,22 @@ Status PosixObject::ReadAtVia(uint64_t offset, uint64_t len, char* dst, DirectIo
   ASSIGN_OR_RETURN(FilledRange rest, ReadFilled(offset + cached, len - cached, direct));
   std::memcpy(dst + cached, rest.data, len - cached);
   return Status::OK();
+}
+
+// The cached prefix through the page cache, the rest with O_DIRECT
+// straight into the caller's memory (the contract lets it overwrite the
+// aligned span around the range).
+Result<uint64_t> PosixObject::ReadOnce(uint64_t offset, uint64_t len, char* dst) const {
+  if (len == 0 || DirectFd(nullptr) < 0) {
+    RETURN_IF_ERROR(ReadAt(offset, len, dst));
+    return uint64_t(0);
+  }
+  const uint64_t cached = CachedPrefix(fd_, offset, len);
+  RETURN_IF_ERROR(PreadFull(fd_, dst, cached, offset, abs_));
+  if (cached == len) return uint64_t(0);
+  const uint64_t start = AlignDown(offset, kDirectAlign);
+  RETURN_IF_ERROR(PreadDirect(direct_fd_, fd_, dst - (offset - start), start, offset + cached, offset + len, abs_));
+  return len - cached;
 }
 
 Result<SourceFile> PosixObject::Identity() const {
@@ -236,10 +253,10 @@ Result<std::unique_ptr<SourceObject>> PosixObject::Reopen() const {
   return std::unique_ptr<SourceObject>(std::move(second));
 }
 
-int PosixObject::DirectFd(DirectIo& direct) const {
+int PosixObject::DirectFd(DirectStats* stats) const {
   std::call_once(direct_once_, [&] {
     direct_fd_ = OpenDirect(fd_);
-    if (direct_fd_ < 0) direct.stats().refused_files.fetch_add(1, std::memory_order_relaxed);
+    if (direct_fd_ < 0 && stats) stats->refused_files.fetch_add(1, std::memory_order_relaxed);
   });
   return direct_fd_;
 }

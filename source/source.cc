@@ -17,6 +17,11 @@ Result<FilledRange> SourceObject::ReadFilled(uint64_t offset, uint64_t len, Dire
   return out;
 }
 
+Result<uint64_t> SourceObject::ReadOnce(uint64_t offset, uint64_t len, char* dst) const {
+  RETURN_IF_ERROR(ReadAt(offset, len, dst));
+  return uint64_t(0);
+}
+
 Result<std::string> SourceObject::ReadString(uint64_t offset, uint64_t len) const {
   std::string out(len, '\0');
   RETURN_IF_ERROR(ReadAt(offset, len, out.data()));

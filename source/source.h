@@ -63,6 +63,16 @@ class SourceObject {
     return ReadAt(offset, len, dst);
   }
 
+  // ReadAt, for a range read once and then held by the caller (a
+  // source-order range, source/ordered_fetch.h): a backend that can (POSIX,
+  // where the filesystem allows) reads the part not in its cache straight
+  // into `dst` with O_DIRECT, so the source's pages are not cached beside
+  // the copy the caller holds. `dst` must lie offset % kDirectAlign bytes
+  // into kDirectAlign-aligned memory that holds AlignSpan(offset, len)
+  // whole; bytes of that span outside the range may be overwritten.
+  // Returns the bytes read with O_DIRECT. Errors as ReadAt. Default: ReadAt.
+  virtual Result<uint64_t> ReadOnce(uint64_t offset, uint64_t len, char* dst) const;
+
   // The identity of the bytes this object reads now (for POSIX: fstat of
   // the descriptor). Path left empty.
   virtual Result<SourceFile> Identity() const = 0;

@@ -74,9 +74,17 @@ std::unique_ptr<OrderedFetch> SourceReader::MakeOrderedFetch(std::shared_ptr<con
   // guarantee); counted as fetched.
   auto fetch = [this](FileId id, uint64_t offset, uint64_t len, char* dst) -> Status {
     ASSIGN_OR_RETURN(const SourceObject* obj, objects_.Get(id));
-    RETURN_IF_ERROR(obj->ReadAt(offset, len, dst));
+    uint64_t direct = 0;
+    if (read_.hold_direct) {
+      Result<uint64_t> n = obj->ReadOnce(offset, len, dst);
+      if (!n.ok()) return n.status();
+      direct = *n;
+    } else {
+      RETURN_IF_ERROR(obj->ReadAt(offset, len, dst));
+    }
     RETURN_IF_ERROR(objects_.CheckUnchanged(id, *obj));
     counters_->fetched.fetch_add(len, std::memory_order_relaxed);
+    counters_->direct.fetch_add(direct, std::memory_order_relaxed);
     return Status::OK();
   };
   return std::make_unique<OrderedFetch>(

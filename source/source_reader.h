@@ -74,6 +74,12 @@ struct ReadOptions {
   // --part-size and --max-threads, sized for the server).
   uint64_t hold_range_bytes = 8ull << 20;
   unsigned hold_threads = 4;
+  // Held ranges of cold sources read with O_DIRECT where the filesystem
+  // allows (SourceObject::ReadOnce; `ckptfs mount --fetch-direct`): about
+  // 40% less of the daemon's CPU, and the sources' pages are not cached
+  // beside the virtual file's; but slower where the device needs the
+  // kernel's read-ahead to reach its speed (docs/BENCHMARKS.md).
+  bool hold_direct = false;
 };
 
 class ChecksumGate;

@@ -1,7 +1,8 @@
 // Direct reads (source/direct_io.h): the alignment arithmetic, the bounded
 // buffer pool, the I/O pool and scatter replies against simple oracles, and
 // the POSIX backend's direct path on a real disk filesystem (a file half in
-// the page cache) and on tmpfs (no O_DIRECT: read buffered).
+// the page cache) and on tmpfs (no O_DIRECT: read buffered), and the
+// recycled aligned buffers source-order ranges are read into (ReadOnce).
 #include "source/direct_io.h"
 
 #include <fcntl.h>
@@ -25,6 +26,7 @@
 
 #include "source/io_pool.h"
 #include "source/posix_source.h"
+#include "source/range_buffers.h"
 #include "source/scatter_reply.h"
 
 namespace ckptfs {
@@ -497,6 +499,141 @@ TEST_F(DirectPosixTest, TmpfsFileIsReadBuffered) {
   EXPECT_EQ(direct.stats().refused_files.load(), 1u);
   EXPECT_EQ(direct.stats().direct_bytes.load(), 0u);
   EXPECT_EQ(direct.stats().buffered_bytes.load(), 3u * 99999u);
+}
+
+// --- ReadOnce: a range read once into the caller's aligned memory -----------
+
+// [off, off + len) through ReadOnce into a buffer of RangeBuffers, as
+// OrderedFetch lays it out (the range at its offset into an aligned span).
+struct OnceRead {
+  std::shared_ptr<char[]> buffer;
+  const char* data = nullptr;
+  Result<uint64_t> direct = uint64_t(0);
+};
+OnceRead ReadOnceInto(RangeBuffers& buffers, const SourceObject& obj, uint64_t off, uint64_t len) {
+  const AlignedSpan span = AlignSpan(off, len);
+  OnceRead r;
+  r.buffer = buffers.Take(span.length);
+  EXPECT_NE(r.buffer, nullptr);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(r.buffer.get()) % kDirectAlign, 0u);
+  r.data = r.buffer.get() + span.skip;
+  r.direct = obj.ReadOnce(off, len, r.buffer.get() + span.skip);
+  return r;
+}
+
+// A cold file of odd size. Random ranges, up to the last byte, are read
+// with O_DIRECT whole, as ReadOnce reports, and leave none of their pages
+// in the page cache. Then, its first half cached, random ranges anywhere
+// (across the boundary: the cached prefix through the page cache) equal
+// the bytes written.
+TEST_F(DirectPosixTest, ReadOnceReadsExactBytesAndLeavesColdPagesOutOfTheCache) {
+  dir_ = DiskDir("direct_once");
+  ASSERT_FALSE(dir_.empty());
+  const size_t size = (6 << 20) + 1234;
+  const std::string bytes = RandomBytes(size, 11);
+  WriteFile(dir_ / "f", bytes, 0);
+  ASSERT_EQ(ResidentPages(dir_ / "f", 0, size), 0u) << "eviction failed";
+  auto obj = (*PosixSource::OpenRoot(dir_.string()))->Open("f");
+  ASSERT_TRUE(obj.ok());
+  RangeBuffers buffers(1 << 20);
+  std::mt19937_64 rng(12);
+  auto check = [&](uint64_t off, uint64_t len) -> uint64_t {
+    OnceRead r = ReadOnceInto(buffers, **obj, off, len);
+    EXPECT_TRUE(r.direct.ok()) << r.direct.status().message();
+    if (!r.direct.ok()) return 0;
+    EXPECT_EQ(std::memcmp(r.data, bytes.data() + off, len), 0) << off << "+" << len;
+    EXPECT_LE(*r.direct, len);
+    return *r.direct;
+  };
+  for (int i = 0; i < 100; ++i) {
+    const uint64_t len = 1 + rng() % (1 << 20);
+    const uint64_t off = i == 0 ? size - len : rng() % (size - len + 1);
+    ASSERT_EQ(check(off, len), len) << "a cold range read through the page cache: " << off;
+  }
+  EXPECT_EQ(ResidentPages(dir_ / "f", 0, size), 0u);
+  std::string half(size / 2, '\0');
+  ASSERT_TRUE((*obj)->ReadAt(0, half.size(), half.data()).ok());
+  uint64_t direct = 0;
+  for (int i = 0; i < 200; ++i) {
+    const uint64_t len = 1 + rng() % (1 << 20);
+    direct += check(rng() % (size - len + 1), len);
+  }
+  EXPECT_GT(direct, 0u);
+}
+
+TEST_F(DirectPosixTest, ReadOncePastTheEndIsCorruption) {
+  dir_ = DiskDir("direct_once_eof");
+  ASSERT_FALSE(dir_.empty());
+  const std::string bytes = RandomBytes(10000, 13);
+  WriteFile(dir_ / "f", bytes, 0);
+  auto obj = (*PosixSource::OpenRoot(dir_.string()))->Open("f");
+  RangeBuffers buffers(8192);
+  OnceRead past = ReadOnceInto(buffers, **obj, 9000, 2000);
+  ASSERT_FALSE(past.direct.ok());
+  EXPECT_EQ(past.direct.status().code(), Status::Code::kCorruption);
+  EXPECT_NE(past.direct.status().message().find("unexpected end of file"), std::string::npos)
+      << past.direct.status().message();
+  OnceRead tail = ReadOnceInto(buffers, **obj, 9000, 1000);  // up to the last byte: fine
+  ASSERT_TRUE(tail.direct.ok());
+  EXPECT_EQ(std::string(tail.data, 1000), bytes.substr(9000));
+}
+
+TEST_F(DirectPosixTest, ReadOnceOfATmpfsFileIsBuffered) {
+  dir_ = fs::path("/dev/shm") / ("direct_once_tmpfs_" + std::to_string(::getpid()));
+  fs::create_directories(dir_);
+  const std::string bytes = RandomBytes(300000, 14);
+  std::ofstream(dir_ / "f", std::ios::binary) << bytes;
+  auto obj = (*PosixSource::OpenRoot(dir_.string()))->Open("f");
+  RangeBuffers buffers(1 << 20);
+  OnceRead r = ReadOnceInto(buffers, **obj, 4097, 250000);
+  ASSERT_TRUE(r.direct.ok());
+  EXPECT_EQ(*r.direct, 0u);
+  EXPECT_EQ(std::string(r.data, 250000), bytes.substr(4097, 250000));
+}
+
+// --- RangeBuffers ---------------------------------------------------------------
+
+// A freed buffer of the usual size serves the next take (no new mapping, no
+// page faults); other sizes are not kept; at most kKeepIdle wait.
+TEST(RangeBuffers, UsualSizeIsRecycledUpToTheIdleBound) {
+  RangeBuffers buffers(64 << 10);
+  char* first;
+  {
+    auto a = buffers.Take(64 << 10);
+    ASSERT_NE(a, nullptr);
+    first = a.get();
+    std::memset(a.get(), 7, 64 << 10);
+  }
+  EXPECT_EQ(buffers.idle(), 1u);
+  auto b = buffers.Take(64 << 10);
+  EXPECT_EQ(b.get(), first);
+  EXPECT_EQ(buffers.idle(), 0u);
+  { auto odd = buffers.Take(12288); ASSERT_NE(odd, nullptr); }
+  EXPECT_EQ(buffers.idle(), 0u) << "a buffer of another size was kept";
+  std::vector<std::shared_ptr<char[]>> many;
+  for (size_t i = 0; i < RangeBuffers::kKeepIdle + 3; ++i) many.push_back(buffers.Take(64 << 10));
+  std::set<char*> distinct;
+  for (auto& m : many) {
+    ASSERT_NE(m, nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(m.get()) % kDirectAlign, 0u);
+    distinct.insert(m.get());
+  }
+  EXPECT_EQ(distinct.size(), many.size()) << "one buffer handed out twice";
+  many.clear();
+  EXPECT_EQ(buffers.idle(), RangeBuffers::kKeepIdle);
+}
+
+// The copies a reader holds may outlive the mount's buffers.
+TEST(RangeBuffers, ABufferMayOutliveItsRangeBuffers) {
+  std::shared_ptr<char[]> kept;
+  {
+    RangeBuffers buffers(8192);
+    kept = buffers.Take(8192);
+    ASSERT_NE(kept, nullptr);
+  }
+  std::memset(kept.get(), 1, 8192);
+  EXPECT_EQ(kept[8191], 1);
+  kept.reset();  // unmapped, not put back on a shelf that is gone
 }
 
 }  // namespace

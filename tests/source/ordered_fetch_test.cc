@@ -4,8 +4,11 @@
 // read as Stale, and one-tensor files left alone.
 #include "source/ordered_fetch.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -86,10 +89,11 @@ Files MakeFiles(int count, uint64_t each) {
 struct Reader {
   std::shared_ptr<FetchBudget> budget;
   std::unique_ptr<SourceReader> reader;
-  Reader(const Files& t, uint64_t bound, uint64_t range) {
+  Reader(const Files& t, uint64_t bound, uint64_t range, bool direct = false) {
     ReadOptions o;
+    o.hold_direct = direct;
     o.readahead_bytes = 0;
-    budget = std::make_shared<FetchBudget>(bound);
+    budget = std::make_shared<FetchBudget>(bound, range);
     o.hold = budget;
     o.hold_range_bytes = range;
     o.hold_threads = 3;
@@ -199,6 +203,7 @@ TEST(OrderedFetch, EachSourceByteOnceInAnyOrder) {
     const uint64_t sources = 8 * 300 * kKiB;
     EXPECT_EQ(r.reader->counters().fetched.load(), sources);  // every byte once, no more
     EXPECT_EQ(r.reader->counters().refetched.load(), 0u);
+    EXPECT_EQ(r.reader->counters().direct.load(), 0u);  // not asked for
     f.reset();
     EXPECT_EQ(r.budget->held(), 0u);
     EXPECT_LE(r.budget->peak(), 64ull << 20);
@@ -328,6 +333,54 @@ TEST(OrderedFetch, PushedRangesKeepOnlyThePagesTheyShare) {
   EXPECT_EQ(r.reader->counters().fetched.load(), sources + 8 * kKiB);
   EXPECT_EQ(r.reader->counters().refetched.load(), 0u);
   EXPECT_EQ(r.budget->held(), 0u);  // every kept byte was served
+}
+
+// Pages of `path` in the page cache (mincore on a mapping of our own).
+uint64_t ResidentBytes(const std::filesystem::path& path) {
+  const uint64_t size = std::filesystem::file_size(path);
+  int fd = ::open(path.c_str(), O_RDONLY);
+  void* m = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  EXPECT_NE(m, MAP_FAILED);
+  std::vector<unsigned char> vec((size + 4095) / 4096);
+  EXPECT_EQ(::mincore(m, size, vec.data()), 0);
+  ::munmap(m, size);
+  uint64_t n = 0;
+  for (unsigned char v : vec) n += (v & 1) * 4096;
+  return n;
+}
+
+// Planned ranges of cold sources are read with O_DIRECT into the range's
+// own buffer (SourceObject::ReadOnce): exact bytes, and the sources' pages
+// stay out of the page cache. The two requests that start the plan read
+// the last file (f3: the layout is in reverse) the ordinary way, with the
+// kernel's read-ahead; files f0 to f2 are read by the plan alone. Buffers
+// of the usual size are recycled.
+TEST(OrderedFetch, ColdSourcesAreReadDirectAndStayOutOfThePageCache) {
+  Files t = MakeFiles(8, 300 * kKiB);
+  for (const SourceFile& sf : t.files) {
+    int fd = ::open((t.dir / sf.path).c_str(), O_RDONLY);
+    ASSERT_EQ(::fdatasync(fd), 0);
+    ASSERT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+    ::close(fd);
+    ASSERT_EQ(ResidentBytes(t.dir / sf.path), 0u) << "eviction failed: the checks below would mean nothing";
+  }
+  Reader r(t, 64ull << 20, 256 * kKiB, /*direct=*/true);
+  auto f = r.reader->MakeOrderedFetch(t.layout, nullptr);
+  std::string got(t.layout->size(), '\0');
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100, 4 * kKiB, got.data() + 100).ok());
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100 + 300 * kKiB, 4 * kKiB, got.data() + 100 + 300 * kKiB).ok());
+  ASSERT_TRUE(f->started());
+  for (uint64_t o = 0; o < t.layout->size(); o += 64 * kKiB)
+    ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, o, 64 * kKiB, got.data() + o).ok());
+  EXPECT_TRUE(got == t.expected);
+  const FetchCounters& c = r.reader->counters();
+  EXPECT_GE(c.direct.load(), 3 * 600 * kKiB) << c.Describe();
+  EXPECT_LE(c.direct.load(), c.ordered.load()) << c.Describe();
+  for (const char* name : {"f0", "f1", "f2"})
+    EXPECT_EQ(ResidentBytes(t.dir / name), 0u) << name << ": planned ranges went through the page cache";
+  f.reset();
+  EXPECT_GE(r.budget->buffers().idle(), 1u) << "no range buffer was kept for reuse";
 }
 
 TEST(OrderedFetch, OneTensorFileIsNotPlanned) {

@@ -1,0 +1,56 @@
+#include "source/range_buffers.h"
+
+#include <sys/mman.h>
+
+#include <mutex>
+#include <vector>
+
+namespace ckptfs {
+
+struct RangeBuffers::Shelf {
+  explicit Shelf(uint64_t s) : size(s) {}
+  ~Shelf() {
+    for (char* p : kept) ::munmap(p, size);
+  }
+  const uint64_t size;  // of every kept buffer
+  std::mutex mu;        // guards `kept`
+  std::vector<char*> kept;
+};
+
+RangeBuffers::RangeBuffers(uint64_t usual) : usual_(usual), shelf_(std::make_shared<Shelf>(usual)) {}
+
+std::shared_ptr<char[]> RangeBuffers::Take(uint64_t bytes) {
+  if (bytes == 0) bytes = 1;
+  char* p = nullptr;
+  if (bytes == usual_) {
+    std::lock_guard<std::mutex> lock(shelf_->mu);
+    if (!shelf_->kept.empty()) {
+      p = shelf_->kept.back();
+      shelf_->kept.pop_back();
+    }
+  }
+  if (!p) {
+    // Anonymous mappings are page-aligned, which O_DIRECT needs of its memory.
+    void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (m == MAP_FAILED) return nullptr;
+    p = static_cast<char*>(m);
+  }
+  std::weak_ptr<Shelf> shelf = shelf_;
+  return std::shared_ptr<char[]>(p, [shelf, bytes](char* q) {
+    if (auto s = shelf.lock(); s && bytes == s->size) {
+      std::lock_guard<std::mutex> lock(s->mu);
+      if (s->kept.size() < kKeepIdle) {
+        s->kept.push_back(q);
+        return;
+      }
+    }
+    ::munmap(q, bytes);
+  });
+}
+
+size_t RangeBuffers::idle() const {
+  std::lock_guard<std::mutex> lock(shelf_->mu);
+  return shelf_->kept.size();
+}
+
+}  // namespace ckptfs
