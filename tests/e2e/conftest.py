@@ -434,18 +434,18 @@ QUICK = {
 
 
 # The slowest files, slowest first (per-file time of a full run, -n 3 on 2
-# cores; test_writer_crash.py, the slowest at 17 minutes under load 22, had
-# started late and ran alone for the last 9 of the run's 44). pytest-xdist hands whole files to its workers in collection order,
-# so collecting these first keeps one of them from starting last and
-# running alone at the end; the other files follow in their usual order.
+# cores, as measured file by file and in the CI log's slowest durations):
+# pytest-xdist hands whole files to its workers in collection order, so
+# collecting these first keeps one of them from starting last and running
+# alone at the end; the other files follow in their usual order. The S3
+# fault files lead: each holds several tests of 20-70 s.
 SLOW_FIRST = [
-    "test_writer_crash.py", "test_writer_sidecars.py", "test_writer_dtypes.py", "test_writer_hf.py",
-    "test_reindex_first_reads.py", "test_dcp.py", "test_packaging.py", "test_read_order.py",
-    "test_writer_s3_faults.py", "test_peft.py",
-    "test_bytecheckpoint.py", "test_s3_mount.py", "test_merged.py", "test_writer_refused.py",
-    "test_bad_input.py", "test_writer.py", "test_derived.py", "test_store_repair.py",
-    "test_demo.py", "test_s3.py", "test_writer_record.py", "test_torch_e2e.py",
-    "test_resave_live.py", "test_mesh.py", "test_faults.py",
+    "test_s3_mount.py", "test_writer_s3_faults.py", "test_writer_crash.py", "test_s3_mount_faults.py",
+    "test_writer_s3_hf.py", "test_s3.py", "test_writer_sidecars.py", "test_packaging.py",
+    "test_writer_dtypes.py", "test_writer_hf.py", "test_dcp.py", "test_bytecheckpoint.py",
+    "test_read_order.py", "test_writer_record.py", "test_peft.py", "test_merged.py",
+    "test_writer_refused.py", "test_bad_input.py", "test_writer.py", "test_store_repair.py",
+    "test_demo.py", "test_torch_e2e.py", "test_resave_live.py", "test_mesh.py", "test_faults.py",
     "test_mount.py", "test_rare_dtypes.py",
 ]
 
