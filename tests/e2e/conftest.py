@@ -389,6 +389,9 @@ SERIAL = {
         "EIO within 2 s of a change",
     "test_s3.py::test_an_object_overwritten_after_indexing_is_reported":
         "fails within 20 s",
+    "test_s3_mount.py::test_ckptfs_over_s3fs_serves_exact_bytes_after_s3fs_renumbers_then_sees_an_overwrite":
+        "drops the machine's page cache (drop_caches): side by side, a test that counts the "
+        "bytes its mount fetched saw them fetched twice (test_read_order, safe_open_random)",
     "test_s3_mount.py::test_mount_with_a_wrong_secret_fails_at_once_and_names_credentials":
         "fails within 30 s (not among SERIAL_WAITING: its module fixtures run gloo ranks, "
         "which would load the machine under the stall tests' bounds)",
@@ -434,11 +437,13 @@ QUICK = {
 
 
 # The slowest files, slowest first (per-file time of a full run, -n 3 on 2
-# cores, as measured file by file and in the CI log's slowest durations):
-# pytest-xdist hands whole files to its workers in collection order, so
-# collecting these first keeps one of them from starting last and running
-# alone at the end; the other files follow in their usual order. The S3
-# fault files lead: each holds several tests of 20-70 s.
+# cores, as measured file by file and in the CI log's slowest durations).
+# With --no-loadscope-reorder (tools/test.sh passes it) pytest-xdist hands
+# whole files to its workers in collection order, so collecting these first
+# keeps one of them from starting last and running alone at the end; the
+# other files follow in their usual order. (Without it, xdist orders files
+# by their number of tests, and a file of 2 slow tests, test_writer_crash.py,
+# started last.) The S3 fault files lead: each holds several tests of 20-70 s.
 SLOW_FIRST = [
     "test_s3_mount.py", "test_writer_s3_faults.py", "test_writer_crash.py", "test_s3_mount_faults.py",
     "test_writer_s3_hf.py", "test_s3.py", "test_writer_sidecars.py", "test_packaging.py",
