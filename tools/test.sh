@@ -12,12 +12,16 @@
 #                                     # for a tree already set up; still runs ninja
 #   bash tools/test.sh -- -k s3       # arguments after -- go to both pytest runs
 #
-# The e2e tests run in two passes: side by side on CKPTFS_TEST_JOBS
+# The e2e tests run in three passes: side by side on CKPTFS_TEST_JOBS
 # pytest-xdist workers (default 3; each worker takes whole files, so a
-# file's module fixtures, its S3 server say, are made once), then the tests
+# file's module fixtures, its S3 server say, are made once; the slowest
+# first, conftest's SLOW_FIRST, so none starts last), then the tests
 # marked `serial` alone, one after the other: those bound the daemon's RSS,
 # a time or a thread count, or load the whole machine, so they must not
-# share it (tests/e2e/conftest.py lists them and why). One test:
+# share it (tests/e2e/conftest.py lists them and why, in SERIAL); last the
+# serial tests that bound a time spent waiting on stalled servers (marked
+# `waits` too, conftest's SERIAL_WAITING), beside each other on 2 workers.
+# The passes share the generated checkpoints ($CKPTFS_TEST_CKPTS). One test:
 #   python3 -m pytest tests/e2e/test_mount.py -k consolidated -q -p no:cacheprovider
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -63,18 +67,26 @@ ctest --test-dir build --output-on-failure -j2
 export CKPTFS_BIN="$PWD/build/ckptfs"
 export BYTECHECKPOINT_SITE=${BYTECHECKPOINT_SITE:-$PWD/build/bcp-site}
 jobs=${CKPTFS_TEST_JOBS:-3}
+# The checkpoints every pass shares, generated once (conftest._generation).
+if [ -z "${CKPTFS_TEST_CKPTS:-}" ]; then
+  CKPTFS_TEST_CKPTS=$(mktemp -d /tmp/ckptfs-test-ckpts.XXXXXX)
+  trap 'rm -rf "$CKPTFS_TEST_CKPTS"' EXIT
+fi
+export CKPTFS_TEST_CKPTS
 pytest=(python3 -m pytest tests/e2e -q -p no:cacheprovider -ra)
 if [ $quick = 1 ]; then
   printf '\n== end-to-end tests, quick tier (pytest --quick, %s workers)\n' "$jobs"
-  run_pytest "${pytest[@]}" --quick -n "$jobs" --dist loadfile -m "not serial" ${pytest_args[@]+"${pytest_args[@]}"}
+  run_pytest "${pytest[@]}" --quick -n "$jobs" --dist loadfile --no-loadscope-reorder -m "not serial" ${pytest_args[@]+"${pytest_args[@]}"}
   printf '\n== quick tier passed in %s s\n' $(( $(date +%s) - start ))
   exit 0
 fi
 
 printf '\n== end-to-end tests, side by side (pytest -m "not serial", %s workers)\n' "$jobs"
-run_pytest "${pytest[@]}" -n "$jobs" --dist loadfile -m "not serial" --durations=20 ${pytest_args[@]+"${pytest_args[@]}"}
-printf '\n== end-to-end tests that need the machine to themselves (pytest -m serial)\n'
-run_pytest "${pytest[@]}" -m serial --durations=10 ${pytest_args[@]+"${pytest_args[@]}"}
+run_pytest "${pytest[@]}" -n "$jobs" --dist loadfile --no-loadscope-reorder -m "not serial" --durations=20 ${pytest_args[@]+"${pytest_args[@]}"}
+printf '\n== end-to-end tests that need the machine to themselves (pytest -m "serial and not waits")\n'
+run_pytest "${pytest[@]}" -m "serial and not waits" --durations=10 ${pytest_args[@]+"${pytest_args[@]}"}
+printf '\n== end-to-end tests that wait on stalls, beside each other only (pytest -m waits, 2 workers)\n'
+run_pytest "${pytest[@]}" -m waits -n 2 --dist loadfile --durations=5 ${pytest_args[@]+"${pytest_args[@]}"}
 printf '\n== tests passed in %s s (load average now %s)\n' $(( $(date +%s) - start )) "$(cut -d' ' -f1-3 /proc/loadavg)"
 
 # --- fuzzing -------------------------------------------------------------------

@@ -273,11 +273,16 @@ def _generation(tmp_path_factory) -> dict:
     pytest-xdist every worker is a session of its own, so the first worker
     that needs them generates them into the run's shared temp dir, under a
     file lock, and the others load what it recorded. Tests only read them
-    (a test that breaks one works on copy_ckpt's copy)."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent  # the run's dir, above each worker's own
-    root = base / "ckpts"
+    (a test that breaks one works on copy_ckpt's copy). $CKPTFS_TEST_CKPTS,
+    when set, is used instead of the run's temp dir: tools/test.sh points
+    its passes at one dir, so a run generates them once, not once a pass."""
+    if os.environ.get("CKPTFS_TEST_CKPTS"):
+        root = Path(os.environ["CKPTFS_TEST_CKPTS"])
+    else:
+        base = tmp_path_factory.getbasetemp()
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            base = base.parent  # the run's dir, above each worker's own
+        root = base / "ckpts"
     root.mkdir(exist_ok=True)
     record = root / "generated.pt"
     with open(root / ".lock", "w") as lock:
@@ -384,10 +389,12 @@ SERIAL = {
         "EIO within 2 s of a change",
     "test_s3.py::test_an_object_overwritten_after_indexing_is_reported":
         "fails within 20 s",
+    "test_s3_mount.py::test_ckptfs_over_s3fs_serves_exact_bytes_after_s3fs_renumbers_then_sees_an_overwrite":
+        "drops the machine's page cache (drop_caches): side by side, a test that counts the "
+        "bytes its mount fetched saw them fetched twice (test_read_order, safe_open_random)",
     "test_s3_mount.py::test_mount_with_a_wrong_secret_fails_at_once_and_names_credentials":
-        "fails within 30 s",
-    "test_s3_mount.py::test_stalled_and_trickling_gets_are_abandoned_retried_then_eio_in_bounded_time":
-        "EIO within a bounded time",
+        "fails within 30 s (not among SERIAL_WAITING: its module fixtures run gloo ranks, "
+        "which would load the machine under the stall tests' bounds)",
     "test_readahead.py::test_sequential_reader_gets_its_sources_read_ahead":
         "page-cache residency within 10 s",
     "test_python_mount.py::test_sigint_at_any_moment_of_mount_leaves_nothing":
@@ -396,7 +403,19 @@ SERIAL = {
         "counts the process's threads",
     "test_s3_cache.py::test_a_second_mount_reads_from_the_cache_and_a_bad_block_is_fetched_again":
         "bounds the GETs of readers racing for a bad block (5 > 4 seen at load 27)",
-    "test_s3_stall.py": "every read through a stalling server within 5 s",
+}
+
+# Serial tests that wait rather than work: each bounds a wall time that is
+# almost all sleep (a stalled GET's 2 s window, a retry budget of 60 s),
+# with the CPU idle meanwhile, so they may share the machine with each other
+# though never with the side-by-side pass or the SERIAL tests: tools/test.sh
+# runs them last, on 2 workers (whole files per worker, one file each).
+# They are marked `serial` too (`-m "not serial"` leaves them out) and
+# `waits`. Same form as SERIAL.
+SERIAL_WAITING = {
+    "test_s3_stall.py": "every read through a stalling server within 5 s (a dozen stalls of 2-3 s)",
+    "test_s3_mount.py::test_stalled_and_trickling_gets_are_abandoned_retried_then_eio_in_bounded_time":
+        "EIO within a bounded time (three reads that wait out stalls and a trickle for 45-80 s)",
 }
 
 # The quick tier (`pytest tests/e2e --quick`, `tools/test.sh --quick`: with
@@ -418,18 +437,20 @@ QUICK = {
 
 
 # The slowest files, slowest first (per-file time of a full run, -n 3 on 2
-# cores; test_writer_crash.py, the slowest at 17 minutes under load 22, had
-# started late and ran alone for the last 9 of the run's 44). pytest-xdist hands whole files to its workers in collection order,
-# so collecting these first keeps one of them from starting last and
-# running alone at the end; the other files follow in their usual order.
+# cores, as measured file by file and in the CI log's slowest durations).
+# With --no-loadscope-reorder (tools/test.sh passes it) pytest-xdist hands
+# whole files to its workers in collection order, so collecting these first
+# keeps one of them from starting last and running alone at the end; the
+# other files follow in their usual order. (Without it, xdist orders files
+# by their number of tests, and a file of 2 slow tests, test_writer_crash.py,
+# started last.) The S3 fault files lead: each holds several tests of 20-70 s.
 SLOW_FIRST = [
-    "test_writer_crash.py", "test_writer_sidecars.py", "test_writer_dtypes.py", "test_writer_hf.py",
-    "test_reindex_first_reads.py", "test_dcp.py", "test_packaging.py", "test_read_order.py",
-    "test_writer_s3_faults.py", "test_peft.py",
-    "test_bytecheckpoint.py", "test_s3_mount.py", "test_merged.py", "test_writer_refused.py",
-    "test_bad_input.py", "test_writer.py", "test_derived.py", "test_store_repair.py",
-    "test_demo.py", "test_s3.py", "test_writer_record.py", "test_torch_e2e.py",
-    "test_resave_live.py", "test_mesh.py", "test_faults.py",
+    "test_s3_mount.py", "test_writer_s3_faults.py", "test_writer_crash.py", "test_s3_mount_faults.py",
+    "test_writer_s3_hf.py", "test_s3.py", "test_writer_sidecars.py", "test_packaging.py",
+    "test_writer_dtypes.py", "test_writer_hf.py", "test_dcp.py", "test_bytecheckpoint.py",
+    "test_read_order.py", "test_writer_record.py", "test_peft.py", "test_merged.py",
+    "test_writer_refused.py", "test_bad_input.py", "test_writer.py", "test_store_repair.py",
+    "test_demo.py", "test_torch_e2e.py", "test_resave_live.py", "test_mesh.py", "test_faults.py",
     "test_mount.py", "test_rare_dtypes.py",
 ]
 
@@ -440,7 +461,10 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "serial: runs alone, after the side-by-side pass (conftest.SERIAL)")
+    config.addinivalue_line("markers", "serial: runs alone, after the side-by-side pass (conftest.SERIAL, "
+                                       "conftest.SERIAL_WAITING)")
+    config.addinivalue_line("markers", "waits: serial, but may run beside the other `waits` tests "
+                                       "(conftest.SERIAL_WAITING)")
     config.addinivalue_line("markers", "quick: in the quick tier (conftest.QUICK)")
 
 
@@ -456,7 +480,7 @@ def pytest_ignore_collect(collection_path, config):
 
 @pytest.hookimpl(tryfirst=True)  # before -m and -k deselect by these marks
 def pytest_collection_modifyitems(config, items):
-    """Marks the tests SERIAL and QUICK name; an entry that names no test of
+    """Marks the tests SERIAL, SERIAL_WAITING and QUICK name; an entry that names no test of
     a file collected whole is an error, so a renamed test cannot silently
     leave its tier."""
     used, files = set(), set()
@@ -467,14 +491,18 @@ def pytest_collection_modifyitems(config, items):
             if key in SERIAL:
                 item.add_marker(pytest.mark.serial)
                 used.add(key)
+            if key in SERIAL_WAITING:
+                item.add_marker(pytest.mark.serial)
+                item.add_marker(pytest.mark.waits)
+                used.add(key)
             if key in QUICK:
                 item.add_marker(pytest.mark.quick)
                 used.add(key)
     rank = {name: i for i, name in enumerate(SLOW_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
-    stale = [k for k in (*SERIAL, *QUICK) if k.split("::")[0] in files and k not in used]
+    stale = [k for k in (*SERIAL, *SERIAL_WAITING, *QUICK) if k.split("::")[0] in files and k not in used]
     if stale and not any("::" in str(a) for a in config.args):
-        raise pytest.UsageError(f"conftest.py SERIAL/QUICK name tests that do not exist: {stale}")
+        raise pytest.UsageError(f"conftest.py SERIAL/SERIAL_WAITING/QUICK name tests that do not exist: {stale}")
 
 
 def pytest_sessionfinish(session, exitstatus):

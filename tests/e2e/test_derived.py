@@ -129,6 +129,7 @@ def test_dtype_views_equal_torch_to(sources, mount_factory, fmt):
             assert cfg["dtype"] == str(dtype).removeprefix("torch.")
             assert cfg["torch_dtype"] == cfg["dtype"]
             assert cfg["model_type"] == "synthetic"
+        del got  # it maps the mount's files: held, the unmount would find it busy
 
 
 def test_dtype_view_pages_in_random_order(sources, mount_factory):
@@ -163,6 +164,7 @@ def test_keep_dtype_keeps_matching_tensors(sources, mount_factory):
         assert_bits_equal(got["model.w32"], state["model.w32"], "kept w32")
         assert_bits_equal(got["model.h16"], state["model.h16"], "kept h16")
         assert_bits_equal(got["model.big"], state["model.big"].to(torch.bfloat16), "cast big")
+        del got  # it maps the mount's files: held, the unmount would find it busy
 
 
 def tiny_llama() -> LlamaForCausalLM:
@@ -201,6 +203,8 @@ def test_transformers_loads_bf16_view_with_the_cast_models_logits(tmp_path, moun
                 assert_bits_equal(cast[k], v.to(torch.bfloat16), f"tp2.bf16 {rank} {k}")
             with open(m.p("llama", "mesh", "tp2.bf16", rank, "layout.json")) as f:
                 assert all(t["dtype"] == "BF16" for t in json.load(f)["tensors"].values())
+        # They map the mount's files: held, the unmount would find it busy.
+        del loaded, cast, plain, v
 
 
 def test_eight_readers_by_mmap_and_read_get_exact_bytes(tmp_path, mount_factory):

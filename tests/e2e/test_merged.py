@@ -178,6 +178,8 @@ def test_an_fsdp2_finetune_over_a_dcp_step(fsdp_root, mount_factory):
         with torch.no_grad():
             ref = lora_gen.peft_unmerged("llama", reference, adapter)
             torch.testing.assert_close(merged(IDS).logits, ref(IDS).logits, atol=1e-4, rtol=0)
+        # They map the mount's files: held, the unmount would find it busy.
+        del consolidated, got, merged, t
 
 
 def test_sidecars_come_from_the_adapter_else_the_base(lora_root, lora_mount):

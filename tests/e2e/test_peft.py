@@ -74,6 +74,7 @@ def test_adapter_consolidated_is_an_adapter_folder(adapter_root, mount_factory):
         through = peft.PeftModel.from_pretrained(tiny_llama(), view).eval()
         with torch.no_grad():
             assert torch.equal(through(ids).logits, ref(ids).logits)
+        del got, through  # they map the mount's file: held, the unmount would find it busy
 
 
 def test_adapter_naming_no_base_gets_no_merged_and_says_why(adapter_root, mount_factory, ckptfs):

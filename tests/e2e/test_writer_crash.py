@@ -19,10 +19,15 @@ kills land in planning, staging, fsync, .metadata and after. A save's
 duration moves with the machine's load, so it is measured again on every
 save that finishes (the median so far), and the runs go on past 20, up to
 40, until 10 kills have landed inside a save.
+
+The ranks of those runs are forked by writer_gen.py's fork server, which
+imported torch once (two fresh interpreters a run spent most of the test's
+time importing torch); the clean save and the re-saves start fresh ones.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -70,17 +75,73 @@ def _save_seconds(marker: str) -> float:
     return m["done"] - m["ready"]
 
 
-def _run_and_kill(job: dict, delay: float, victim: int, tmp: str) -> str:
-    """Starts the ranks, SIGKILLs `victim` `delay` s after its "ready"
-    marker, then the others; returns what happened ("killed", "finished")."""
+class _ForkedRank:
+    """A rank forked by writer_gen's fork server, watched and killed by pid
+    (the server's kernel reaps it, so a gone pid is an ended rank)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def poll(self):
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return 0  # ended; its status went to the server, and no check here needs it
+        return None
+
+    def send_signal(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def wait(self) -> None:
+        deadline = time.monotonic() + 30
+        while self.poll() is None:
+            assert time.monotonic() < deadline, f"rank {self.pid} still there 30 s after SIGKILL"
+            time.sleep(0.005)
+
+
+@pytest.fixture(scope="module")
+def fork_server(tmp_path_factory):
+    """start(rank, init_file, job_file) -> _ForkedRank: the ranks of each
+    run are forked by `writer_gen.py _fork_server`, which imported torch
+    once, so a run costs its save and not two imports of torch (seconds of
+    CPU each). The clean save and the re-saves still start fresh processes
+    (spawn_ranks)."""
+    log = tmp_path_factory.mktemp("fork-server") / "stderr"
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    with open(log, "wb") as err:
+        server = subprocess.Popen([sys.executable, GEN, "_fork_server"], env=env, stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=err, text=True)
+
+    def start(rank: int, init: str, job_file: str) -> _ForkedRank:
+        server.stdin.write(json.dumps([rank, WORLD, init, job_file]) + "\n")
+        server.stdin.flush()
+        pid = server.stdout.readline()
+        assert pid.strip().isdigit(), f"the fork server answered {pid!r}: {log.read_text()[-3000:]}"
+        return _ForkedRank(int(pid))
+    try:
+        yield start
+    finally:
+        server.stdin.close()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+def _run_and_kill(start, job: dict, delay: float, victim: int, tmp: str) -> str:
+    """Starts the ranks (`start`: fork_server's), SIGKILLs `victim` `delay`
+    s after its "ready" marker, then the others; returns what happened
+    ("killed", "finished")."""
     init = os.path.join(tempfile.mkdtemp(dir=tmp), "filestore")
     job_file = init + ".job.json"
     with open(job_file, "w") as f:
         json.dump(job, f)
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    procs = [subprocess.Popen([sys.executable, GEN, "_worker", str(r), str(WORLD), init, job_file],
-                              env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL) for r in range(WORLD)]
+    procs = [start(r, init, job_file) for r in range(WORLD)]
     try:
         deadline = time.monotonic() + 120
         while not any(w == "ready" for w, _, _ in _markers(job["marker"])):
@@ -116,7 +177,7 @@ def _commit_point(step: str, layout: str) -> bool:
 
 
 @pytest.mark.parametrize("layout", ["dcp", "hf"])
-def test_sigkill_at_random_points(tmp_path, layout):
+def test_sigkill_at_random_points(tmp_path, layout, fork_server):
     rng = random.Random(1234)
     root = str(tmp_path / "run")
     marker = str(tmp_path / "marker")
@@ -135,7 +196,7 @@ def test_sigkill_at_random_points(tmp_path, layout):
         # Every fourth run saves into a directory an earlier crash broke.
         n = broken[0] if broken and i % 4 == 0 else i
         os.remove(marker)
-        what = _run_and_kill({"kind": "steps", "steps": [n], "root": root, "marker": marker, "layout": layout,
+        what = _run_and_kill(fork_server, {"kind": "steps", "steps": [n], "root": root, "marker": marker, "layout": layout,
                               "buffer_bytes": 4096, "oracles": oracles}, rng.uniform(0, 1.3 * save_s), rng.randrange(WORLD),
                              str(tmp_path))
         done = any(w == "done" for w, _, _ in _markers(marker))

@@ -272,6 +272,7 @@ def test_live_mount_serves_consolidated_tensors_after_the_save(tmp_path):
         assert not bad, bad
         served = [line for line in m.log().splitlines() if "step_9/: " in line and "indexed" in line]
         assert served and f"indexed ({len(oracle)} tensors) and served" in served[0], m.log()
+        del got  # it maps the mount's files: held, the unmount would find it busy
 
 
 def _random(dtype: torch.dtype, shape: tuple, seed: int) -> torch.Tensor:

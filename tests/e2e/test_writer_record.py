@@ -101,6 +101,7 @@ def test_a_writer_step_has_the_same_views_however_it_is_indexed(llama, tmp_path,
         model = AutoModelForCausalLM.from_pretrained(m.p("step_1", "consolidated")).eval()
         with torch.no_grad():
             assert torch.equal(model(llama["ids"]).logits, llama["logits"])
+        del model  # it maps the mount's file: held, the unmount would find it busy
     with Mounted(str(bare), index_dir=str(tmp_path / "idx_bare"), base_dir=str(tmp_path)) as m:
         from_files = _views(m)
     assert sorted(indexed) == sorted(from_files)
