@@ -19,7 +19,9 @@ generator module, which imports this one.
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import mmap
 import os
 import re
 import signal
@@ -236,3 +238,39 @@ class Mounted(MountPoint):
                 os.rmdir(self.path)
             except OSError:
                 pass
+
+
+def evict(path: str) -> None:
+    """Drops the file's clean pages from the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def resident_bytes(path: str, lo: int = 0, hi: int | None = None) -> int:
+    """Bytes of the pages of [lo, hi) of `path` (default: all of it) that are
+    in the page cache (mincore on a private mapping: its pages are the
+    file's until written)."""
+    if hi is None:
+        hi = os.path.getsize(path)
+    page = mmap.PAGESIZE
+    lo -= lo % page
+    pages = (hi - lo + page - 1) // page
+    with open(path, "rb") as f:
+        m = mmap.mmap(f.fileno(), hi - lo, access=mmap.ACCESS_COPY, offset=lo)
+    try:
+        vec = (ctypes.c_ubyte * pages)()
+        anchor = ctypes.c_char.from_buffer(m)
+        rc = _libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(hi - lo), vec)
+        del anchor
+        if rc != 0:
+            raise OSError(ctypes.get_errno(), "mincore")
+        return sum(page for v in vec if v & 1)
+    finally:
+        m.close()

@@ -23,7 +23,6 @@ must fail.
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import json
 import mmap
@@ -121,39 +120,6 @@ def mount(synth: np_ckpt.Synth, tmp_path, readahead_mib: int) -> harness.Mounted
                            index_dir=str(tmp_path / "index"))
 
 
-def evict(path: str) -> None:
-    """Drops the file's clean pages from the page cache."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def resident_bytes(path: str, lo: int, hi: int) -> int:
-    """Bytes of the pages of [lo, hi) of `path` that are in the page cache
-    (mincore on a private mapping: its pages are the file's until written)."""
-    page = mmap.PAGESIZE
-    lo -= lo % page
-    pages = (hi - lo + page - 1) // page
-    with open(path, "rb") as f:
-        m = mmap.mmap(f.fileno(), hi - lo, access=mmap.ACCESS_COPY, offset=lo)
-    try:
-        vec = (ctypes.c_ubyte * pages)()
-        anchor = ctypes.c_char.from_buffer(m)
-        rc = _libc.mincore(ctypes.c_void_p(ctypes.addressof(anchor)), ctypes.c_size_t(hi - lo), vec)
-        del anchor
-        if rc != 0:
-            raise OSError(ctypes.get_errno(), "mincore")
-        return sum(page for v in vec if v & 1)
-    finally:
-        m.close()
-
-
 class Direct:
     """O_DIRECT reads of a file of the mount: each one reaches the daemon."""
 
@@ -205,8 +171,8 @@ def test_sequential_reader_gets_its_sources_read_ahead(synth, tmp_path, readahea
     with mount(synth, tmp_path, readahead_mib) as m:
         want = expected_npy(m.p(rel), synth.tensors[EMBED])
         for r in range(synth.world_size):
-            evict(synth.shard(r))
-        assert sum(resident_bytes(*f) for f in far) == 0, "eviction failed: the check below would mean nothing"
+            harness.evict(synth.shard(r))
+        assert sum(harness.resident_bytes(*f) for f in far) == 0, "eviction failed: the check below would mean nothing"
         d = Direct(m.p(rel))  # open until the end: closing it cancels its read-ahead
         try:
             for off in (0, 256 << 10):
@@ -214,7 +180,7 @@ def test_sequential_reader_gets_its_sources_read_ahead(synth, tmp_path, readahea
             total = sum(hi - lo for _, lo, hi in far)
             deadline = time.monotonic() + 10
             while True:
-                resident = sum(resident_bytes(*f) for f in far)
+                resident = sum(harness.resident_bytes(*f) for f in far)
                 if readahead_mib == 0 or resident >= total or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
@@ -222,7 +188,7 @@ def test_sequential_reader_gets_its_sources_read_ahead(synth, tmp_path, readahea
                 assert resident >= total, f"only {resident} of {total} bytes read ahead"
             else:
                 time.sleep(0.5)
-                resident = sum(resident_bytes(*f) for f in far)
+                resident = sum(harness.resident_bytes(*f) for f in far)
                 assert resident == 0, f"{resident} bytes read ahead with read-ahead off"
         finally:
             d.close()
@@ -337,7 +303,7 @@ def test_source_changed_while_read_ahead(synth, tmp_path, change):
             down = json.loads(f.read(n))["model.layers.0.mlp.down_proj.weight"]["data_offsets"]
         down_lo, down_hi = 8 + n + down[0], 8 + n + down[1]
         for r in range(copy.world_size):
-            evict(copy.shard(r))
+            harness.evict(copy.shard(r))
         d = Direct(path)
         try:
             for off in (0, step):  # sequential: read-ahead of 16 MiB is queued now
@@ -374,7 +340,7 @@ def test_sixteen_readers_stream_different_files(synth, tmp_path, how):
         paths = [m.p("tensors/" + np_ckpt.npy_name(fqn)) for fqn in STREAMS]
         wants = [expected_npy(p, synth.tensors[fqn]) for p, fqn in zip(paths, STREAMS)]
         for r in range(synth.world_size):
-            evict(synth.shard(r))
+            harness.evict(synth.shard(r))
         start = threading.Barrier(len(paths))
 
         def stream(path: str, want: bytes) -> None:
