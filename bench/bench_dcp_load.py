@@ -14,6 +14,7 @@ mount (the mount's start, indexing included, is timed). Rows:
   disk  dcp.load              stock dcp.load into a preallocated state dict
   disk  load_file (real)      safetensors.torch.load_file of the real file
   disk  ckptfs                mount + load_file(step/consolidated/*.safetensors)
+  disk  ckptfs --fetch-direct the same, the planned ranges read with O_DIRECT
   s3    boto3                 the step's objects into memory, 8 threads
   s3    s3torchconnector      dcp.load with S3StorageReader (its
                               dcp_optimized reader, the 1.5 default)
@@ -62,6 +63,7 @@ WRAP = "model"  # dcp.save({"model": sd}): consolidated/ drops the wrapper
 GOALS = [
     ("disk ckptfs", "disk dcp.load", 0.9),
     ("disk ckptfs", "disk load_file (real)", 1.1),
+    ("disk ckptfs --fetch-direct", "disk load_file (real)", 1.1),
     ("s3 ckptfs step", "s3 s3torchconnector", 0.9),
     ("s3 ckptfs step", "s3 boto3 (memory)", 1.2),
     ("s3 ckptfs consolidated", "s3 Run:ai", 0.9),
@@ -261,6 +263,7 @@ class Run:
         self.rss: dict[str, int] = {}       # row -> largest daemon VmHWM
         self.fetched: dict[str, str] = {}   # row -> "N ranged GETs, X GB received" (last pass)
         self.start_s: dict[str, float] = {}  # row -> least time a mount took to start (index included)
+        self.cpu: dict[str, float] = {}  # row -> least CPU seconds the daemon used (user + system)
         self.n = 0
 
     def cold(self, fn):
@@ -272,7 +275,7 @@ class Run:
         r = touch(fn())
         return time.monotonic() - t0, r
 
-    def mounted(self, row: str, root: str, fn, want: dict | None):
+    def mounted(self, row: str, root: str, fn, want: dict | None, extra: tuple = ()):
         """A fresh index and mount of `root`, cold; fn(mount point) timed,
         the mount's start included; what it loaded checked against `want`
         (if given) while still mounted (its tensors may map the mount's
@@ -280,7 +283,7 @@ class Run:
         self.n += 1
         d = os.path.join(self.work, f"mount-{self.n}")
         m = common.Mounted(self.args.bin, root, os.path.join(d, "mnt"), os.path.join(d, "index"),
-                          os.path.join(d, "mount.log"))
+                          os.path.join(d, "mount.log"), list(extra))
         common.drop_caches()
         t0 = time.monotonic()
         try:
@@ -289,6 +292,8 @@ class Run:
             secs = time.monotonic() - t0
             self.rss[row] = max(self.rss.get(row, 0), common.vm_field(m.proc.pid, "VmHWM") or 0)
             self.start_s[row] = min(self.start_s.get(row, m.seconds), m.seconds)
+            cpu = daemon_cpu(m.proc.pid)
+            self.cpu[row] = min(self.cpu.get(row, cpu), cpu)
             if want is not None and isinstance(r, dict):
                 check(row, r, want)
             del r
@@ -298,6 +303,13 @@ class Run:
         if got:
             self.fetched[row] = got[-1]
         return secs, None
+
+
+def daemon_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def check(what: str, got: dict, want: dict) -> None:
@@ -318,6 +330,9 @@ def one_pass(r: Run, ctx: dict, first: bool) -> dict:
         "disk load_file (real)": lambda: r.cold(lambda: load_folder(os.path.dirname(real))),
         "disk ckptfs": lambda: r.mounted("disk ckptfs", step,
                                          lambda m: load_folder(os.path.join(m, "consolidated")), want),
+        "disk ckptfs --fetch-direct": lambda: r.mounted(
+            "disk ckptfs --fetch-direct", step, lambda m: load_folder(os.path.join(m, "consolidated")), want,
+            ("--fetch-direct",)),
         "s3 boto3 (memory)": lambda: r.cold(lambda: boto3_memory(client, keys)),
         "s3 s3torchconnector": lambda: r.cold(lambda: s3tc_load(specs)),
         "s3 Run:ai": lambda: r.cold(runai_load),
@@ -360,7 +375,7 @@ def report(passes: list[dict], r: Run, ctx: dict, load: tuple[float, float]) -> 
             size = ctx["hf_bytes"] if row == "s3 ckptfs consolidated" else ctx["step_bytes"]
             extra = f"; fetched {fetched} = {got * 1e9 / size:.2f}x the {size / 1e9:.2f} GB source"
         print(f"  {row}: mount start (fresh index) {r.start_s[row]:.2f} s of it; daemon peak RSS "
-              f"{r.rss[row] / 2**20:.0f} MiB{extra}")
+              f"{r.rss[row] / 2**20:.0f} MiB, CPU {r.cpu[row]:.2f} s{extra}")
 
 
 def main() -> int:
