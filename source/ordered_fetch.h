@@ -158,27 +158,28 @@ struct PlannedRange {
   std::vector<Mapping> maps;  // where its needed bytes go in the virtual file
 };
 
+// How an OrderedFetch fetches (OrderedFetch::Options).
+struct OrderedFetchOptions {
+  uint64_t range_bytes = 8ull << 20;  // largest fetch (S3: --part-size)
+  unsigned threads = 4;               // fetches in flight (S3: --max-threads)
+  FetchBudget* budget = nullptr;      // not owned; outlives this
+  FetchCounters* counters = nullptr;  // not owned; outlives this
+  std::vector<bool> planned;          // by FileId: false for sources left to the ordinary path (derived)
+  PageSink sink;                      // the file's pages go here once fetched (empty: none are pushed)
+};
+
 class OrderedFetch {
  public:
-  // Reads [offset, offset + len) of source `file` into dst, identity-checked
-  // and counted in FetchCounters::fetched. `dst` lies offset % kDirectAlign
-  // bytes into memory aligned to kDirectAlign that holds the whole aligned
-  // span around the range (AlignSpan), which the read may overwrite: room
-  // for an O_DIRECT read (SourceObject::ReadOnce).
+  // Reads [offset, offset + len) of `file` into dst, identity-checked and
+  // counted in FetchCounters::fetched. dst meets SourceObject::ReadOnce's
+  // contract: room for an O_DIRECT read of the aligned span around it.
   using Fetch = std::function<Status(FileId file, uint64_t offset, uint64_t len, char* dst)>;
   // The ordinary path: fills dst as the plan says (SourceReader::Execute).
   using Execute = std::function<Status(const ReadPlan& plan, char* dst)>;
   // Checks sources `ids` unchanged since indexing (SourceReader::CheckSources).
   using Check = std::function<Status(const std::vector<FileId>& ids)>;
 
-  struct Options {
-    uint64_t range_bytes = 8ull << 20;  // largest fetch (S3: --part-size)
-    unsigned threads = 4;               // fetches in flight (S3: --max-threads)
-    FetchBudget* budget = nullptr;      // not owned; outlives this
-    FetchCounters* counters = nullptr;  // not owned; outlives this
-    std::vector<bool> planned;          // by FileId: false for sources left to the ordinary path (derived)
-    PageSink sink;                      // the file's pages go here once fetched (empty: none are pushed)
-  };
+  using Options = OrderedFetchOptions;
 
   // `served` is the file's record, shared by its handles (null: this
   // handle's alone).

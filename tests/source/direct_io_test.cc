@@ -26,6 +26,7 @@
 
 #include "source/io_pool.h"
 #include "source/posix_source.h"
+#include "tests/source/page_cache_probe.h"
 #include "source/range_buffers.h"
 #include "source/scatter_reply.h"
 
@@ -409,21 +410,6 @@ TEST_F(DirectPosixTest, HalfCachedFileReadsExactBytesThroughBothPaths) {
   EXPECT_GT(st.cached_bytes.load(), 0u) << st.Describe();
   EXPECT_EQ(st.refused_files.load(), 0u) << st.Describe();
   EXPECT_EQ(direct.pool().in_use(), 0u);
-}
-
-// Pages of [offset, offset + len) of `path` in the page cache (mincore on a
-// mapping of our own: the test runs as the files' owner).
-size_t ResidentPages(const fs::path& path, uint64_t offset, uint64_t len) {
-  int fd = ::open(path.c_str(), O_RDONLY);
-  void* m = ::mmap(nullptr, len, PROT_READ, MAP_SHARED, fd, off_t(offset));
-  ::close(fd);
-  EXPECT_NE(m, MAP_FAILED);
-  std::vector<unsigned char> vec((len + 4095) / 4096);
-  EXPECT_EQ(::mincore(m, len, vec.data()), 0);
-  ::munmap(m, len);
-  size_t n = 0;
-  for (unsigned char v : vec) n += v & 1;
-  return n;
 }
 
 // A cold range is read into our buffer only: the page cache of the source

@@ -24,6 +24,7 @@
 #include "core/layout.h"
 #include "source/posix_source.h"
 #include "source/source_reader.h"
+#include "tests/source/page_cache_probe.h"
 
 namespace ckptfs {
 namespace {
@@ -333,21 +334,6 @@ TEST(OrderedFetch, PushedRangesKeepOnlyThePagesTheyShare) {
   EXPECT_EQ(r.reader->counters().fetched.load(), sources + 8 * kKiB);
   EXPECT_EQ(r.reader->counters().refetched.load(), 0u);
   EXPECT_EQ(r.budget->held(), 0u);  // every kept byte was served
-}
-
-// Pages of `path` in the page cache (mincore on a mapping of our own).
-uint64_t ResidentBytes(const std::filesystem::path& path) {
-  const uint64_t size = std::filesystem::file_size(path);
-  int fd = ::open(path.c_str(), O_RDONLY);
-  void* m = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
-  ::close(fd);
-  EXPECT_NE(m, MAP_FAILED);
-  std::vector<unsigned char> vec((size + 4095) / 4096);
-  EXPECT_EQ(::mincore(m, size, vec.data()), 0);
-  ::munmap(m, size);
-  uint64_t n = 0;
-  for (unsigned char v : vec) n += (v & 1) * 4096;
-  return n;
 }
 
 // Planned ranges of cold sources are read with O_DIRECT into the range's

@@ -1,4 +1,5 @@
 #include "source/readahead.h"
+#include "tests/source/page_cache_probe.h"
 
 #include <gtest/gtest.h>
 
@@ -244,20 +245,6 @@ TEST(SourceReaderReadAhead, KeepsAtMostKPrefetchFdsDescriptors) {
   }
   EXPECT_EQ(OpenDescriptors(), before) << "descriptors left open after the reader is gone";
   std::filesystem::remove_all(m.dir);
-}
-
-// Pages of `path` in [offset, offset + length) that are in the page cache.
-uint64_t ResidentPages(const std::filesystem::path& path, uint64_t offset, uint64_t length) {
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  void* p = ::mmap(nullptr, offset + length, PROT_READ, MAP_SHARED, fd, 0);
-  ::close(fd);
-  const uint64_t page = ::sysconf(_SC_PAGESIZE), first = offset / page, pages = (offset + length) / page - first;
-  std::vector<unsigned char> vec(first + pages);
-  ::mincore(p, offset + length, vec.data());
-  ::munmap(p, offset + length);
-  uint64_t n = 0;
-  for (uint64_t i = first; i < first + pages; ++i) n += vec[i] & 1;
-  return n;
 }
 
 // A sequential reader of a computed tensor (here a bf16 cast of an fp32
