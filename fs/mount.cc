@@ -7,6 +7,7 @@
 #include <fuse3/fuse_lowlevel.h>
 
 #include <dirent.h>
+#include <pthread.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -553,6 +554,56 @@ class FetchReporter {
   std::thread thread_;
 };
 
+// Ends the loop once a stop signal (SIGINT, SIGTERM, SIGHUP) ended the
+// session. libfuse's handler only marks the session ended, and its loop's
+// thread waits until a worker posts or a signal interrupts that wait: a
+// signal taken by any other thread of the daemon (ours, or a worker busy
+// with a request), or one that lands between the loop's check and its
+// wait, would leave the mount up until the next request. So a thread of
+// its own looks every 50 ms and, once the session ended, interrupts the
+// loop's thread with SIGUSR2 (a handler that does nothing, no SA_RESTART)
+// until the loop returns. The stop signals are also unblocked in the loop's
+// thread, whatever mask the daemon inherited.
+class LoopWaker {
+ public:
+  explicit LoopWaker(fuse_session* se) : se_(se), loop_thread_(::pthread_self()) {
+    sigset_t stop;
+    sigemptyset(&stop);
+    for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stop, sig);
+    ::pthread_sigmask(SIG_UNBLOCK, &stop, nullptr);
+    struct sigaction sa {};
+    sa.sa_handler = [](int) {};
+    sigemptyset(&sa.sa_mask);
+    installed_ = ::sigaction(SIGUSR2, &sa, &old_) == 0;
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~LoopWaker() {  // after the loop returned
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+    if (installed_) ::sigaction(SIGUSR2, &old_, nullptr);
+  }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!cv_.wait_for(lock, std::chrono::milliseconds(50), [this] { return stop_; }))
+      if (fuse_session_exited(se_)) ::pthread_kill(loop_thread_, SIGUSR2);
+  }
+
+  fuse_session* se_;
+  pthread_t loop_thread_;
+  struct sigaction old_ {};
+  bool installed_ = false;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;  // guarded by mu_
+  std::thread thread_;
+};
+
 }  // namespace
 
 Result<std::string> CheckMountpoint(const std::string& mountpoint, bool allow_non_empty) {
@@ -620,7 +671,10 @@ Status MountAndServe(std::unique_ptr<VirtualFs> fs, const std::string& mountpoin
     struct fuse_loop_config* cfg = fuse_loop_cfg_create();
     fuse_loop_cfg_set_max_threads(cfg, options.max_threads);
     fuse_loop_cfg_set_clone_fd(cfg, 0);
-    rc = fuse_session_loop_mt(se, cfg);
+    {
+      LoopWaker waker(se);
+      rc = fuse_session_loop_mt(se, cfg);
+    }
     fuse_loop_cfg_destroy(cfg);
     reporter.Report();
     watching.watcher.reset();

@@ -124,6 +124,53 @@ def test_proc_mounts_names_source(ckpt, tmp_path):
         unmount(mnt)
 
 
+def _tgkill(pid: int, tid: int, sig: int) -> None:
+    import ctypes
+    libc = ctypes.CDLL("libc.so.6", use_errno=True)
+    if libc.tgkill(pid, tid, sig) != 0:
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}, {sig})")
+
+
+def _idle_helper_thread(pid: int) -> int:
+    """A thread of the daemon that is neither the loop's (the main thread)
+    nor a FUSE worker waiting for a request (in fuse_dev_do_read)."""
+    for tid in sorted(int(t) for t in os.listdir(f"/proc/{pid}/task")):
+        with open(f"/proc/{pid}/task/{tid}/wchan") as f:
+            wchan = f.read()
+        if tid != pid and "fuse_dev" not in wchan:
+            return tid
+    raise AssertionError(f"no helper thread in {os.listdir(f'/proc/{pid}/task')}")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_taken_by_a_helper_thread_still_unmounts(ckpt, tmp_path, sig):
+    """Which thread of a process takes a signal sent to it is the kernel's
+    choice; here it is forced onto one of the daemon's own threads (tgkill):
+    the mount still ends within seconds, exit 0, nothing left mounted."""
+    (tmp_path / "mnt").mkdir()
+    mnt = str(tmp_path / "mnt")
+    with open(tmp_path / "stderr", "w+") as err:
+        p = subprocess.Popen([harness.require_bin(), "mount", ckpt.path, mnt, "-f"], stdout=subprocess.DEVNULL,
+                             stderr=err, stdin=subprocess.DEVNULL)
+        try:
+            deadline = time.monotonic() + 20
+            while not is_mounted(mnt):
+                assert p.poll() is None, f"mount -f exited {p.returncode}"
+                assert time.monotonic() < deadline, "not mounted 20 s after mount -f"
+                time.sleep(0.05)
+            _serves(mnt, ckpt)
+            _tgkill(p.pid, _idle_helper_thread(p.pid), sig)
+            rc = p.wait(timeout=10)
+            err.seek(0)
+            assert rc == 0, f"mount -f exited {rc} on {sig.name}: {err.read()[-2000:]}"
+            assert not is_mounted(mnt)
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            unmount(mnt)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_foreground_relative_mountpoint_unmounted_on_signal(ckpt, tmp_path, sig):
     """`ckptfs mount -f ROOT rel` from tmp_path, then a signal: exit 0 and the
