@@ -13,6 +13,9 @@ void AddS3(CLI::App* cmd, Common& c) {
   cmd->add_flag("--force-path-style", c.s3.force_path_style, "Address AWS buckets by path, not by host name");
   cmd->add_option("--max-threads", c.s3.max_threads, "Ranged GETs in flight per read (default 16)");
   cmd->add_option("--part-size", c.part_size, "Bytes per ranged GET (default 8MiB)");
+  cmd->add_option("--request-timeout-s", c.s3.request_timeout_s,
+                  "Seconds an S3 request may take, its retries included, before the read fails with EIO "
+                  "(default 60; 1..3600)");
   cmd->add_option("--cache", c.cache_dir,
                   "Keep the bytes fetched from an s3:// root in this local directory (new, empty, or a ckptfs "
                   "cache; several mounts may share it) and read them from there next time; each 1 MiB block is "

@@ -466,7 +466,7 @@ S3Client::Response S3Client::PerformWithRetries(const Request& r, int max_attemp
         std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
     const int64_t stall_ms =
         r.ranged ? std::min<int64_t>(kStallMs, kGetStallMs << std::max(0, stalls - 1)) : kStallMs;
-    Response resp = Perform(r, std::max<int64_t>(kRetryBudgetMs - spent_before, kMinAttemptMs), stall_ms, fresh);
+    Response resp = Perform(r, std::max<int64_t>(config_.retry_budget_ms - spent_before, kMinAttemptMs), stall_ms, fresh);
     stalls += resp.stalled;
     fresh = resp.curl != CURLE_OK;
     if (!followed && FollowRegion(resp)) {  // sent again at once, signed for the bucket's region
@@ -486,7 +486,7 @@ S3Client::Response S3Client::PerformWithRetries(const Request& r, int max_attemp
     const int64_t cap = std::min<int64_t>(kBackoffCapMs, kBackoffBaseMs << std::min(attempt - 1, 16));
     const int64_t wait = int64_t(rng() % uint64_t(cap + 1));
     const int64_t spent = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - start).count();
-    if (spent + wait > kRetryBudgetMs) {
+    if (spent + wait > config_.retry_budget_ms) {
       resp.last_retry_cause = cause;
       return resp;
     }

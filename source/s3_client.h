@@ -13,7 +13,8 @@
 // Failures that may pass (HTTP 5xx, 429 and SlowDown, timeouts, stalls,
 // connection resets, bodies shorter than announced) are retried with
 // exponential backoff and full jitter, at most kMaxAttempts times and for at
-// most kRetryBudgetMs in all, the attempt in flight included; a server
+// most config().retry_budget_ms in all (--request-timeout-s, default 60 s),
+// the attempt in flight included; a server
 // trickling bytes is cut off when the budget ends. A stall is no byte for
 // 2 s in a ranged GET (the window doubles with each stall of the same GET,
 // up to 15 s; 15 s for listings and HEADs), and its retry, like that of a
@@ -106,7 +107,6 @@ class S3Client {
   Stats stats() const { return {gets_.load(), get_bytes_.load()}; }
 
   static constexpr int kMaxAttempts = 8;
-  static constexpr int64_t kRetryBudgetMs = 60'000;
 
   // One request and its answer (defined in the .cc).
   struct Request;

@@ -140,8 +140,11 @@ Result<S3Config> ResolveS3Config(const std::string& url, const S3Flags& flags, c
   if (flags.max_threads == 0) return Status::InvalidArgument("--max-threads must be at least 1");
   if (flags.part_size < (64 << 10))
     return Status::InvalidArgument("--part-size must be at least 64 KiB");
+  if (flags.request_timeout_s == 0 || flags.request_timeout_s > 3600)
+    return Status::InvalidArgument("--request-timeout-s must be 1..3600 seconds");
   c.max_threads = flags.max_threads;
   c.part_size = flags.part_size;
+  c.retry_budget_ms = int64_t(flags.request_timeout_s) * 1000;
   if (c.sign)
     RETURN_IF_ERROR(ResolveCredentials(env, profile, HomeFile(env, "AWS_SHARED_CREDENTIALS_FILE", "credentials"),
                                        section, c.credentials));

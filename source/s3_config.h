@@ -44,6 +44,7 @@ struct S3Flags {
   bool force_path_style = false;
   unsigned max_threads = 16;
   uint64_t part_size = 8ull << 20;
+  unsigned request_timeout_s = 60;  // --request-timeout-s
 };
 
 struct S3Credentials {
@@ -64,6 +65,8 @@ struct S3Config {
   std::string ca_bundle;  // PEM file of the CAs to trust for https; "" = the system's
   unsigned max_threads = 16;
   uint64_t part_size = 8ull << 20;
+  // How long one request may take, its retries included (S3Client).
+  int64_t retry_budget_ms = 60'000;
 
   // "s3://bucket/prefix" (what the user typed, canonical).
   std::string Root() const;

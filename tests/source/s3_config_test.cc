@@ -61,6 +61,20 @@ TEST(S3Config, AwsDefaultEndpointIsVirtualHostedUnlessForced) {
   EXPECT_TRUE(ResolveS3Config("s3://bucket/p", flags, Env({}))->path_style);
 }
 
+TEST(S3Config, RequestTimeoutIsTheRetryBudgetInMilliseconds) {
+  S3Flags flags;
+  flags.no_sign_request = true;
+  EXPECT_EQ(ResolveS3Config("s3://b/p", flags, Env({}))->retry_budget_ms, 60'000);
+  flags.request_timeout_s = 7;
+  EXPECT_EQ(ResolveS3Config("s3://b/p", flags, Env({}))->retry_budget_ms, 7'000);
+  for (unsigned bad : {0u, 3601u}) {
+    flags.request_timeout_s = bad;
+    auto c = ResolveS3Config("s3://b/p", flags, Env({}));
+    ASSERT_FALSE(c.ok()) << bad;
+    EXPECT_NE(c.status().message().find("--request-timeout-s"), std::string::npos) << c.status().message();
+  }
+}
+
 // The URLs requests go to, spelled out by hand: the bucket in the host
 // name for AWS, in the path when forced, for a dotted bucket (no TLS
 // certificate covers it as a host) and for any other endpoint.
