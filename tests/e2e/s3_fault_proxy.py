@@ -15,7 +15,11 @@ injects the failures object storage shows:
 - ``forbidden`` (from a script only): 403 AccessDenied, as a bucket policy
   that denies some objects answers;
 - ``drop`` (from a script only): the request read, never forwarded, and the
-  connection reset (what an upload sees when its connection breaks).
+  connection reset (what an upload sees when its connection breaks);
+- ``hold`` (from a script only): the request read and held, then forwarded
+  and answered once ``release()`` is called (``held`` counts the requests
+  that reached the hold), so a test acts while a client is known to be
+  waiting mid-transfer.
 
 A stall holds the connection open for ``stall_s`` seconds (longer than the
 client's timeout), then closes it; with ``stall_once`` a stall is the fault
@@ -186,7 +190,9 @@ class FaultProxy(LocalListener):
         self.redirected = 0  # requests answered so
         self.signed_for: dict[str, int] = {}  # region in the credential scope -> requests
         self.ignored_if_match = 0  # 412s answered with the current version
-        self.counts = {k: 0 for k in (*KINDS, "forbidden", "drop", "passed")}
+        self.counts = {k: 0 for k in (*KINDS, "forbidden", "drop", "hold", "passed")}
+        self.held = 0  # requests that reached a scripted hold
+        self._released = threading.Event()
         self.ranged_gets = 0  # GETs with a Range header, faulted or not
         self.ranged_in_flight = 0
         self.peak_ranged_in_flight = 0  # most ranged GETs answered at once
@@ -197,6 +203,10 @@ class FaultProxy(LocalListener):
         with self.lock:
             self.p = dict(zip(KINDS, (p_slowdown, p_reset, p_truncate, p_stall_headers, p_stall_silent, p_trickle,
                                       p_stall_body)))
+
+    def release(self) -> None:
+        """Held requests, and any later ones scripted to be held, go on."""
+        self._released.set()
 
     def set_script(self, script: dict[str, list[str]]) -> None:
         with self.lock:
@@ -310,6 +320,12 @@ class FaultProxy(LocalListener):
         if kind == "drop":  # scripted only
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
             return False
+        if kind == "hold":  # scripted only: answered as passed once released
+            with self.lock:
+                self.held += 1
+            while not self._released.wait(0.05) and not self.stopped.is_set():
+                pass
+            kind = "passed"
         if kind == "forbidden":  # scripted only: as a bucket policy that denies one object
             conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Type: application/xml\r\nContent-Length: "
                          + str(len(FORBIDDEN)).encode() + b"\r\n\r\n" + FORBIDDEN)

@@ -194,27 +194,33 @@ def _start_ranks(job: dict, env: dict, tmp: str) -> tuple[list[subprocess.Popen]
 
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT])
 def test_a_rank_killed_or_interrupted_mid_upload_commits_nothing(s3_server, tmp_path, sig):
-    """Uploads are slowed by the proxy (latency per request) so that both
-    ranks are mid-upload when rank 1 gets the signal; rank 0 must exit with
-    the cause (no hang at a collective), and nothing is left open."""
+    """Rank 1's third part is held by the proxy, so that rank 1 is known to
+    be mid-upload when it gets the signal (a rank signalled after every
+    rank agreed that its upload completed would rightly commit); rank 0
+    must exit with the cause (no hang at a collective), and nothing is left
+    open."""
     from s3_fault_proxy import FaultProxy
     boto = s3_server["client"]
     root = f"wf_{sig.name.lower()}"
     _save(s3_server["port"], f"s3://{BUCKET}/{root}/step_1", tmp_path, 1, "earlier step")
     earlier = _keys(boto, f"{root}/step_1/")
-    proxy = FaultProxy(s3_server["port"], seed=13, p_slowdown=0, p_reset=0, p_truncate=0, latency_s=0.3)
+    proxy = FaultProxy(s3_server["port"], seed=13, p_slowdown=0, p_reset=0, p_truncate=0,
+                       script={f"PUT /{BUCKET}/{root}/step_2/__1_0.distcp?partNumber=3&": ["hold"]})
     tmp = tempfile.mkdtemp(dir=tmp_path)
-    # A state of ~48 MiB per rank: parts of 5 MiB, each behind 0.3 s of latency.
+    # A state of ~48 MiB per rank: parts of 5 MiB.
     job = {"kind": "save", "seed": 2, "dir": f"s3://{BUCKET}/{root}/step_2", "oracle": os.path.join(tmp, "o.pt"),
            "big": 96 << 20, "part_size": 5 << 20, "max_threads": 2}
     procs, logs = _start_ranks(job, aws_env(proxy.port), tmp)
     try:
         deadline = time.monotonic() + 120
-        while len(_open_uploads(boto, f"{root}/step_2/")) < 2 and time.monotonic() < deadline:
-            assert all(p.poll() is None for p in procs), "a rank ended before uploading"
+        while proxy.held < 1 and time.monotonic() < deadline:
+            assert all(p.poll() is None for p in procs), "a rank ended before its third part"
             time.sleep(0.05)
-        assert len(_open_uploads(boto, f"{root}/step_2/")) == 2, "the ranks never started uploading"
+        assert proxy.held == 1, "rank 1 never sent its third part"
         procs[1].send_signal(sig)
+        # The interrupt is raised once the rank's wait for its parts ends.
+        time.sleep(0.2)
+        proxy.release()
         codes = [p.wait(timeout=120) for p in procs]
     finally:
         for p in procs:
