@@ -4,7 +4,8 @@ One version of each helper that several test files and generators used to
 carry their own copy of:
 
 - ``spawn_ranks(script, world_size, job, name=...)``: run a generator's
-  ``_worker`` entry point on N gloo ranks (file:// rendezvous) and wait;
+  ``_worker`` entry point on N gloo ranks (file:// rendezvous) and wait
+  (forked from a server for FORKED_GENERATORS);
 - ``run_ckptfs(*args, index_dir=...)``: run the ckptfs CLI with output through
   temp files and, optionally, a private ``CKPTFS_INDEX_DIR``;
 - ``describe(proc)``: a failed CompletedProcess, for assertion messages;
@@ -41,7 +42,23 @@ THIRD_PARTY = os.path.join(REPO_DIR, "tests", "fixtures", "third_party")
 # ---------------------------------------------------------------------------
 
 sys.path.insert(0, os.path.join(REPO_DIR, "tools"))
-from ranks import end_rank, spawn_ranks  # noqa: E402,F401  (re-exported)
+import ranks  # noqa: E402
+from ranks import end_rank  # noqa: E402,F401  (re-exported)
+
+# The generators the writer tests start ranks of many times over: their
+# ranks are forked from a server that imported torch once (ranks.py,
+# _RankServer), which saves some 2 s of CPU per rank. The others start
+# fresh processes: they run once per suite, or patch torch globally
+# (bytecheckpoint_gen), or start helpers in sessions of their own
+# (megatron_gen). CKPTFS_TEST_FRESH_RANKS=1 starts every rank fresh.
+FORKED_GENERATORS = frozenset({"writer_gen.py", "writer_hf_gen.py", "writer_dtypes_gen.py"})
+
+
+def spawn_ranks(script: str, world_size: int, job: dict, **kwargs) -> None:
+    """ranks.spawn_ranks, forked from a server for FORKED_GENERATORS."""
+    if os.path.basename(script) in FORKED_GENERATORS and not os.environ.get("CKPTFS_TEST_FRESH_RANKS"):
+        kwargs.setdefault("fork_server", True)
+    ranks.spawn_ranks(script, world_size, job, **kwargs)
 
 
 # ---------------------------------------------------------------------------
