@@ -406,7 +406,7 @@ SERIAL = {
 }
 
 # Serial tests that wait rather than work: each bounds a wall time that is
-# almost all sleep (a stalled GET's 2 s window, a retry budget of 60 s),
+# almost all sleep (a stalled GET's 2 s window, a retry budget of 20 s),
 # with the CPU idle meanwhile, so they may share the machine with each other
 # though never with the side-by-side pass or the SERIAL tests: tools/test.sh
 # runs them last, on 2 workers (whole files per worker, one file each).
@@ -415,7 +415,7 @@ SERIAL = {
 SERIAL_WAITING = {
     "test_s3_stall.py": "every read through a stalling server within 5 s (a dozen stalls of 2-3 s)",
     "test_s3_mount.py::test_stalled_and_trickling_gets_are_abandoned_retried_then_eio_in_bounded_time":
-        "EIO within a bounded time (three reads that wait out stalls and a trickle for 45-80 s)",
+        "EIO within a bounded time (three reads that wait out stalls and a trickle for 14-40 s)",
 }
 
 # The quick tier (`pytest tests/e2e --quick`, `tools/test.sh --quick`: with

@@ -384,6 +384,11 @@ def test_an_https_endpoint_is_trusted_through_aws_ca_bundle(main_ckpt, s3_env, c
         r = ckptfs(*args)
         assert r.returncode != 0 and not r.stdout
         assert b"TLS certificate is not trusted: set AWS_CA_BUNDLE" in r.stderr, r.stderr.decode()
+        # Counted by the front's thread for that connection, which may run
+        # after the client has exited.
+        deadline = time.monotonic() + 10
+        while front.handshakes_failed < 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert front.handshakes_failed >= 1
 
         monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "missing.pem"))
