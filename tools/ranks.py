@@ -4,7 +4,8 @@ and their generators share (tests/e2e/harness.py re-exports it).
 - ``spawn_ranks(script, world_size, job, name=...)``: run a script's
   ``_worker`` entry point on N gloo ranks (file:// rendezvous) and wait;
   with ``fork_server=True`` the ranks are forked from a server that
-  imported the script (and so torch) once (``_RankServer``);
+  imported the script (and so torch) once (``RankServer``, which tests that
+  start and kill ranks themselves use directly);
 - ``end_rank()``: end a rank whose work is done, past torch's teardown.
 
 Import-light on purpose (no torch): every rank imports it.
@@ -58,7 +59,7 @@ def spawn_ranks(script: str, world_size: int, job: dict, *, name: str,
     unless already set. Each rank's stdout+stderr goes to its own log file
     (never a pipe: a chatty rank cannot block the others at a barrier).
 
-    With ``fork_server`` the ranks are forked from a ``_RankServer`` of the
+    With ``fork_server`` the ranks are forked from a ``RankServer`` of the
     script instead (a rank then saves the seconds of CPU that importing
     torch costs); the script must be importable without side effects and
     its ``_worker`` must not depend on being ``__main__``.
@@ -90,7 +91,7 @@ def spawn_ranks(script: str, world_size: int, job: dict, *, name: str,
             logs.append(log)
             argv = [os.path.abspath(script), "_worker", str(rank), str(world_size), init_file, job_file]
             if fork_server:
-                procs.append(_RankServer.of(argv[0], full_env).fork(argv, full_env, log_path, new_session))
+                procs.append(RankServer.of(argv[0], full_env).fork(argv, full_env, log_path, new_session))
                 continue
             procs.append(subprocess.Popen(
                 [sys.executable, *argv], env=full_env, stdout=log, stderr=subprocess.STDOUT,
@@ -133,16 +134,22 @@ def spawn_ranks(script: str, world_size: int, job: dict, *, name: str,
 # ---------------------------------------------------------------------------
 
 
+# Modules the ranks of torch.distributed scripts import lazily (the state
+# dict helpers, FSDP2, DTensor's meshes, DCP's HF storage, ckptfs's writer):
+# a server imports them before it forks.
+RANK_SERVER_PRELOAD = ("torch.distributed.checkpoint", "torch.distributed.checkpoint.state_dict",
+                       "torch.distributed.device_mesh", "torch.distributed.fsdp", "ckptfs.torch")
+
 # Variables nothing reads while a script is imported, only while a rank
 # runs: ranks that differ only in these share a server.
 _READ_WHEN_RUN = ("AWS_", "PYTEST_CURRENT_TEST")
 
 
-class _ForkedRank:
-    """What spawn_ranks needs of a Popen, for a rank a _RankServer forked:
+class ForkedRank:
+    """What spawn_ranks needs of a Popen, for a rank a RankServer forked:
     its exit status comes from the server, which reaps it."""
 
-    def __init__(self, pid: int, server: "_RankServer"):
+    def __init__(self, pid: int, server: "RankServer"):
         self.pid = pid
         self._server = server
 
@@ -159,12 +166,18 @@ class _ForkedRank:
             raise subprocess.TimeoutExpired(f"rank {self.pid}", timeout)
         return code
 
-    def kill(self) -> None:
+    def send_signal(self, sig: int) -> None:
         if self.returncode is None:
-            os.kill(self.pid, signal.SIGKILL)
+            try:
+                os.kill(self.pid, sig)
+            except ProcessLookupError:  # ended, its status not yet read
+                pass
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
 
 
-class _RankServer:
+class RankServer:
     """``python3 ranks.py _serve SCRIPT``: imports SCRIPT (and so torch)
     once, then forks a rank per request. One per script and environment
     (but for _READ_WHEN_RUN: each rank gets its caller's) for the life of
@@ -177,7 +190,7 @@ class _RankServer:
     _lock = threading.Lock()
 
     @classmethod
-    def of(cls, script: str, env: dict) -> "_RankServer":
+    def of(cls, script: str, env: dict) -> "RankServer":
         key = (script, tuple(sorted((k, v) for k, v in env.items() if not k.startswith(_READ_WHEN_RUN))))
         with cls._lock:
             server = cls._servers.get(key)
@@ -207,7 +220,7 @@ class _RankServer:
         with self._cond:  # the server is gone: no answer will come
             self._cond.notify_all()
 
-    def fork(self, argv: list, env: dict, log_path: str, new_session: bool) -> _ForkedRank:
+    def fork(self, argv: list, env: dict, log_path: str, new_session: bool) -> ForkedRank:
         with self._cond:
             self._proc.stdin.write(json.dumps([argv, env, log_path, new_session]) + "\n")
             self._proc.stdin.flush()
@@ -215,7 +228,7 @@ class _RankServer:
                 raise RuntimeError(f"the rank server of {argv[0]} did not fork in 120 s")
             if not self._pids:
                 raise RuntimeError(f"the rank server of {argv[0]} exited {self._proc.returncode}")
-            return _ForkedRank(self._pids.pop(0), self)
+            return ForkedRank(self._pids.pop(0), self)
 
     def status(self, pid: int) -> int | None:
         with self._cond:
@@ -228,12 +241,16 @@ class _RankServer:
 
 
 def _serve(script: str) -> None:
-    """The server's side of _RankServer: no thread of its own (it forks)."""
+    """The server's side of RankServer: no thread of its own (it forks)."""
+    import importlib
     import importlib.util
     sys.path.insert(0, os.path.dirname(script))
     spec = importlib.util.spec_from_file_location("_rank_script", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    # What every rank would import lazily, imported once here.
+    for name in RANK_SERVER_PRELOAD:
+        importlib.import_module(name)
     out = sys.stdout
     buf = b""
     children: set[int] = set()
@@ -299,4 +316,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "_serve":
         _serve(sys.argv[2])
     else:
-        sys.exit("usage: ranks.py _serve SCRIPT (see _RankServer)")
+        sys.exit("usage: ranks.py _serve SCRIPT (see RankServer)")

@@ -20,22 +20,19 @@ duration moves with the machine's load, so it is measured again on every
 save that finishes (the median so far), and the runs go on past 20, up to
 40, until 10 kills have landed inside a save.
 
-The ranks of those runs are forked by writer_gen.py's fork server, which
-imported torch once (two fresh interpreters a run spent most of the test's
-time importing torch); the clean save and the re-saves start fresh ones.
+The ranks are forked by a server of writer_gen.py (tools/ranks.py,
+RankServer) that imported torch once: two fresh interpreters a run spent
+most of the test's time importing torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
 import random
 import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
@@ -44,6 +41,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from harness import spawn_ranks
+import ranks  # noqa: E402  (tools/ranks.py, on the path once harness is imported)
 
 GEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "writer_gen.py")
 RUNS = 20
@@ -75,62 +73,20 @@ def _save_seconds(marker: str) -> float:
     return m["done"] - m["ready"]
 
 
-class _ForkedRank:
-    """A rank forked by writer_gen's fork server, watched and killed by pid
-    (the server's kernel reaps it, so a gone pid is an ended rank)."""
-
-    def __init__(self, pid: int):
-        self.pid = pid
-
-    def poll(self):
-        try:
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return 0  # ended; its status went to the server, and no check here needs it
-        return None
-
-    def send_signal(self, sig: int) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def wait(self) -> None:
-        deadline = time.monotonic() + 30
-        while self.poll() is None:
-            assert time.monotonic() < deadline, f"rank {self.pid} still there 30 s after SIGKILL"
-            time.sleep(0.005)
-
-
 @pytest.fixture(scope="module")
-def fork_server(tmp_path_factory):
-    """start(rank, init_file, job_file) -> _ForkedRank: the ranks of each
-    run are forked by `writer_gen.py _fork_server`, which imported torch
-    once, so a run costs its save and not two imports of torch (seconds of
-    CPU each). The clean save and the re-saves still start fresh processes
-    (spawn_ranks)."""
-    log = tmp_path_factory.mktemp("fork-server") / "stderr"
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    with open(log, "wb") as err:
-        server = subprocess.Popen([sys.executable, GEN, "_fork_server"], env=env, stdin=subprocess.PIPE,
-                                  stdout=subprocess.PIPE, stderr=err, text=True)
+def fork_server():
+    """start(rank, init_file, job_file, log) -> ForkedRank: the ranks of
+    each run are forked by a ranks.RankServer of writer_gen.py (as
+    spawn_ranks forks the clean save's and the re-saves'), which imported
+    torch once, so a run costs its save and not two imports of torch
+    (seconds of CPU each)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
 
-    def start(rank: int, init: str, job_file: str) -> _ForkedRank:
-        server.stdin.write(json.dumps([rank, WORLD, init, job_file]) + "\n")
-        server.stdin.flush()
-        pid = server.stdout.readline()
-        assert pid.strip().isdigit(), f"the fork server answered {pid!r}: {log.read_text()[-3000:]}"
-        return _ForkedRank(int(pid))
-    try:
-        yield start
-    finally:
-        server.stdin.close()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    def start(rank: int, init: str, job_file: str, log: str) -> ranks.ForkedRank:
+        open(log, "wb").close()
+        argv = [GEN, "_worker", str(rank), str(WORLD), init, job_file]
+        return ranks.RankServer.of(GEN, env).fork(argv, env, log, new_session=False)
+    return start
 
 
 def _run_and_kill(start, job: dict, delay: float, victim: int, tmp: str) -> str:
@@ -141,7 +97,7 @@ def _run_and_kill(start, job: dict, delay: float, victim: int, tmp: str) -> str:
     job_file = init + ".job.json"
     with open(job_file, "w") as f:
         json.dump(job, f)
-    procs = [start(r, init, job_file) for r in range(WORLD)]
+    procs = [start(r, init, job_file, f"{init}.rank{r}.log") for r in range(WORLD)]
     try:
         deadline = time.monotonic() + 120
         while not any(w == "ready" for w, _, _ in _markers(job["marker"])):

@@ -338,51 +338,11 @@ def _destroy_process_group() -> None:
     gc.collect()
 
 
-def _fork_server() -> None:
-    """Forks ranks on request, torch already imported, for tests that start
-    ranks many times over (test_writer_crash.py: each run's two ranks would
-    otherwise spend seconds of CPU importing torch). Reads lines
-    ``[RANK, WORLD, INIT_FILE, JOB_FILE]`` on stdin, forks a rank that runs
-    ``_worker`` as ``python3 writer_gen.py _worker ...`` would (stdio on
-    /dev/null, exit 0 through end_rank or 1 with the traceback), and
-    answers its pid on a line. The ranks are reaped by the kernel
-    (SIGCHLD ignored): the caller watches them by pid. Ends at EOF."""
-    import signal
-    import traceback as tb
-
-    from harness import end_rank
-    # What state() and _save() import lazily, imported once here.
-    import torch.distributed.checkpoint.state_dict  # noqa: F401
-    import torch.distributed.device_mesh  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
-    signal.signal(signal.SIGCHLD, signal.SIG_IGN)
-    for line in sys.stdin:
-        rank, world, init_file, job_file = json.loads(line)
-        pid = os.fork()
-        if pid == 0:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            null = os.open(os.devnull, os.O_RDWR)
-            for fd in (0, 1, 2):
-                os.dup2(null, fd)
-            try:
-                with open(job_file) as f:
-                    _worker(rank, world, init_file, json.load(f))
-            except BaseException:
-                tb.print_exc()
-                sys.stderr.flush()
-                os._exit(1)
-            end_rank()
-        print(pid, flush=True)
-
-
 if __name__ == "__main__":
     if len(sys.argv) == 6 and sys.argv[1] == "_worker":
         with open(sys.argv[5]) as f:
             _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], json.load(f))
         from harness import end_rank
         end_rank()
-    elif len(sys.argv) == 2 and sys.argv[1] == "_fork_server":
-        _fork_server()
     else:
-        sys.exit("usage: writer_gen.py _worker RANK WORLD INIT_FILE JOB_FILE (see spawn_ranks)\n"
-                 "       writer_gen.py _fork_server (see _fork_server)")
+        sys.exit("usage: writer_gen.py _worker RANK WORLD INIT_FILE JOB_FILE (see spawn_ranks)")
