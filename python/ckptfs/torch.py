@@ -659,7 +659,10 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         removed |= _remove(self.path / METADATA)
         if self.layout == "hf":  # an earlier save's shards (perhaps of more ranks) and leftovers
             for pattern in (HF_SHARDS, HF_SHARDS + HF_TMP_SUFFIX):
-                for f in self.path.glob(pattern):
+                # Rank 1's first, as published last (_publish_shards): a crash
+                # in between leaves a step missing rank 1, never rank 1's
+                # shard beside a partial set that reads as a smaller step.
+                for f in sorted(self.path.glob(pattern)):
                     removed |= _remove(f)
         if removed:
             if (self.path / COMMIT_DIR).is_dir():

@@ -221,6 +221,33 @@ def test_until_rank_1_is_published_the_directory_reads_as_incomplete(saved, tmp_
     assert states[1][1] == 0, states[1]
 
 
+def test_a_resave_unpublishes_rank_1_first(saved, tmp_path, monkeypatch):
+    """A save into a step whose earlier save has no commit record removes
+    that save's shards rank 1's first (the reverse of publishing): a crash
+    between two removals leaves a step `ckptfs check` refuses, never rank
+    1's shard beside a partial set (a crash test once found one)."""
+    import ckptfs.torch as ct
+    root = tmp_path / "copy"
+    shutil.copytree(saved["root"], root)
+    step = root / "step_5"
+    shutil.rmtree(step / ".ckptfs")
+    states = []
+    real_remove = ct._remove
+
+    def remove(path):
+        removed = real_remove(path)
+        if path.name in SHARDS:
+            p = run_ckptfs("check", root, index_dir=str(tmp_path / f"idx{len(states)}"))
+            states.append((path.name, p.returncode, p.stdout + p.stderr.encode()))
+        return removed
+
+    monkeypatch.setattr(ct, "_remove", remove)
+    ct.StorageWriter(step, layout="hf")._uncommit()
+    assert [s[0] for s in states] == SHARDS, states
+    for name, rc, out in states:
+        assert rc != 0, (name, out)
+
+
 def test_a_resave_by_fewer_ranks_leaves_no_shard_of_the_old_save(tmp_path):
     from torch.distributed.checkpoint import HuggingFaceStorageReader
     step = str(tmp_path / "step_1")
