@@ -18,9 +18,10 @@
 # first, conftest's SLOW_FIRST, so none starts last), then the tests
 # marked `serial` alone, one after the other: those bound the daemon's RSS,
 # a time or a thread count, or load the whole machine, so they must not
-# share it (tests/e2e/conftest.py lists them and why, in SERIAL); last the
-# serial tests that bound a time spent waiting on stalled servers (marked
-# `waits` too, conftest's SERIAL_WAITING), beside each other on 2 workers.
+# share it with the side-by-side pass (tests/e2e/conftest.py lists them and
+# why, in SERIAL); beside them, the serial tests that bound a time spent
+# waiting on stalled servers (marked `waits` too, conftest's SERIAL_WAITING),
+# beside each other on 2 workers: those sleep, loading nothing.
 # The passes share the generated checkpoints ($CKPTFS_TEST_CKPTS). One test:
 #   python3 -m pytest tests/e2e/test_mount.py -k consolidated -q -p no:cacheprovider
 set -euo pipefail
@@ -83,10 +84,21 @@ fi
 
 printf '\n== end-to-end tests, side by side (pytest -m "not serial", %s workers)\n' "$jobs"
 run_pytest "${pytest[@]}" -n "$jobs" --dist loadfile --no-loadscope-reorder -m "not serial" --durations=20 ${pytest_args[@]+"${pytest_args[@]}"}
+# The tests that wait on stalls sleep through almost all of their time, so
+# they run beside the serial pass, their output shown after it.
+waits_log=$(mktemp /tmp/ckptfs-test-waits.XXXXXX)
+run_pytest "${pytest[@]}" -m waits -n 2 --dist loadfile --durations=5 ${pytest_args[@]+"${pytest_args[@]}"} \
+  >"$waits_log" 2>&1 &
+waits_pid=$!
 printf '\n== end-to-end tests that need the machine to themselves (pytest -m "serial and not waits")\n'
-run_pytest "${pytest[@]}" -m "serial and not waits" --durations=10 ${pytest_args[@]+"${pytest_args[@]}"}
-printf '\n== end-to-end tests that wait on stalls, beside each other only (pytest -m waits, 2 workers)\n'
-run_pytest "${pytest[@]}" -m waits -n 2 --dist loadfile --durations=5 ${pytest_args[@]+"${pytest_args[@]}"}
+serial_rc=0
+run_pytest "${pytest[@]}" -m "serial and not waits" --durations=10 ${pytest_args[@]+"${pytest_args[@]}"} || serial_rc=$?
+waits_rc=0
+wait $waits_pid || waits_rc=$?
+printf '\n== end-to-end tests that wait on stalls, run beside the serial pass (pytest -m waits, 2 workers)\n'
+cat "$waits_log"
+rm -f "$waits_log"
+if [ $serial_rc != 0 ] || [ $waits_rc != 0 ]; then exit 1; fi
 printf '\n== tests passed in %s s (load average now %s)\n' $(( $(date +%s) - start )) "$(cut -d' ' -f1-3 /proc/loadavg)"
 
 # --- fuzzing -------------------------------------------------------------------

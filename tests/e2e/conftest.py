@@ -408,8 +408,9 @@ SERIAL = {
 # Serial tests that wait rather than work: each bounds a wall time that is
 # almost all sleep (a stalled GET's 2 s window, a retry budget of 20 s),
 # with the CPU idle meanwhile, so they may share the machine with each other
-# though never with the side-by-side pass or the SERIAL tests: tools/test.sh
-# runs them last, on 2 workers (whole files per worker, one file each).
+# and with the SERIAL tests (which they barely load), though never with the
+# side-by-side pass: tools/test.sh runs them beside the SERIAL tests, on 2
+# workers (whole files per worker, one file each).
 # They are marked `serial` too (`-m "not serial"` leaves them out) and
 # `waits`. Same form as SERIAL.
 SERIAL_WAITING = {
@@ -463,8 +464,8 @@ def pytest_addoption(parser):
 def pytest_configure(config):
     config.addinivalue_line("markers", "serial: runs alone, after the side-by-side pass (conftest.SERIAL, "
                                        "conftest.SERIAL_WAITING)")
-    config.addinivalue_line("markers", "waits: serial, but may run beside the other `waits` tests "
-                                       "(conftest.SERIAL_WAITING)")
+    config.addinivalue_line("markers", "waits: serial, but may run beside the other `waits` tests and the "
+                                       "`serial` ones (conftest.SERIAL_WAITING)")
     config.addinivalue_line("markers", "quick: in the quick tier (conftest.QUICK)")
 
 
