@@ -244,8 +244,8 @@ def test_a_resave_unpublishes_rank_1_first(saved, tmp_path, monkeypatch):
     monkeypatch.setattr(ct, "_remove", remove)
     ct.StorageWriter(step, layout="hf")._uncommit()
     assert [s[0] for s in states] == SHARDS, states
-    for name, rc, out in states:
-        assert rc != 0, (name, out)
+    for name, rc, out in states[:-1]:  # the last leaves no shard: nothing to read
+        assert rc != 0 and b"ranks found" in out, (name, out)
 
 
 def test_a_resave_by_fewer_ranks_leaves_no_shard_of_the_old_save(tmp_path):
