@@ -17,6 +17,7 @@
 #include <csignal>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <shared_mutex>
 #include <thread>
 
@@ -501,9 +502,58 @@ void StartWatcher(VirtualFs* fs, const MountOptions& options, Watching* watching
   for (const std::string& dir : fs->SourceDirs()) log(watching->watcher->Watch(dir));
 }
 
+// Calls `tick` every `period` on a thread of its own until destroyed.
+class Ticker {
+ public:
+  Ticker(std::chrono::milliseconds period, std::function<void()> tick)
+      : thread_([this, period, tick = std::move(tick)] {
+          std::unique_lock<std::mutex> lock(mu_);
+          while (!cv_.wait_for(lock, period, [this] { return stop_; })) tick();
+        }) {}
+  ~Ticker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  Ticker(const Ticker&) = delete;
+  Ticker& operator=(const Ticker&) = delete;
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;   // guarded by mu_
+  std::thread thread_;  // last: it starts once the members above exist
+};
+
+// `handler` for `sig` while it lives; the previous one again after.
+class ScopedHandler {
+ public:
+  ScopedHandler(int sig, void (*handler)(int), int flags) : sig_(sig) {
+    struct sigaction sa {};
+    sa.sa_handler = handler;
+    sigemptyset(&sa.sa_mask);
+    sa.sa_flags = flags;
+    installed_ = ::sigaction(sig, &sa, &old_) == 0;
+  }
+  ~ScopedHandler() {
+    if (installed_) ::sigaction(sig_, &old_, nullptr);
+  }
+  ScopedHandler(const ScopedHandler&) = delete;
+  ScopedHandler& operator=(const ScopedHandler&) = delete;
+
+ private:
+  int sig_;
+  struct sigaction old_ {};
+  bool installed_ = false;
+};
+
 // SIGUSR1 asks for VirtualFs::FetchReport. The handler only sets a flag
-// (async-signal-safe, whichever thread takes it); a thread of its own
-// polls the flag and writes the report.
+// (async-signal-safe, whichever thread takes it); a ticker looks at the
+// flag every 200 ms (the report comes that soon after the signal) and
+// writes the report.
 std::atomic<bool> g_report_asked{false};
 void AskReport(int) { g_report_asked.store(true); }
 
@@ -512,22 +562,10 @@ class FetchReporter {
   FetchReporter(const VirtualFs* fs, std::function<void(const std::string&)> report)
       : fs_(fs), report_(std::move(report)) {
     if (!report_) return;
-    struct sigaction sa {};
-    sa.sa_handler = AskReport;
-    sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESTART;
-    installed_ = ::sigaction(SIGUSR1, &sa, &old_) == 0;
-    thread_ = std::thread([this] { Run(); });
-  }
-  ~FetchReporter() {
-    if (!report_) return;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-    if (installed_) ::sigaction(SIGUSR1, &old_, nullptr);
+    handler_.emplace(SIGUSR1, AskReport, SA_RESTART);
+    ticker_.emplace(std::chrono::milliseconds(200), [this] {
+      if (g_report_asked.exchange(false)) Report();
+    });
   }
   void Report() const {
     if (report_)
@@ -535,23 +573,10 @@ class FetchReporter {
   }
 
  private:
-  void Run() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!stop_) {
-      // 200 ms: the report comes that soon after the signal.
-      cv_.wait_for(lock, std::chrono::milliseconds(200));
-      if (g_report_asked.exchange(false)) Report();
-    }
-  }
-
   const VirtualFs* fs_;
   std::function<void(const std::string&)> report_;
-  struct sigaction old_ {};
-  bool installed_ = false;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;  // guarded by mu_
-  std::thread thread_;
+  std::optional<ScopedHandler> handler_;
+  std::optional<Ticker> ticker_;  // after handler_: stopped before the handler goes
 };
 
 // Ends the loop once a stop signal (SIGINT, SIGTERM, SIGHUP) ended the
@@ -559,49 +584,26 @@ class FetchReporter {
 // thread waits until a worker posts or a signal interrupts that wait: a
 // signal taken by any other thread of the daemon (ours, or a worker busy
 // with a request), or one that lands between the loop's check and its
-// wait, would leave the mount up until the next request. So a thread of
-// its own looks every 50 ms and, once the session ended, interrupts the
-// loop's thread with SIGUSR2 (a handler that does nothing, no SA_RESTART)
-// until the loop returns. The stop signals are also unblocked in the loop's
-// thread, whatever mask the daemon inherited.
+// wait, would leave the mount up until the next request. So a ticker looks
+// every 50 ms and, once the session ended, interrupts the loop's thread
+// with SIGUSR2 (a handler that does nothing, no SA_RESTART) until the loop
+// returns. The stop signals are also unblocked in the loop's thread,
+// whatever mask the daemon inherited. Made on the loop's thread.
 class LoopWaker {
  public:
-  explicit LoopWaker(fuse_session* se) : se_(se), loop_thread_(::pthread_self()) {
+  explicit LoopWaker(fuse_session* se)
+      : ticker_(std::chrono::milliseconds(50), [se, loop = ::pthread_self()] {
+          if (fuse_session_exited(se)) ::pthread_kill(loop, SIGUSR2);
+        }) {
     sigset_t stop;
     sigemptyset(&stop);
     for (int sig : {SIGINT, SIGTERM, SIGHUP}) sigaddset(&stop, sig);
     ::pthread_sigmask(SIG_UNBLOCK, &stop, nullptr);
-    struct sigaction sa {};
-    sa.sa_handler = [](int) {};
-    sigemptyset(&sa.sa_mask);
-    installed_ = ::sigaction(SIGUSR2, &sa, &old_) == 0;
-    thread_ = std::thread([this] { Run(); });
-  }
-  ~LoopWaker() {  // after the loop returned
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    cv_.notify_all();
-    thread_.join();
-    if (installed_) ::sigaction(SIGUSR2, &old_, nullptr);
   }
 
  private:
-  void Run() {
-    std::unique_lock<std::mutex> lock(mu_);
-    while (!cv_.wait_for(lock, std::chrono::milliseconds(50), [this] { return stop_; }))
-      if (fuse_session_exited(se_)) ::pthread_kill(loop_thread_, SIGUSR2);
-  }
-
-  fuse_session* se_;
-  pthread_t loop_thread_;
-  struct sigaction old_ {};
-  bool installed_ = false;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool stop_ = false;  // guarded by mu_
-  std::thread thread_;
+  ScopedHandler wake_{SIGUSR2, [](int) {}, 0};
+  Ticker ticker_;  // after wake_: stopped before the handler goes
 };
 
 }  // namespace
