@@ -9,6 +9,7 @@ the source root as the file system name and ``fuse.ckptfs`` as the type.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -142,16 +143,14 @@ def _idle_helper_thread(pid: int) -> int:
     raise AssertionError(f"no helper thread in {os.listdir(f'/proc/{pid}/task')}")
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_stop_signal_taken_by_a_helper_thread_still_unmounts(ckpt, tmp_path, sig):
-    """Which thread of a process takes a signal sent to it is the kernel's
-    choice; here it is forced onto one of the daemon's own threads (tgkill):
-    the mount still ends within seconds, exit 0, nothing left mounted."""
-    (tmp_path / "mnt").mkdir()
-    mnt = str(tmp_path / "mnt")
+@contextlib.contextmanager
+def _foreground_mount(ckpt, tmp_path, mountpoint: str):
+    """(process, stderr file) of `ckptfs mount -f ckpt MOUNTPOINT` run from
+    tmp_path, once it mounted and served; killed and unmounted after."""
+    mnt = str(tmp_path / mountpoint)
     with open(tmp_path / "stderr", "w+") as err:
-        p = subprocess.Popen([harness.require_bin(), "mount", ckpt.path, mnt, "-f"], stdout=subprocess.DEVNULL,
-                             stderr=err, stdin=subprocess.DEVNULL)
+        p = subprocess.Popen([harness.require_bin(), "mount", ckpt.path, mountpoint, "-f"], cwd=tmp_path,
+                             stdout=subprocess.DEVNULL, stderr=err, stdin=subprocess.DEVNULL)
         try:
             deadline = time.monotonic() + 20
             while not is_mounted(mnt):
@@ -159,16 +158,26 @@ def test_a_stop_signal_taken_by_a_helper_thread_still_unmounts(ckpt, tmp_path, s
                 assert time.monotonic() < deadline, "not mounted 20 s after mount -f"
                 time.sleep(0.05)
             _serves(mnt, ckpt)
-            _tgkill(p.pid, _idle_helper_thread(p.pid), sig)
-            rc = p.wait(timeout=10)
-            err.seek(0)
-            assert rc == 0, f"mount -f exited {rc} on {sig.name}: {err.read()[-2000:]}"
-            assert not is_mounted(mnt)
+            yield p, err
         finally:
             if p.poll() is None:
                 p.kill()
                 p.wait()
             unmount(mnt)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_stop_signal_taken_by_a_helper_thread_still_unmounts(ckpt, tmp_path, sig):
+    """Which thread of a process takes a signal sent to it is the kernel's
+    choice; here it is forced onto one of the daemon's own threads (tgkill):
+    the mount still ends within seconds, exit 0, nothing left mounted."""
+    (tmp_path / "mnt").mkdir()
+    with _foreground_mount(ckpt, tmp_path, "mnt") as (p, err):
+        _tgkill(p.pid, _idle_helper_thread(p.pid), sig)
+        rc = p.wait(timeout=10)
+        err.seek(0)
+        assert rc == 0, f"mount -f exited {rc} on {sig.name}: {err.read()[-2000:]}"
+        assert not is_mounted(str(tmp_path / "mnt"))
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
@@ -178,25 +187,10 @@ def test_foreground_relative_mountpoint_unmounted_on_signal(ckpt, tmp_path, sig)
     is not connected")."""
     (tmp_path / "rel").mkdir()
     mnt = str(tmp_path / "rel")
-    with open(tmp_path / "stderr", "w+") as err:
-        p = subprocess.Popen([harness.require_bin(), "mount", ckpt.path, "rel", "-f"],
-                             cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=err,
-                             stdin=subprocess.DEVNULL)
-        try:
-            deadline = time.monotonic() + 20
-            while not is_mounted(mnt):
-                assert p.poll() is None, f"mount -f exited {p.returncode}"
-                assert time.monotonic() < deadline, "not mounted 20 s after mount -f"
-                time.sleep(0.05)
-            _serves(mnt, ckpt)
-            p.send_signal(sig)
-            rc = p.wait(timeout=20)
-            err.seek(0)
-            assert rc == 0, f"mount -f exited {rc} on {sig.name}: {err.read()[-2000:]}"
-            assert not is_mounted(mnt), f"{mnt} still mounted after mount -f exited"
-            assert os.listdir(mnt) == []
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            unmount(mnt)
+    with _foreground_mount(ckpt, tmp_path, "rel") as (p, err):
+        p.send_signal(sig)
+        rc = p.wait(timeout=20)
+        err.seek(0)
+        assert rc == 0, f"mount -f exited {rc} on {sig.name}: {err.read()[-2000:]}"
+        assert not is_mounted(mnt), f"{mnt} still mounted after mount -f exited"
+        assert os.listdir(mnt) == []
