@@ -69,16 +69,17 @@ log "building ckptfs into build/"
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo >/dev/null
 ninja -C build
 
-# --- Packaging ---------------------------------------------------------------------
+# --- Packaging, and tools only the tests use ---------------------------------------
 # dpkg-shlibdeps (dpkg-dev) computes the .deb's dependencies at cpack time;
 # tests/e2e/test_packaging.py installs the .deb into a clean root made by
-# debootstrap and reads the man page with man-db.
+# debootstrap and reads the man page with man-db. tests/e2e/test_store_repair.py
+# finds the data block to damage with RocksDB's own sst_dump (rocksdb-tools).
 pkg_missing=()
-for p in dpkg-dev debootstrap man-db; do
+for p in dpkg-dev debootstrap man-db rocksdb-tools; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || pkg_missing+=("$p")
 done
 if [ ${#pkg_missing[@]} -gt 0 ]; then
-  log "installing Debian packages for packaging: ${pkg_missing[*]}"
+  log "installing Debian packages for packaging and tests: ${pkg_missing[*]}"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${pkg_missing[@]}" >/dev/null
 fi

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,7 @@ from harness import Mounted, describe, require_bin
 from test_store import EXIT_INDEX_ERROR, ckptfs, full_tensor, make_checkpoint, npy, tree_hash
 
 STEPS, TENSORS = 3, 20_000  # 60,000 tensor rows
+SST_DUMP = shutil.which("sst_dump") or "sst_dump"  # rocksdb-tools, from tools/setup.sh
 
 
 @pytest.fixture(scope="module")
@@ -36,23 +39,56 @@ def build(root: Path, index: Path) -> None:
     assert p.returncode == 0, describe(p)
 
 
+def block_of_first_row(sst: Path, step: str, scratch: Path) -> int | None:
+    """The offset in ``sst`` of the data block that holds ``step``'s first
+    row (its first source file row), or None if ``sst`` holds none of its rows.
+    Found with RocksDB's own sst_dump, which lists every data block with its
+    handle and its keys: the block's bytes are LZ4-compressed, so whether a
+    key appears in them verbatim is up to the compressor."""
+    copy = scratch / sst.name  # sst_dump writes its dump beside the file
+    shutil.copyfile(sst, copy)
+    p = subprocess.run([SST_DUMP, f"--file={copy}", "--command=raw"], capture_output=True, text=True)
+    assert p.returncode == 0, describe(p)
+    first = (f"d/{step}".encode() + b"\x00f").hex().upper()
+    handle = None
+    with open(scratch / f"{copy.stem}_dump.txt", "rb") as dump:
+        for line in dump:
+            if line.startswith(b"Data Block # "):
+                handle = line.split(b" @ ")[1].strip().decode()
+            elif handle and line.lstrip().startswith(b"HEX") and line.split()[1].decode().startswith(first):
+                return varint(bytes.fromhex(handle))
+    return None
+
+
+def varint(data: bytes) -> int:
+    """The first unsigned LEB128 varint of ``data`` (a block handle's offset)."""
+    value = 0
+    for i, b in enumerate(data):
+        value |= (b & 0x7F) << (7 * i)
+        if b < 0x80:
+            return value
+    raise ValueError(f"truncated varint {data.hex()}")
+
+
 def damage(index: Path, where: str) -> bytes:
-    """Flips 64 bytes of the store's largest SST and returns them as they
-    now are. ``where``: "files", at the first rows of step_001 (its source
-    file rows, which every command reads first and which `index` seeks to
-    before replacing the checkpoint's rows); "middle", in the middle of the
-    file (tensor rows)."""
-    sst = max(index.glob("*.sst"), key=lambda p: p.stat().st_size)
+    """Flips 64 bytes of a store SST and returns them as they now are.
+    ``where``: "files", at the start of the data block that holds step_001's
+    first rows (its source file rows, which every command reads first and
+    which `index` seeks to before replacing the checkpoint's rows); "middle",
+    in the middle of the largest SST (tensor rows). Any flipped byte of a
+    block fails that block's checksum when it is read."""
+    if where == "files":
+        scratch = index.parent / "sst_dump"
+        scratch.mkdir(exist_ok=True)
+        found = [(sst, block_of_first_row(sst, "step_001", scratch)) for sst in index.glob("*.sst")]
+        found = [(sst, at) for sst, at in found if at is not None]
+        assert len(found) == 1, found
+        sst, at = found[0]
+    else:
+        sst = max(index.glob("*.sst"), key=lambda p: p.stat().st_size)
+        at = sst.stat().st_size // 2
     data = sst.read_bytes()
     assert len(data) > 64 * 1024, "the store should span many data blocks"
-    if where == "files":
-        # Each checkpoint's first key starts a block's run of keys, written
-        # out in full: found as is despite the block compression.
-        starts = [i for i in range(len(data)) if data.startswith(b"\x00fshard-00001-model", i)]
-        assert len(starts) == STEPS, starts
-        at = starts[1]
-    else:
-        at = len(data) // 2
     flipped = bytes(b ^ 0xFF for b in data[at:at + 64])
     with open(sst, "r+b") as f:
         f.seek(at)
