@@ -25,6 +25,7 @@
 #include "source/posix_source.h"
 #include "source/source_reader.h"
 #include "tests/source/page_cache_probe.h"
+#include "tests/temp_dirs.h"
 
 namespace ckptfs {
 namespace {
@@ -57,8 +58,7 @@ struct Files {
 
 Files MakeFiles(int count, uint64_t each) {
   Files t;
-  char tmpl[] = "/tmp/ckptfs-ordered-XXXXXX";
-  t.dir = ::mkdtemp(tmpl);
+  t.dir = TempDirs::Make("ckptfs-ordered");
   std::vector<std::string> contents((count + 1) / 2);
   for (int i = 0; i < count; ++i)
     for (uint64_t b = 0; b < each; ++b) contents[i / 2] += char((b * 131 + i * 7) % 251);

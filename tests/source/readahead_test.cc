@@ -23,6 +23,7 @@
 #include "core/planner.h"
 #include "source/posix_source.h"
 #include "source/source_reader.h"
+#include "tests/temp_dirs.h"
 
 namespace ckptfs {
 namespace {
@@ -176,8 +177,7 @@ struct ManyFiles {
 
 ManyFiles MakeManyFiles(uint64_t n, uint64_t row) {
   ManyFiles m;
-  char tmpl[] = "/tmp/ckptfs-readahead-XXXXXX";
-  m.dir = ::mkdtemp(tmpl);
+  m.dir = TempDirs::Make("ckptfs-readahead");
   auto tensor = std::make_shared<TensorMeta>();
   tensor->fqn = "w";
   tensor->dtype = DType::kU8;
@@ -244,7 +244,6 @@ TEST(SourceReaderReadAhead, KeepsAtMostKPrefetchFdsDescriptors) {
     EXPECT_EQ(got, m.expected);
   }
   EXPECT_EQ(OpenDescriptors(), before) << "descriptors left open after the reader is gone";
-  std::filesystem::remove_all(m.dir);
 }
 
 // A sequential reader of a computed tensor (here a bf16 cast of an fp32
@@ -252,8 +251,7 @@ TEST(SourceReaderReadAhead, KeepsAtMostKPrefetchFdsDescriptors) {
 // source ranges behind them reach the page cache before they are asked for.
 TEST(SourceReaderReadAhead, ReadsAheadTheInputsOfComputedTensors) {
   constexpr uint64_t kRows = 64, kCols = 64 << 10;  // 16 MiB of fp32, 8 MiB once cast
-  char tmpl[] = "/tmp/ckptfs-readahead-XXXXXX";
-  const std::filesystem::path dir = ::mkdtemp(tmpl);
+  const std::filesystem::path dir = TempDirs::Make("ckptfs-readahead");
   {
     std::ofstream out(dir / "w.bin", std::ios::binary);
     std::vector<float> row(kCols, 1.5f);
@@ -294,7 +292,6 @@ TEST(SourceReaderReadAhead, ReadsAheadTheInputsOfComputedTensors) {
        std::this_thread::sleep_for(std::chrono::milliseconds(10)))
     got = ResidentPages(dir / "w.bin", 8 * kMiB, 8 * kMiB);
   EXPECT_EQ(got, want) << "the inputs of the next blocks were not read ahead";
-  std::filesystem::remove_all(dir);
 }
 
 TEST(HintQueue, StoppedQueueRefusesJobs) {

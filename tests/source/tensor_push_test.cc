@@ -16,6 +16,7 @@
 #include "core/layout.h"
 #include "source/posix_source.h"
 #include "source/source_reader.h"
+#include "tests/temp_dirs.h"
 
 namespace ckptfs {
 namespace {
@@ -36,8 +37,7 @@ struct Tensors {
 
 Tensors MakeTensors() {
   Tensors t;
-  char tmpl[] = "/tmp/ckptfs-push-XXXXXX";
-  t.dir = ::mkdtemp(tmpl);
+  t.dir = TempDirs::Make("ckptfs-push");
   t.layout->AddLiteral(std::string(1000, 'h'));
   t.expected = std::string(1000, 'h');
   const std::pair<const char*, uint64_t> specs[] = {{"a", kMiB + 100}, {"b", kMiB + 100}, {"big", 3 * kMiB}};
@@ -131,7 +131,6 @@ TEST(TensorPush, ATouchPushesItsWholeTensorExactlyAndOnce) {
   EXPECT_EQ(pushed.WaitCovered(b0, b1), b1 - b0) << "b is pushed on its first touch";
   std::lock_guard<std::mutex> lock(pushed.mu);
   for (const auto& [off, n] : pushed.calls) EXPECT_EQ(n, 1) << "pushed again: " << off;
-  std::filesystem::remove_all(t.dir);
 }
 
 TEST(TensorPush, NothingIsPushedForALargeTensorAStreamGoingOnOrNoSink) {
@@ -151,7 +150,6 @@ TEST(TensorPush, NothingIsPushedForALargeTensorAStreamGoingOnOrNoSink) {
   }  // the reader waits for its push threads before it goes
   std::lock_guard<std::mutex> lock(pushed.mu);
   EXPECT_TRUE(pushed.pieces.empty()) << pushed.pieces.size() << " pieces pushed";
-  std::filesystem::remove_all(t.dir);
 }
 
 TEST(TensorPush, OffWhenPushTensorBytesIsZero) {
@@ -163,7 +161,6 @@ TEST(TensorPush, OffWhenPushTensorBytesIsZero) {
     reader.ReadAhead(stream, t.layout, t.at["a"].first, 4 * kKiB, pushed.Sink());
   }
   EXPECT_TRUE(pushed.pieces.empty());
-  std::filesystem::remove_all(t.dir);
 }
 
 }  // namespace

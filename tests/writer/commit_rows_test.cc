@@ -2,6 +2,7 @@
 // and refusal of chunks that do not tile their tensor. GatherWritten over
 // the thread collective.
 #include "writer/commit_rows.h"
+#include "tests/temp_dirs.h"
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
@@ -14,8 +15,7 @@ namespace ckptfs {
 namespace {
 
 std::string MakeRoot() {
-  std::string dir = testing::TempDir() + "rows_XXXXXX";
-  EXPECT_NE(mkdtemp(dir.data()), nullptr);
+  const std::string dir = TempDirs::Make("rows");
   ::mkdir((dir + "/step_1").c_str(), 0755);
   std::ofstream(dir + "/step_1/__0_0.distcp") << std::string(1000, 'a');
   std::ofstream(dir + "/step_1/__1_0.distcp") << std::string(500, 'b');

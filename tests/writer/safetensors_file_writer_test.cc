@@ -11,14 +11,13 @@
 #include <sstream>
 
 #include "core/crc32c.h"
+#include "tests/temp_dirs.h"
 
 namespace ckptfs {
 namespace {
 
 std::string TempPath(const std::string& name) {
-  std::string dir = testing::TempDir() + "st_writer_XXXXXX";
-  EXPECT_NE(mkdtemp(dir.data()), nullptr);
-  return dir + "/" + name;
+  return TempDirs::Make("st_writer") / name;
 }
 
 std::string ReadAll(const std::string& path) {

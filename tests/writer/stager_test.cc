@@ -18,15 +18,13 @@
 #include <thread>
 
 #include "core/crc32c.h"
+#include "tests/temp_dirs.h"
 
 namespace ckptfs {
 namespace {
 
 std::string TempPath(const std::string& name) {
-  std::string dir = testing::TempDir() + "stager_test_XXXXXX";
-  char* d = mkdtemp(dir.data());
-  EXPECT_NE(d, nullptr);
-  return dir + "/" + name;
+  return TempDirs::Make("stager_test") / name;
 }
 
 std::string ReadAll(const std::string& path) {
