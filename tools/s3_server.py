@@ -106,7 +106,8 @@ class Server:
             "name": "anonymous",
             "actions": ["Read:" + PUBLIC_BUCKET, "List:" + PUBLIC_BUCKET]}]}))
         (master, master_g, volume, volume_g, filer, filer_g, s3, s3_g) = _free_ports(8)
-        args = [weed, "server", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        # -logdir: glog's files (the default is /tmp) stay with the server's data.
+        args = [weed, f"-logdir={d}", "server", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 f"-master.port={master}", f"-master.port.grpc={master_g}",
                 f"-volume.port={volume}", f"-volume.port.grpc={volume_g}",
                 f"-filer.port={filer}", f"-filer.port.grpc={filer_g}",
