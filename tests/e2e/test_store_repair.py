@@ -2,9 +2,9 @@
 and then serves the right bytes; a directory without ckptfs's marker is
 never rebuilt, nor anything in it deleted.
 
-Damage is 64 bytes flipped in the middle of the store's largest SST file
-(in its data blocks: the index and footer are at its end), which no open
-notices and only the reads that hit it do. Expected tensors are computed
+Damage is 64 bytes flipped in an SST's data blocks (the index and footer
+are at its end): in the middle of the largest, or in the block that holds a
+checkpoint's first rows. No open notices it; only the reads that hit it do. Expected tensors are computed
 here (test_store.full_tensor), never read back through ckptfs."""
 
 from __future__ import annotations
