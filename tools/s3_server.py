@@ -114,6 +114,11 @@ class Server:
                 "-s3", f"-s3.port={s3}", f"-s3.port.grpc={s3_g}",
                 "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}",
                 "-master.volumeSizeLimitMB=64", f"-volume.max={volumes}"]
+        # The unix sockets weed makes for its own ports, beside its TCP
+        # listeners; a killed weed leaves them, so stop() removes them.
+        self._sockets = [Path(f"/tmp/seaweedfs-{kind}-{port}.sock") for kind, port in (
+            ("master-grpc", master_g), ("volume-grpc", volume_g), ("filer", filer),
+            ("filer-grpc", filer_g), ("s3", s3), ("s3-grpc", s3_g))]
         self._log_path = d / "weed.log"
         self._log = open(self._log_path, "wb")
         self.proc = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT)
@@ -173,6 +178,9 @@ class Server:
             self.proc.kill()
             self.proc.wait()
         self._log.close()
+        for sock in self._sockets:
+            if sock.is_socket():
+                sock.unlink()
 
 
 def upload_tree(client, local: str, prefix: str) -> list[str]:
