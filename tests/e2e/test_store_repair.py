@@ -4,8 +4,9 @@ never rebuilt, nor anything in it deleted.
 
 Damage is 64 bytes flipped in an SST's data blocks (the index and footer
 are at its end): in the middle of the largest, or in the block that holds a
-checkpoint's first rows. No open notices it; only the reads that hit it do. Expected tensors are computed
-here (test_store.full_tensor), never read back through ckptfs."""
+checkpoint's first rows. No open notices it; only the reads that hit it do.
+Expected tensors are computed here (test_store.full_tensor), never read
+back through ckptfs."""
 
 from __future__ import annotations
 
@@ -22,7 +23,6 @@ from harness import Mounted, describe, require_bin
 from test_store import EXIT_INDEX_ERROR, ckptfs, full_tensor, make_checkpoint, npy, tree_hash
 
 STEPS, TENSORS = 3, 20_000  # 60,000 tensor rows
-SST_DUMP = shutil.which("sst_dump") or "sst_dump"  # rocksdb-tools, from tools/setup.sh
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +41,14 @@ def build(root: Path, index: Path) -> None:
 
 def block_of_first_row(sst: Path, step: str, scratch: Path) -> int | None:
     """The offset in ``sst`` of the data block that holds ``step``'s first
-    row (its first source file row), or None if ``sst`` holds none of its rows.
-    Found with RocksDB's own sst_dump, which lists every data block with its
-    handle and its keys: the block's bytes are LZ4-compressed, so whether a
-    key appears in them verbatim is up to the compressor."""
+    row (its first source file row), or None if ``sst`` holds none of its
+    rows. Found with RocksDB's own sst_dump (rocksdb-tools, installed by
+    tools/setup.sh), which lists every data block with its handle and its
+    keys: the blocks are LZ4-compressed, so whether a key appears in their
+    bytes verbatim is up to the compressor."""
     copy = scratch / sst.name  # sst_dump writes its dump beside the file
     shutil.copyfile(sst, copy)
-    p = subprocess.run([SST_DUMP, f"--file={copy}", "--command=raw"], capture_output=True, text=True)
+    p = subprocess.run(["sst_dump", f"--file={copy}", "--command=raw"], capture_output=True, text=True)
     assert p.returncode == 0, describe(p)
     first = (f"d/{step}".encode() + b"\x00f").hex().upper()
     handle = None
