@@ -26,7 +26,7 @@ namespace fs = std::filesystem;
 class IndexTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    dir_ = FreshTestDir("index");
+    dir_ = TempDirs::ForThisTest("index");
     fs::create_directories(dir_ / "ckpt");
   }
   void TearDown() override { fs::remove_all(dir_); }
