@@ -4,6 +4,7 @@
 
 #include "core/crc32c.h"
 #include "core/digest.h"
+#include "source/curl_api.h"
 
 #include <algorithm>
 #include <chrono>
@@ -43,13 +44,9 @@ constexpr int64_t kBackoffBaseMs = 100, kBackoffCapMs = 5000;
 // The last attempt gets at least this long, whatever is left of the budget.
 constexpr int64_t kMinAttemptMs = 1000;
 
-struct CurlInit {
-  CurlInit() { curl_global_init(CURL_GLOBAL_DEFAULT); }
-};
-
-void EnsureCurl() {
-  static CurlInit once;
-}
+// libcurl's functions (source/curl_api.h). Perform calls it only once
+// LoadCurl has succeeded, so the pointer is never null here.
+const CurlApi& Curl() { return *LoadCurl(); }
 
 std::string Lower(std::string s) {
   for (char& c : s) c = char(std::tolower(static_cast<unsigned char>(c)));
@@ -130,9 +127,9 @@ int64_t ParseHttpTime(const std::string& s) {
 }  // namespace
 
 struct S3Client::Handle {
-  CURL* curl = curl_easy_init();
+  CURL* curl = LoadCurl() ? Curl().easy_init() : nullptr;
   ~Handle() {
-    if (curl) curl_easy_cleanup(curl);
+    if (curl) Curl().easy_cleanup(curl);
   }
 };
 
@@ -236,31 +233,30 @@ int OnSeek(void* user, curl_off_t offset, int origin) {
 void SetMethod(CURL* c, const S3Client::Request& r, BodyReader* reader) {
   const curl_off_t size = r.body ? curl_off_t(r.body->size()) : 0;
   if (r.method == "PUT") {
-    curl_easy_setopt(c, CURLOPT_UPLOAD, 1L);
-    curl_easy_setopt(c, CURLOPT_INFILESIZE_LARGE, size);
+    Curl().easy_setopt(c, CURLOPT_UPLOAD, 1L);
+    Curl().easy_setopt(c, CURLOPT_INFILESIZE_LARGE, size);
   } else if (r.method == "POST") {
-    curl_easy_setopt(c, CURLOPT_POST, 1L);
-    curl_easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, size);
+    Curl().easy_setopt(c, CURLOPT_POST, 1L);
+    Curl().easy_setopt(c, CURLOPT_POSTFIELDSIZE_LARGE, size);
   } else {
-    curl_easy_setopt(c, CURLOPT_CUSTOMREQUEST, r.method.c_str());
+    Curl().easy_setopt(c, CURLOPT_CUSTOMREQUEST, r.method.c_str());
   }
   if (r.body) {
-    curl_easy_setopt(c, CURLOPT_READFUNCTION, OnRead);
-    curl_easy_setopt(c, CURLOPT_READDATA, reader);
-    curl_easy_setopt(c, CURLOPT_SEEKFUNCTION, OnSeek);
-    curl_easy_setopt(c, CURLOPT_SEEKDATA, reader);
-    curl_easy_setopt(c, CURLOPT_UPLOAD_BUFFERSIZE, 1L << 20);  // fewer callbacks per part
+    Curl().easy_setopt(c, CURLOPT_READFUNCTION, OnRead);
+    Curl().easy_setopt(c, CURLOPT_READDATA, reader);
+    Curl().easy_setopt(c, CURLOPT_SEEKFUNCTION, OnSeek);
+    Curl().easy_setopt(c, CURLOPT_SEEKDATA, reader);
+    Curl().easy_setopt(c, CURLOPT_UPLOAD_BUFFERSIZE, 1L << 20);  // fewer callbacks per part
   }
   // SeaweedFS leaves a connection unusable after answering a PUT of an
   // empty body; such a request does not keep its connection.
-  if (size == 0) curl_easy_setopt(c, CURLOPT_FORBID_REUSE, 1L);
+  if (size == 0) Curl().easy_setopt(c, CURLOPT_FORBID_REUSE, 1L);
 }
 
 }  // namespace
 
-S3Client::S3Client(S3Config config) : config_(std::move(config)), region_(config_.region), endpoint_(config_.endpoint) {
-  EnsureCurl();
-}
+S3Client::S3Client(S3Config config)
+    : config_(std::move(config)), region_(config_.region), endpoint_(config_.endpoint) {}
 
 std::pair<std::string, std::string> S3Client::RegionAndEndpoint() const {
   std::lock_guard<std::mutex> lock(where_mu_);
@@ -339,64 +335,70 @@ S3Client::Response S3Client::Perform(const Request& r, int64_t timeout_ms, int64
                                      bool fresh_connection) const {
   Response resp;
   auto h = Borrow();
+  std::string why;
+  if (!LoadCurl(&why) || !h->curl) {  // not retried (RetryCause), explained as it says
+    resp.curl = CURLE_FAILED_INIT;
+    resp.curl_error = why.empty() ? "curl_easy_init failed" : why;
+    return resp;
+  }
   CURL* c = h->curl;
-  curl_easy_reset(c);
+  Curl().easy_reset(c);
   const auto [region, endpoint] = RegionAndEndpoint();
   const std::string url = S3Url(config_, endpoint, r.key, r.query);
-  curl_easy_setopt(c, CURLOPT_URL, url.c_str());
-  curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);  // threads
-  curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, kConnectTimeoutMs);
+  Curl().easy_setopt(c, CURLOPT_URL, url.c_str());
+  Curl().easy_setopt(c, CURLOPT_NOSIGNAL, 1L);  // threads
+  Curl().easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, kConnectTimeoutMs);
   // After a stall or a broken connection: not one of the kept-alive ones,
   // which may be going through the same bad path.
-  if (fresh_connection) curl_easy_setopt(c, CURLOPT_FRESH_CONNECT, 1L);
+  if (fresh_connection) Curl().easy_setopt(c, CURLOPT_FRESH_CONNECT, 1L);
   // A server trickling bytes never trips the stall check: the whole
   // attempt ends with the retry budget.
-  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, long(timeout_ms));
-  curl_easy_setopt(c, CURLOPT_TCP_KEEPALIVE, 1L);
-  if (!config_.ca_bundle.empty()) curl_easy_setopt(c, CURLOPT_CAINFO, config_.ca_bundle.c_str());
-  if (r.head) curl_easy_setopt(c, CURLOPT_NOBODY, 1L);
+  Curl().easy_setopt(c, CURLOPT_TIMEOUT_MS, long(timeout_ms));
+  Curl().easy_setopt(c, CURLOPT_TCP_KEEPALIVE, 1L);
+  if (!config_.ca_bundle.empty()) Curl().easy_setopt(c, CURLOPT_CAINFO, config_.ca_bundle.c_str());
+  if (r.head) Curl().easy_setopt(c, CURLOPT_NOBODY, 1L);
   BodyReader reader{r.body};
   if (!r.method.empty()) SetMethod(c, r, &reader);
   struct curl_slist* headers = nullptr;
-  headers = curl_slist_append(headers, (std::string("x-amz-content-sha256: ") + (r.body ? kUnsignedPayload : kEmptySha256)).c_str());
-  for (const std::string& h : r.headers) headers = curl_slist_append(headers, h.c_str());
+  headers = Curl().slist_append(headers, (std::string("x-amz-content-sha256: ") + (r.body ? kUnsignedPayload : kEmptySha256)).c_str());
+  for (const std::string& h : r.headers) headers = Curl().slist_append(headers, h.c_str());
   if (config_.sign && !config_.credentials.session_token.empty())
-    headers = curl_slist_append(headers, ("x-amz-security-token: " + config_.credentials.session_token).c_str());
-  if (!r.if_match.empty()) headers = curl_slist_append(headers, ("If-Match: " + r.if_match).c_str());
+    headers = Curl().slist_append(headers, ("x-amz-security-token: " + config_.credentials.session_token).c_str());
+  if (!r.if_match.empty()) headers = Curl().slist_append(headers, ("If-Match: " + r.if_match).c_str());
   if (r.ranged)
-    headers = curl_slist_append(
+    headers = Curl().slist_append(
         headers, ("Range: bytes=" + std::to_string(r.offset) + "-" + std::to_string(r.offset + r.len - 1)).c_str());
-  curl_easy_setopt(c, CURLOPT_HTTPHEADER, headers);
+  Curl().easy_setopt(c, CURLOPT_HTTPHEADER, headers);
   const std::string sigv4 = "aws:amz:" + region + ":s3";
   if (config_.sign) {
-    curl_easy_setopt(c, CURLOPT_AWS_SIGV4, sigv4.c_str());
-    curl_easy_setopt(c, CURLOPT_USERNAME, config_.credentials.access_key_id.c_str());
-    curl_easy_setopt(c, CURLOPT_PASSWORD, config_.credentials.secret_access_key.c_str());
+    Curl().easy_setopt(c, CURLOPT_AWS_SIGV4, sigv4.c_str());
+    Curl().easy_setopt(c, CURLOPT_USERNAME, config_.credentials.access_key_id.c_str());
+    Curl().easy_setopt(c, CURLOPT_PASSWORD, config_.credentials.secret_access_key.c_str());
   }
   Sink sink{&r, &resp, stall_ms};
-  curl_easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
-  curl_easy_setopt(c, CURLOPT_XFERINFOFUNCTION, OnProgress);
-  curl_easy_setopt(c, CURLOPT_XFERINFODATA, &sink);
+  Curl().easy_setopt(c, CURLOPT_NOPROGRESS, 0L);
+  Curl().easy_setopt(c, CURLOPT_XFERINFOFUNCTION, OnProgress);
+  Curl().easy_setopt(c, CURLOPT_XFERINFODATA, &sink);
   // Bodies into memory of ours: 256 KiB per receive instead of curl's 16 KiB
   // default, so a part costs a sixteenth of the callbacks and recv calls.
-  if (r.dst) curl_easy_setopt(c, CURLOPT_BUFFERSIZE, 256L << 10);
-  curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, OnBody);
-  curl_easy_setopt(c, CURLOPT_WRITEDATA, &sink);
-  curl_easy_setopt(c, CURLOPT_HEADERFUNCTION, OnHeader);
-  curl_easy_setopt(c, CURLOPT_HEADERDATA, &sink);
+  if (r.dst) Curl().easy_setopt(c, CURLOPT_BUFFERSIZE, 256L << 10);
+  Curl().easy_setopt(c, CURLOPT_WRITEFUNCTION, OnBody);
+  Curl().easy_setopt(c, CURLOPT_WRITEDATA, &sink);
+  Curl().easy_setopt(c, CURLOPT_HEADERFUNCTION, OnHeader);
+  Curl().easy_setopt(c, CURLOPT_HEADERDATA, &sink);
   char err[CURL_ERROR_SIZE] = {0};
-  curl_easy_setopt(c, CURLOPT_ERRORBUFFER, err);
-  resp.curl = curl_easy_perform(c);
+  Curl().easy_setopt(c, CURLOPT_ERRORBUFFER, err);
+  resp.curl = Curl().easy_perform(c);
   resp.idle_ms = MsSince(sink.last_byte);
-  if (resp.curl != CURLE_OK) resp.curl_error = err[0] ? err : curl_easy_strerror(resp.curl);
-  curl_easy_getinfo(c, CURLINFO_RESPONSE_CODE, &resp.http);
+  if (resp.curl != CURLE_OK) resp.curl_error = err[0] ? err : Curl().easy_strerror(resp.curl);
+  Curl().easy_getinfo(c, CURLINFO_RESPONSE_CODE, &resp.http);
   long request_bytes = 0;
-  curl_easy_getinfo(c, CURLINFO_REQUEST_SIZE, &request_bytes);
+  Curl().easy_getinfo(c, CURLINFO_REQUEST_SIZE, &request_bytes);
   resp.sent = request_bytes > 0;
-  curl_easy_setopt(c, CURLOPT_HTTPHEADER, nullptr);
-  curl_slist_free_all(headers);
+  Curl().easy_setopt(c, CURLOPT_HTTPHEADER, nullptr);
+  Curl().slist_free_all(headers);
   // The secret is not left in a pooled handle longer than the request.
-  curl_easy_setopt(c, CURLOPT_PASSWORD, "");
+  Curl().easy_setopt(c, CURLOPT_PASSWORD, "");
   // A handle whose connection broke is not reused: its state is unknown.
   if (resp.curl == CURLE_OK) Return(std::move(h));
   return resp;

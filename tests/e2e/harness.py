@@ -20,6 +20,7 @@ generator module, which imports this one.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import gc
 import mmap
@@ -165,13 +166,10 @@ def unmount(path, *, attempts: int = 20, collect: bool = True) -> None:
         time.sleep(0.1)
 
 
-def kill_mount_daemon(path) -> int:
-    """SIGKILLs the `ckptfs mount` daemon serving ``path``: the kernel then
-    fails the requests it had not answered, so that a test can end a reader
-    that waits on a hung mount (a reader in a FUSE open ignores even
-    SIGKILL). Returns how many processes were killed."""
+def mount_daemon_pids(path) -> list[int]:
+    """The `ckptfs mount` daemons serving ``path`` (by their command line)."""
     path = str(path)
-    killed = 0
+    pids = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -179,9 +177,27 @@ def kill_mount_daemon(path) -> int:
         except OSError:
             continue
         if len(argv) > 3 and argv[1] == "mount" and path in argv and os.path.basename(argv[0]) == "ckptfs":
-            os.kill(int(pid), signal.SIGKILL)
-            killed += 1
-    return killed
+            pids.append(int(pid))
+    return pids
+
+
+def mount_daemon_pid(path) -> int:
+    """The one `ckptfs mount` daemon serving ``path``."""
+    pids = mount_daemon_pids(path)
+    assert len(pids) == 1, f"{len(pids)} ckptfs daemons serve {path}: {pids}"
+    return pids[0]
+
+
+def kill_mount_daemon(path) -> int:
+    """SIGKILLs the `ckptfs mount` daemon serving ``path``: the kernel then
+    fails the requests it had not answered, so that a test can end a reader
+    that waits on a hung mount (a reader in a FUSE open ignores even
+    SIGKILL). Returns how many processes were killed."""
+    pids = mount_daemon_pids(path)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return len(pids)
 
 
 class MountPoint:

@@ -270,11 +270,20 @@ def depends_names(field: str) -> set[str]:
     return {re.match(r"\s*([a-z0-9][a-z0-9+.-]*)", d).group(1) for d in field.split(",")}
 
 
+def host_libcurl() -> str:
+    """Where the host's loader finds libcurl.so.4 (ldconfig's cache)."""
+    m = re.search(r"^\s*libcurl\.so\.4 \(libc6,x86-64\) => (/\S+)$", run(["ldconfig", "-p"]).stdout, re.M)
+    assert m, "ldconfig -p lists no libcurl.so.4"
+    return m.group(1)
+
+
 def test_depends_are_what_the_binary_links(packages):
     """Depends names exactly the packages of the libraries the binary links
     directly (its DT_NEEDED entries, found where ldd resolves them, owned
-    per dpkg -S on the host), plus fuse3 for fusermount3. Libraries those
-    pull in (libcurl's TLS and HTTP/2 stack) are their packages' business."""
+    per dpkg -S on the host), plus fuse3 for fusermount3 and libcurl's
+    package, which is loaded on the first S3 request, not linked
+    (source/curl_api.h). Libraries those pull in (libcurl's TLS and HTTP/2
+    stack) are their packages' business."""
     binary = harness.require_bin()
     ldd = run(["ldd", binary]).stdout
     where = dict(re.findall(r"^\s*(\S+) => (/\S+) \(0x", ldd, re.M))
@@ -284,8 +293,9 @@ def test_depends_are_what_the_binary_links(packages):
     needed = re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", run(["readelf", "-d", binary]).stdout)
     libs = [where[n] for n in needed if n in where]
     assert len(libs) == len(needed), (needed, ldd)
-    assert any("libsnappy" in lib for lib in libs) and any("libcurl" in lib for lib in libs), ldd
-    expected = {host_package_of(lib) for lib in libs} | {"fuse3"}
+    assert any("libsnappy" in lib for lib in libs), ldd
+    assert not any("libcurl" in n for n in needed), needed
+    expected = {host_package_of(lib) for lib in libs} | {"fuse3", host_package_of(host_libcurl())}
     field = run(["dpkg-deb", "-f", packages["deb"], "Depends"]).stdout.strip()
     assert depends_names(field) == expected, f"Depends: {field}\nldd:\n{ldd}"
 
@@ -315,12 +325,18 @@ def test_binary_is_stripped_and_dbgsym_holds_its_debug_info(installed):
 def test_apt_resolved_dependencies_in_the_clean_root(installed, packages):
     ch, _, added = installed
     # Not in minbase: apt had to fetch them because the .deb asked for them.
-    assert {"ckptfs", "ckptfs-dbgsym", "fuse3", "libfuse3-3", "libsnappy1v5"} <= added, added
+    assert {"ckptfs", "ckptfs-dbgsym", "fuse3", "libfuse3-3", "libsnappy1v5", host_package_of(host_libcurl())} <= added, added
     ldd = ch.run("ldd", "/usr/bin/ckptfs").stdout
     assert "not found" not in ldd, ldd
     version = run(["dpkg-deb", "-f", packages["deb"], "Version"]).stdout.strip()
     assert ch.run("ckptfs", "--version").stdout.strip() == f"ckptfs {version}"
     assert ch.path("/usr/bin/fusermount3").exists()
+    # libcurl came with the package and loads: an s3:// root with no server
+    # behind its endpoint fails connecting, not loading libcurl.
+    r = ch.run("ckptfs", "ls", "s3://bucket/prefix", "--endpoint-url", "http://127.0.0.1:9",
+               env_extra={"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}, check=False, timeout=60)
+    assert r.returncode != 0 and "cannot load" not in r.stderr, r.stderr
+    assert "is the endpoint right" in r.stderr, r.stderr
 
 
 def test_docs_are_shipped(installed):

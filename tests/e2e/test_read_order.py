@@ -160,25 +160,13 @@ def test_indexing_over_s3_reads_each_gap_between_items_once(step, s3_step, s3_en
 def test_sigusr1_reports_while_mounted(step, mount_factory):
     with mount_factory(step["dir"]) as m:
         _read_with("load_file", m.p("consolidated"), step["expected_path"])
-        pid = _daemon_pid(m.path)
+        pid = harness.mount_daemon_pid(m.path)
         os.kill(pid, signal.SIGUSR1)
         deadline = time.monotonic() + 10
         while not COUNTERS.search(m.log()) and time.monotonic() < deadline:
             time.sleep(0.05)
         c = _counters(m.log())
         _check_fetched(c, step["tensor_bytes"], "SIGUSR1")
-
-
-def _daemon_pid(path: str) -> int:
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().decode(errors="replace").split("\0")
-        except OSError:
-            continue
-        if len(argv) > 3 and argv[1] == "mount" and path in argv and os.path.basename(argv[0]) == "ckptfs":
-            return int(pid)
-    raise AssertionError(f"no ckptfs daemon serves {path}")
 
 
 def _expected_rank_piece(full: torch.Tensor, local_shape, rank: int, ranks: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import harness
 import s3_gen
 from s3_server import BUCKET, upload_tree
 
@@ -261,6 +262,48 @@ def test_mount_fails_at_once_with_exit_3_and_says_what_to_fix(s3_env, bucket_roo
         for secret in (s3.SECRET_KEY, s3.OUTSIDER_SECRET, s3.LISTER_SECRET):
             assert secret.encode() not in r.stderr, case
         assert not os.path.ismount(mnt), case
+
+
+def _libcurl_mapped(pid: int) -> list[str]:
+    """The libcurl files process `pid` has mapped."""
+    with open(f"/proc/{pid}/maps") as f:
+        return sorted({line.split()[-1] for line in f if "/libcurl" in line})
+
+
+def test_libcurl_is_loaded_by_the_first_s3_request_only(s3_mount, main_ckpt, mount_factory):
+    """A mount of local files never loads libcurl, nor the libraries it
+    needs (source/curl_api.h); an s3:// mount has it once it has listed the
+    bucket."""
+    with mount_factory(main_ckpt["out_dir"]) as local:
+        path = local.p("consolidated", "model.safetensors")
+        with open(path, "rb") as f:
+            assert len(f.read()) == os.path.getsize(path) > 0
+        assert _libcurl_mapped(harness.mount_daemon_pid(local.path)) == []
+    os.listdir(s3_mount.path)
+    assert _libcurl_mapped(harness.mount_daemon_pid(s3_mount.path)), "the s3:// mount has no libcurl mapped"
+
+
+def test_without_libcurl_local_roots_work_and_s3_roots_say_what_to_install(s3_mount, bucket_root, s3_env,
+                                                                            ckptfs_bin, main_ckpt, tmp_path):
+    """With libcurl unloadable (its file replaced by /dev/null in a private
+    mount namespace), commands on a local root work as before, and an
+    s3:// root fails at once with the reason and what to install."""
+    os.listdir(s3_mount.path)
+    (lib,) = _libcurl_mapped(harness.mount_daemon_pid(s3_mount.path))
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    script = ('mount --bind /dev/null "$LIB" && "$BIN" ls "$LOCAL" && echo LOCAL-OK && '
+              'exec "$BIN" mount "$S3" "$MNT"')
+    env = dict(os.environ, LIB=lib, BIN=ckptfs_bin, LOCAL=main_ckpt["out_dir"], S3=bucket_root, MNT=str(mnt))
+    r = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script], env=env,
+                       capture_output=True, timeout=60)
+    out, err = r.stdout.decode(), r.stderr.decode()
+    listed = {line.split()[0] for line in out.splitlines()[1:] if line.strip() and line != "LOCAL-OK"}
+    assert "LOCAL-OK" in out and listed == set(main_ckpt["expected"]), (out, err)
+    assert r.returncode == 3, (r.returncode, out, err)
+    assert f"cannot load {os.path.basename(lib).split('.so')[0]}.so" in err, err
+    assert "install" in err and "libcurl" in err, err
+    assert not os.path.ismount(mnt)
 
 
 def test_a_sequential_reader_is_served_from_parts_fetched_ahead(s3_server, s3_env, mount_factory, tmp_path):
