@@ -75,14 +75,36 @@ std::string FetchBudget::Describe() const {
   return "source-order hold: peak " + Gb(peak()) + " of the " + Gb(capacity_) + " bound";
 }
 
-void ServedRecord::Add(uint64_t offset, uint64_t length) {
+uint64_t ServedRecord::Add(uint64_t offset, uint64_t length) {
   std::lock_guard<std::mutex> lock(mu_);
-  again_ += spans_.Bytes(offset, offset + length);
-  if (again_ >= kClearAfter) {
-    spans_ = IntervalSet();
-    again_ = 0;
+  const uint64_t again = spans_.Bytes(offset, offset + length);
+  if (again == 0) {
+    reasking_ = false;  // new bytes: the run of requests that asked again is over
+  } else if (!reasking_) {
+    reasking_ = true;
+    asked_since_ = IntervalSet();
   }
   spans_.Add(offset, offset + length);
+  if (reasking_) asked_since_.Add(offset, offset + length);
+  again_ += again;
+  if (again_ >= kClearAfter) RestartLocked();
+  return again;
+}
+
+void ServedRecord::AddPushed(uint64_t offset, uint64_t length) {
+  std::lock_guard<std::mutex> lock(mu_);
+  spans_.Add(offset, offset + length);
+  if (reasking_) asked_since_.Add(offset, offset + length);
+}
+
+void ServedRecord::Restart() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (reasking_) RestartLocked();
+}
+
+void ServedRecord::RestartLocked() {
+  spans_ = asked_since_;
+  again_ = 0;
 }
 
 OrderedFetch::OrderedFetch(std::shared_ptr<const Layout> layout, std::shared_ptr<ServedRecord> served,
@@ -119,14 +141,20 @@ size_t OrderedFetch::range_count() const {
 
 bool OrderedFetch::Noted(uint64_t offset, uint64_t length) {
   if (length == 0) return started_.load();
-  served_->Add(offset, length);
+  const uint64_t again = served_->Add(offset, length);
   if (started_.load()) return true;
   std::lock_guard<std::mutex> lock(mu_);
   if (started_.load()) return true;
+  asked_bytes_ += length;
+  asked_again_ += again;
   const size_t unit = layout_->SegmentAt(offset);
   if (unit < layout_->segments().size() && layout_->segments()[unit].kind == Segment::Kind::kTensor)
     tensors_begun_.insert(unit);
   if (tensors_begun_.size() < 2) return false;
+  // Every byte asked so far had been served, more than a page or two: the
+  // kernel has dropped the file's pages, and the record is stale
+  // (ServedRecord).
+  if (asked_again_ == asked_bytes_ && asked_again_ >= ServedRecord::kColdPass) served_->Restart();
   Build();
   started_ = true;
   for (unsigned t = 0; t < options_.threads; ++t) {
@@ -223,7 +251,7 @@ std::vector<std::pair<uint64_t, uint64_t>> OrderedFetch::Push(const Range& r, co
     const uint64_t b = (m.virt + page - 1) / page * page, e = (m.virt + m.len) / page * page;
     if (e <= b) continue;  // no whole page: the consumer's request fills it
     const uint64_t src = m.src + (b - m.virt);
-    served_->Add(b, e - b);
+    served_->AddPushed(b, e - b);
     options_.sink(b, bytes + (src - r.offset), e - b);
     options_.counters->served.fetch_add(e - b, std::memory_order_relaxed);
     pushed.emplace_back(src, e - b);

@@ -121,24 +121,44 @@ class FetchBudget {
 
 // The bytes of one virtual file served so far, by any of its handles: the
 // kernel keeps them in the file's page cache, so a plan started later
-// leaves them out. Requests for kClearAfter bytes served before say the
-// kernel has dropped the file's pages (memory pressure, drop_caches before
-// a cold pass): the record is cleared then, and plans cover the file again.
-// A page or two asked again (the kernel rereads a page now and then) do
-// not. Thread-safe.
+// leaves them out. The kernel does not say when it drops them, but its
+// requests do: it only asks again for pages it no longer has (pages pushed
+// into the page cache were not asked for, and say nothing). When requests
+// have asked again for kClearAfter bytes (memory pressure over a
+// long-lived mount), or when every request of a handle before its plan
+// started asked again, kColdPass bytes or more (a cold pass over the file:
+// drop_caches, or its pages evicted while no one read it; a loader's first
+// requests are read-ahead windows of 128 KiB to 1 MiB; OrderedFetch::Noted),
+// the record restarts from what the current run of such requests asked
+// (and was pushed meanwhile): a request for new bytes ends a run. So the
+// plan covers the file again, but for the pages the kernel has just been
+// given. A page or two asked again (the kernel rereads a page now and then)
+// change nothing. Thread-safe.
 class ServedRecord {
  public:
   static constexpr uint64_t kClearAfter = 4 << 20;
-  void Add(uint64_t offset, uint64_t length);
+  static constexpr uint64_t kColdPass = 256 << 10;
+  // Records [offset, offset + length) as asked for and served; returns how
+  // many of those bytes had been served before.
+  uint64_t Add(uint64_t offset, uint64_t length);
+  // Records pages pushed into the page cache.
+  void AddPushed(uint64_t offset, uint64_t length);
+  // Forgets all but what the current run of requests that asked again
+  // asked (or was pushed meanwhile); nothing outside such a run.
+  void Restart();
   IntervalSet Get() const {
     std::lock_guard<std::mutex> lock(mu_);
     return spans_;
   }
 
  private:
+  void RestartLocked();  // REQUIRES: mu_
+
   mutable std::mutex mu_;  // guards the fields below
   IntervalSet spans_;
-  uint64_t again_ = 0;  // bytes asked again since the last clear
+  uint64_t again_ = 0;        // bytes asked again since the last restart
+  bool reasking_ = false;     // the last request asked again: a run is on
+  IntervalSet asked_since_;   // what the run asked, and what was pushed meanwhile
 };
 
 // One source range of a whole-file plan (OrderedFetch), and where its
@@ -196,10 +216,11 @@ class OrderedFetch {
   // Records that [offset, offset + length) is being served (in the file's
   // ServedRecord; call before reading it, so that a plan started meanwhile
   // leaves it out); before the plan started, starts it when the rule in the
-  // header says so. Returns whether the plan has started: then the request
-  // must go through Serve(), since a plan another request started between
-  // the caller's last look and this record may hold the request's bytes
-  // (read the ordinary way, they would be fetched twice).
+  // header says so (restarting a stale record: ServedRecord). Returns
+  // whether the plan has started: then the request must go through Serve(),
+  // since a plan another request started between the caller's last look
+  // and this record may hold the request's bytes (read the ordinary way,
+  // they would be fetched twice).
   bool Noted(uint64_t offset, uint64_t length);
   bool started() const { return started_.load(); }
 
@@ -259,6 +280,9 @@ class OrderedFetch {
   size_t next_ = 0;                  // first range the fetch threads may still take
   std::shared_ptr<ServedRecord> served_;  // never null
   std::set<size_t> tensors_begun_;   // tensor segments a request began in
+  // Bytes this handle asked for before the plan started, and how many of
+  // them had been served before (ServedRecord).
+  uint64_t asked_bytes_ = 0, asked_again_ = 0;
   std::atomic<bool> started_{false};
   std::atomic<bool> stop_{false};
   std::vector<std::thread> threads_;

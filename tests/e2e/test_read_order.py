@@ -169,6 +169,50 @@ def test_sigusr1_reports_while_mounted(step, mount_factory):
         _check_fetched(c, step["tensor_bytes"], "SIGUSR1")
 
 
+def _report(m, pid: int, n: int) -> dict:
+    """Asks the daemon for its counters (SIGUSR1) and returns its n-th report."""
+    os.kill(pid, signal.SIGUSR1)
+    deadline = time.monotonic() + 10
+    while len(COUNTERS.findall(m.log())) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found = COUNTERS.findall(m.log())
+    assert len(found) == n, m.log()[-3000:]
+    fetched, ordered, direct, refetched, served = map(int, found[-1])
+    return {"fetched": fetched, "ordered": ordered, "direct": direct, "refetched": refetched, "served": served}
+
+
+def _drop_pages(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+    assert harness.resident_bytes(path) == 0, "the pages stayed: the check below would mean nothing"
+
+
+def test_a_second_cold_load_through_the_same_mount_is_fetched_in_source_order_again(step, mount_factory):
+    """The kernel does not tell the daemon when it drops a file's pages: a
+    load after they were dropped (memory pressure, drop_caches; here fadvise
+    DONTNEED on the virtual file) asks for every page again, and must be
+    fetched once more, in source order, like the first; a warm load after
+    it finds the pages in the page cache and fetches at most a few of them
+    (the kernel asks for a page again now and then), never the file again."""
+    with mount_factory(step["dir"]) as m:
+        pid = harness.mount_daemon_pid(m.path)
+        folder = m.p("consolidated")
+        _read_with("load_file", folder, step["expected_path"])
+        first = _report(m, pid, 1)
+        _check_fetched(first, step["tensor_bytes"], "first load")
+        _drop_pages(os.path.join(folder, "model.safetensors"))
+        _read_with("load_file", folder, step["expected_path"])
+        second = _report(m, pid, 2)
+        again = {k: second[k] - first[k] for k in second}
+        _check_fetched(again, step["tensor_bytes"], "second load, pages dropped")
+        _read_with("load_file", folder, step["expected_path"])
+        warm = _report(m, pid, 3)
+        assert warm["fetched"] - second["fetched"] <= 16 * 4096, (second, warm)
+
+
 def _expected_rank_piece(full: torch.Tensor, local_shape, rank: int, ranks: int) -> torch.Tensor:
     """The piece of `full` a rank of an even split holds, judged by shape alone."""
     if list(local_shape) == list(full.shape):

@@ -177,12 +177,85 @@ TEST(HeldBytes, CompactedKeepsItsSpansAndReportsTheRestMissing) {
 
 TEST(ServedRecord, ClearedOnlyOnceMuchWasAskedAgain) {
   ServedRecord r;
-  r.Add(0, 8 << 20);
-  r.Add(4096, 8192);  // a page or two asked again: kept
+  EXPECT_EQ(r.Add(0, 8 << 20), 0u);
+  EXPECT_EQ(r.Add(4096, 8192), 8192u);  // a page or two asked again: kept
   EXPECT_EQ(r.Get().Bytes(0, 8 << 20), uint64_t(8 << 20));
   for (uint64_t at = 0; at < ServedRecord::kClearAfter; at += 1 << 20) r.Add(at, 1 << 20);
   // The kernel dropped the pages: only what was asked since the clear is left.
   EXPECT_LT(r.Get().Bytes(0, 8 << 20), uint64_t(8 << 20));
+}
+
+TEST(ServedRecord, PushedPagesAreNotAskedAgain) {
+  // The fetch pushes pages a reader's request served a moment before: the
+  // kernel did not ask for them twice, and the record stays whole.
+  ServedRecord r;
+  r.Add(0, 1 << 20);
+  for (int i = 0; i < 8; ++i) r.AddPushed(0, 8 << 20);
+  EXPECT_EQ(r.Get().Bytes(0, 8 << 20), uint64_t(8 << 20));
+  EXPECT_EQ(r.Add(8 << 20, 4096), 0u);
+}
+
+TEST(ServedRecord, RestartKeepsWhatTheRunOfRequestsThatAskedAgainAsked) {
+  ServedRecord r;
+  r.Add(0, 8 << 20);
+  r.Add(4096, 8192);        // a page or two asked again...
+  r.Add(9 << 20, 4096);     // ...then new bytes: the run is over
+  r.Add(1 << 20, 1 << 20);  // a run: the kernel dropped the pages
+  r.AddPushed(12 << 20, 4096);
+  r.Add(2 << 20, 1 << 20);
+  r.Restart();
+  EXPECT_EQ(r.Get().Bytes(0, 32 << 20), uint64_t(2 << 20) + 4096);
+  EXPECT_EQ(r.Get().Bytes(1 << 20, 3 << 20), uint64_t(2 << 20));
+  EXPECT_EQ(r.Add(0, 16384), 0u);
+  r.Restart();  // no run on: nothing forgotten
+  EXPECT_EQ(r.Get().Bytes(0, 32 << 20), uint64_t(2 << 20) + 4096 + 16384);
+}
+
+TEST(OrderedFetch, ColdPassAfterTheKernelDroppedThePagesIsPlannedAgain) {
+  Files t = MakeFiles(8, 300 * kKiB);
+  const uint64_t sources = 8 * 300 * kKiB;
+  Reader r(t, 64ull << 20, 256 * kKiB);
+  auto record = std::make_shared<ServedRecord>();
+  std::string got(t.layout->size(), '\0');
+  auto pass = [&](OrderedFetch& f) {
+    for (uint64_t o = 0; o < t.layout->size(); o += 64 * kKiB)
+      ASSERT_TRUE(ReadVia(*r.reader, f, *t.layout, o, 64 * kKiB, got.data() + o).ok());
+  };
+  auto first = r.reader->MakeOrderedFetch(t.layout, record);
+  pass(*first);
+  first.reset();
+  ASSERT_EQ(r.reader->counters().fetched.load(), sources);
+  const uint64_t ordered = r.reader->counters().ordered.load();
+  // The same file opened again, every page asked again (the record says
+  // all were served): the plan covers the file again, each byte once.
+  got.assign(t.layout->size(), '\0');
+  auto second = r.reader->MakeOrderedFetch(t.layout, record);
+  pass(*second);
+  EXPECT_TRUE(second->started());
+  EXPECT_TRUE(got == t.expected);
+  EXPECT_EQ(r.reader->counters().fetched.load(), 2 * sources);
+  EXPECT_GE(r.reader->counters().ordered.load() - ordered, sources / 2);
+  EXPECT_GE(second->range_count(), 1u);
+}
+
+TEST(OrderedFetch, PlanLeavesOutWhatTheKernelStillHas) {
+  // A handle whose first requests include bytes never served: the kernel
+  // still has the rest (the record is right), which the plan leaves out.
+  Files t = MakeFiles(8, 300 * kKiB);
+  Reader r(t, 64ull << 20, 256 * kKiB);
+  auto record = std::make_shared<ServedRecord>();
+  const uint64_t half = t.layout->size() / 2;
+  record->Add(0, half);
+  auto f = r.reader->MakeOrderedFetch(t.layout, record);
+  std::string got(t.layout->size(), '\0');
+  for (uint64_t o = half; o < t.layout->size(); o += 64 * kKiB) {
+    const uint64_t n = std::min<uint64_t>(64 * kKiB, t.layout->size() - o);
+    ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, o, n, got.data() + o).ok());
+  }
+  EXPECT_TRUE(f->started());
+  EXPECT_TRUE(got.substr(half) == t.expected.substr(half));
+  // Nothing of the first half was fetched: its sources are the kernel's.
+  EXPECT_LE(r.reader->counters().fetched.load(), t.layout->size() - half + 2 * 256 * kKiB);
 }
 
 TEST(OrderedFetch, EachSourceByteOnceInAnyOrder) {
