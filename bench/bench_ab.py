@@ -13,7 +13,9 @@ time on a shared 2-core machine.
         --config old=/tmp/ckptfs-old --config new=build/ckptfs --passes 7
 
 A configuration is NAME=BINARY[,MOUNT_ARG...]. `--pattern` picks sequential
-1 MiB read() calls (default) or safe_open + get_tensor of every tensor.
+1 MiB read() calls (default), safe_open + get_tensor of every tensor, or
+safetensors' load_file and then a byte of every page of what it returned
+(the disk row of bench_dcp_load.py, without its fresh index and mount).
 `--file` repeated reads several virtual files at once, one thread each (the
 rank files of `mesh/tp4/`, as four ranks of an inference engine load them).
 `--reference` adds a configuration "real": the same bytes as real files on
@@ -60,7 +62,7 @@ def one_pass(mount: common.Mounted, rels: list[str], pattern: str) -> tuple[floa
 def timed_read(paths: list[str], pattern: str) -> tuple[float, int]:
     """Reads every path, one reader thread per path (one file: the calling
     thread), and returns (wall seconds, bytes)."""
-    fn = common.read_pass if pattern == "read" else common.safe_open_pass
+    fn = {"read": common.read_pass, "safe_open": common.safe_open_pass, "load_file": common.load_file_pass}[pattern]
     t0 = time.monotonic()
     if len(paths) == 1:
         n = fn(paths)
@@ -90,7 +92,9 @@ def export_reference(mount: common.Mounted, rels: list[str], out: str) -> list[s
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--root", required=True, help="the checkpoint tree to mount (e.g. bench_read.py's --dir/checkpoint)")
+    ap.add_argument("--root", required=True,
+                    help="the checkpoint tree to mount (e.g. bench_read.py's --dir/checkpoint), or an s3:// root "
+                         "(the server and credentials from the AWS_* environment, as ckptfs takes them)")
     ap.add_argument("--file", action="append",
                     help="virtual file to read (relative; default consolidated/model.safetensors); "
                          "repeat it for concurrent readers, one thread per file")
@@ -100,11 +104,13 @@ def main(argv=None) -> int:
     ap.add_argument("--config", type=parse_config, action="append", required=True,
                     help="NAME=BINARY[,MOUNT_ARG...] (repeat for each side)")
     ap.add_argument("--passes", type=int, default=5)
-    ap.add_argument("--pattern", choices=["read", "safe_open"], default="read")
+    ap.add_argument("--pattern", choices=["read", "safe_open", "load_file"], default="read")
     args = ap.parse_args(argv)
 
     files = args.file or ["consolidated/model.safetensors"]
-    work = tempfile.mkdtemp(prefix="ckptfs-ab-", dir=os.path.dirname(os.path.abspath(args.root)))
+    # Beside a local root (the same filesystem); in /tmp for an s3:// one.
+    local = "://" not in args.root
+    work = tempfile.mkdtemp(prefix="ckptfs-ab-", dir=os.path.dirname(os.path.abspath(args.root)) if local else None)
     mounts = {}
     try:
         for name, binary, extra in args.config:

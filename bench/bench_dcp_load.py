@@ -212,16 +212,13 @@ def read_files(step: str) -> None:
 
 
 def touch(sd):
-    """Reads a byte of every page of every tensor: safetensors' load_file
-    returns tensors on a private mapping of the file, read only when
-    touched, so a load is timed with its bytes in memory."""
+    """Reads a byte of every page of every tensor (common.touch_pages):
+    safetensors' load_file returns tensors on a private mapping of the
+    file, read only when touched, so a load is timed with its bytes in
+    memory."""
     import torch
-    if not isinstance(sd, dict):
-        return sd
-    with torch.no_grad():
-        for t in sd.values():
-            if isinstance(t, torch.Tensor) and t.numel():
-                int(t.reshape(-1).view(torch.uint8)[::4096].sum())
+    if isinstance(sd, dict):
+        common.touch_pages(t for t in sd.values() if isinstance(t, torch.Tensor))
     return sd
 
 

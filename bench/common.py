@@ -458,19 +458,35 @@ def safe_open_pass(paths: list[str]) -> int:
     return n
 
 
+def touch_pages(tensors) -> int:
+    """Reads one byte of every page of each tensor, so that tensors still on
+    a mapping of a file (safetensors' load_file, transformers 5) are in
+    memory when a load is timed. Returns their bytes."""
+    import torch
+    n = 0
+    with torch.no_grad():
+        for t in tensors:
+            b = t.detach().reshape(-1).view(torch.uint8)
+            if b.numel():
+                int(b[::4096].sum())
+            n += b.numel()
+    return n
+
+
+def load_file_pass(paths: list[str]) -> int:
+    """safetensors' load_file of each file, then a byte of every page of what
+    it returned (touch_pages). Returns tensor bytes."""
+    from safetensors.torch import load_file
+    return sum(touch_pages(load_file(p).values()) for p in paths)
+
+
 def from_pretrained_pass(folder: str) -> int:
     import torch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16, low_cpu_mem_usage=True)
     # Parameters may stay on a mapping of the files until used (transformers
-    # 5 keeps tensors whose dtype matches on the mmap): one byte of every
-    # page is read so that the load includes all of them.
-    n = 0
-    with torch.no_grad():
-        for p in model.parameters():
-            b = p.detach().reshape(-1).view(torch.uint8)
-            int(b[::4096].sum())
-            n += b.numel()
+    # 5 keeps tensors whose dtype matches on the mmap).
+    n = touch_pages(model.parameters())
     del model
     return n
 
