@@ -59,11 +59,15 @@ def _final_log(m) -> str:
     return m.log()
 
 
+def _as_counters(found: tuple) -> dict:
+    fetched, ordered, direct, refetched, served = map(int, found)
+    return {"fetched": fetched, "ordered": ordered, "direct": direct, "refetched": refetched, "served": served}
+
+
 def _counters(log: str) -> dict:
     found = COUNTERS.findall(log)
     assert len(found) == 1, log[-3000:]
-    fetched, ordered, direct, refetched, served = map(int, found[0])
-    return {"fetched": fetched, "ordered": ordered, "direct": direct, "refetched": refetched, "served": served}
+    return _as_counters(found[0])
 
 
 def _check_fetched(c: dict, tensor_bytes: int, what: str) -> None:
@@ -177,8 +181,7 @@ def _report(m, pid: int, n: int) -> dict:
         time.sleep(0.05)
     found = COUNTERS.findall(m.log())
     assert len(found) == n, m.log()[-3000:]
-    fetched, ordered, direct, refetched, served = map(int, found[-1])
-    return {"fetched": fetched, "ordered": ordered, "direct": direct, "refetched": refetched, "served": served}
+    return _as_counters(found[-1])
 
 
 def _drop_pages(path: str) -> None:
