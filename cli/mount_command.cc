@@ -120,7 +120,8 @@ ReadOptions MakeReadOptions(const MountFlags& f, const Source& source, Log* out)
       read.hold_range_bytes = shape->range_bytes;
       read.hold_threads = shape->threads;
     }
-    read.hold = std::make_shared<FetchBudget>(uint64_t(f.fetch_hold_mib) << 20, read.hold_range_bytes);
+    read.hold =
+        std::make_shared<FetchBudget>(uint64_t(f.fetch_hold_mib) << 20, read.hold_range_bytes, read.hold_threads);
     read.hold_direct = f.fetch_direct;
     out->Write(LogLevel::kInfo, "source-order fetch of whole files: ranges up to " +
                                     std::to_string(read.hold_range_bytes >> 10) + " KiB, " +

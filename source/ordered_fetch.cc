@@ -123,9 +123,13 @@ OrderedFetch::~OrderedFetch() {
   stop_ = true;
   changed_.notify_all();
   for (std::thread& t : threads_) t.join();
-  std::lock_guard<std::mutex> lock(mu_);
-  for (size_t i = 0; i < ranges_.size(); ++i)
-    if (ranges_[i].state == State::kHeld) Free(i);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (size_t i = 0; i < ranges_.size(); ++i)
+      if (ranges_[i].state == State::kHeld) Free(i);
+  }
+  // The buffers kept for this file's fetch threads are not needed between loads.
+  if (started_.load()) options_.budget->buffers().Trim();
 }
 
 bool OrderedFetch::Worth(const Layout& layout) {

@@ -91,9 +91,11 @@ struct FetchCounters {
 // they are held in. Thread-safe.
 class FetchBudget {
  public:
-  // `range_bytes`: the mount's largest fetch (ReadOptions::hold_range_bytes).
-  explicit FetchBudget(uint64_t capacity, uint64_t range_bytes = 8ull << 20)
-      : capacity_(capacity), buffers_(RangeBytes(capacity, range_bytes)) {}
+  // `range_bytes`: the mount's largest fetch (ReadOptions::hold_range_bytes);
+  // `threads`: its fetches in flight per open file (hold_threads), which
+  // sizes the shelf of recycled buffers (RangeBuffers).
+  explicit FetchBudget(uint64_t capacity, uint64_t range_bytes = 8ull << 20, unsigned threads = 4)
+      : capacity_(capacity), buffers_(RangeBytes(capacity, range_bytes), 2 * size_t(threads)) {}
   // The largest fetch a bound of `capacity` allows for a wanted one: never
   // more than the whole bound, a whole number of pages.
   static uint64_t RangeBytes(uint64_t capacity, uint64_t wanted);

@@ -2,22 +2,25 @@
 
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <mutex>
 #include <vector>
 
 namespace ckptfs {
 
 struct RangeBuffers::Shelf {
-  explicit Shelf(uint64_t s) : size(s) {}
+  Shelf(uint64_t s, size_t k) : size(s), keep(k) {}
   ~Shelf() {
     for (char* p : kept) ::munmap(p, size);
   }
   const uint64_t size;  // of every kept buffer
+  const size_t keep;    // at most this many kept
   std::mutex mu;        // guards `kept`
   std::vector<char*> kept;
 };
 
-RangeBuffers::RangeBuffers(uint64_t usual) : usual_(usual), shelf_(std::make_shared<Shelf>(usual)) {}
+RangeBuffers::RangeBuffers(uint64_t usual, size_t keep_idle)
+    : usual_(usual), shelf_(std::make_shared<Shelf>(usual, std::max(keep_idle, kKeepIdle))) {}
 
 std::shared_ptr<char[]> RangeBuffers::Take(uint64_t bytes) {
   if (bytes == 0) bytes = 1;
@@ -39,13 +42,25 @@ std::shared_ptr<char[]> RangeBuffers::Take(uint64_t bytes) {
   return std::shared_ptr<char[]>(p, [shelf, bytes](char* q) {
     if (auto s = shelf.lock(); s && bytes == s->size) {
       std::lock_guard<std::mutex> lock(s->mu);
-      if (s->kept.size() < kKeepIdle) {
+      if (s->kept.size() < s->keep) {
         s->kept.push_back(q);
         return;
       }
     }
     ::munmap(q, bytes);
   });
+}
+
+void RangeBuffers::Trim() {
+  std::vector<char*> extra;
+  {
+    std::lock_guard<std::mutex> lock(shelf_->mu);
+    while (shelf_->kept.size() > kKeepIdle) {
+      extra.push_back(shelf_->kept.back());
+      shelf_->kept.pop_back();
+    }
+  }
+  for (char* p : extra) ::munmap(p, usual_);
 }
 
 size_t RangeBuffers::idle() const {

@@ -615,6 +615,29 @@ TEST(RangeBuffers, UsualSizeIsRecycledUpToTheIdleBound) {
   EXPECT_EQ(buffers.idle(), RangeBuffers::kKeepIdle);
 }
 
+// A shelf for many fetch threads keeps more while they run; Trim leaves
+// kKeepIdle for the time between loads, and no shelf keeps fewer.
+TEST(RangeBuffers, ALargerShelfIsTrimmedWhenTheFetchEnds) {
+  const size_t keep = RangeBuffers::kKeepIdle * 2 + 3;
+  RangeBuffers buffers(64 << 10, keep);
+  std::vector<std::shared_ptr<char[]>> many;
+  for (size_t i = 0; i < keep + 4; ++i) many.push_back(buffers.Take(64 << 10));
+  std::set<char*> first;
+  for (auto& m : many) first.insert(m.get());
+  many.clear();
+  EXPECT_EQ(buffers.idle(), keep);
+  // The next takes are the kept buffers, not new mappings.
+  for (size_t i = 0; i < keep; ++i) many.push_back(buffers.Take(64 << 10));
+  for (auto& m : many) EXPECT_TRUE(first.count(m.get())) << "a kept buffer was not reused";
+  many.clear();
+  buffers.Trim();
+  EXPECT_EQ(buffers.idle(), RangeBuffers::kKeepIdle);
+  RangeBuffers small(64 << 10, 2);
+  for (size_t i = 0; i < RangeBuffers::kKeepIdle + 2; ++i) many.push_back(small.Take(64 << 10));
+  many.clear();
+  EXPECT_EQ(small.idle(), RangeBuffers::kKeepIdle);
+}
+
 // The copies a reader holds may outlive the mount's buffers.
 TEST(RangeBuffers, ABufferMayOutliveItsRangeBuffers) {
   std::shared_ptr<char[]> kept;
