@@ -11,10 +11,14 @@
 // `bytes/<key>.pt`. A transformed item (zstd) is a clear per-chunk error.
 
 #include <algorithm>
+#include <atomic>
+#include <functional>
+#include <system_error>
 #include <cerrno>
 #include <cstring>
 #include <map>
 #include <set>
+#include <thread>
 
 #include "core/coverage.h"
 #include "indexer/dcp_metadata.h"
@@ -53,6 +57,11 @@ struct ChunkWork {
 // Chunks whose items' framing is held in memory at once: at most
 // kTorchArchiveHeadBytes + kTorchArchiveTailBytes each (32 MiB).
 constexpr size_t kFramingBatch = 8192;
+
+// .distcp files whose framing is read at once (FetchFraming): over object
+// storage each reads its windows with --max-threads GETs in flight, and one
+// file's few dozen small GETs leave most of those idle.
+constexpr size_t kFramingFiles = 8;
 
 // Decoded items are held in memory while indexing; this bounds one.
 constexpr uint64_t kMaxDecodedItem = 8ull << 30;
@@ -232,6 +241,24 @@ const StorageInfo* FindItem(const DcpPlan& plan, const std::string& fqn, const B
 }
 
 // The object of file `id` (`rel`), opened once.
+// Runs work(0) .. work(n - 1) on up to `threads` threads (the caller's among them).
+void ForEachInParallel(size_t n, size_t threads, const std::function<void(size_t)>& work) {
+  std::atomic<size_t> next{0};
+  auto loop = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < n;) work(i);
+  };
+  std::vector<std::thread> extra;
+  for (size_t t = 1; t < std::min(n, threads); ++t) {
+    try {
+      extra.emplace_back(loop);
+    } catch (const std::system_error&) {
+      break;  // fewer side by side
+    }
+  }
+  loop();
+  for (std::thread& t : extra) t.join();
+}
+
 const Result<std::unique_ptr<SourceObject>>& ObjectOf(const std::string& rel, FileId id, FileTable& files,
                                                       ObjectCache& objects) {
   auto it = objects.find(rel);
@@ -260,7 +287,15 @@ FramedObjects FetchFraming(const DirListing& dir, FileTable& files, const DcpPla
     w.emplace_back(si->offset, head);
     w.emplace_back(si->offset + si->length - tail, tail);
   }
-  FramedObjects out;
+  // The files are opened here, one after the other (the table and the
+  // cache are not shared), then read side by side.
+  struct Job {
+    const std::string* rel;
+    const SourceObject* obj;
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;
+    std::unique_ptr<WindowedObject> framed;
+  };
+  std::vector<Job> jobs;
   for (const std::string& rel : order) {
     auto& ranges = windows[rel];
     auto id = files.Add(rel);
@@ -269,9 +304,14 @@ FramedObjects FetchFraming(const DirListing& dir, FileTable& files, const DcpPla
     std::erase_if(ranges, [size](const auto& r) { return r.first >= size; });
     for (auto& r : ranges) r.second = std::min(r.second, size - r.first);  // a truncated file: its items say so
     const auto& obj = ObjectOf(rel, *id, files, objects);
-    if (!obj.ok()) continue;
-    if (auto w = WindowedObject::Fetch(**obj, std::move(ranges)); w.ok()) out.emplace(rel, std::move(*w));
+    if (obj.ok()) jobs.push_back({&rel, obj->get(), std::move(ranges), nullptr});
   }
+  ForEachInParallel(jobs.size(), kFramingFiles, [&](size_t i) {
+    if (auto w = WindowedObject::Fetch(*jobs[i].obj, std::move(jobs[i].ranges)); w.ok()) jobs[i].framed = std::move(*w);
+  });
+  FramedObjects out;
+  for (Job& j : jobs)
+    if (j.framed) out.emplace(*j.rel, std::move(j.framed));
   return out;
 }
 
