@@ -12,12 +12,12 @@
 
 #include <algorithm>
 #include <atomic>
-#include <functional>
-#include <system_error>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <set>
+#include <system_error>
 #include <thread>
 
 #include "core/coverage.h"
@@ -240,7 +240,6 @@ const StorageInfo* FindItem(const DcpPlan& plan, const std::string& fqn, const B
   return it == plan.storage.end() ? nullptr : &it->second;
 }
 
-// The object of file `id` (`rel`), opened once.
 // Runs work(0) .. work(n - 1) on up to `threads` threads (the caller's among them).
 void ForEachInParallel(size_t n, size_t threads, const std::function<void(size_t)>& work) {
   std::atomic<size_t> next{0};
@@ -259,6 +258,7 @@ void ForEachInParallel(size_t n, size_t threads, const std::function<void(size_t
   for (std::thread& t : extra) t.join();
 }
 
+// The object of file `id` (`rel`), opened once.
 const Result<std::unique_ptr<SourceObject>>& ObjectOf(const std::string& rel, FileId id, FileTable& files,
                                                       ObjectCache& objects) {
   auto it = objects.find(rel);
@@ -269,9 +269,9 @@ const Result<std::unique_ptr<SourceObject>>& ObjectOf(const std::string& rel, Fi
 // The head and tail of every plain item of `batch`, read ahead per .distcp
 // file (WindowedObject): one read per gap between neighbouring items (the
 // tail of one and the head of the next touch), several in flight over
-// object storage, instead of a round trip per zip record. A file that
-// cannot be opened or read is left out: its items read their bytes one by
-// one and say why they could not.
+// object storage and up to kFramingFiles files at once, instead of a round
+// trip per zip record. A file that cannot be opened or read is left out:
+// its items read their bytes one by one and say why they could not.
 FramedObjects FetchFraming(const DirListing& dir, FileTable& files, const DcpPlan& plan, const ChunkWork* batch,
                            size_t n, ObjectCache& objects) {
   std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>> windows;
