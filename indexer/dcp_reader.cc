@@ -11,14 +11,10 @@
 // `bytes/<key>.pt`. A transformed item (zstd) is a clear per-chunk error.
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstring>
-#include <functional>
 #include <map>
 #include <set>
-#include <system_error>
-#include <thread>
 
 #include "core/coverage.h"
 #include "indexer/dcp_metadata.h"
@@ -26,6 +22,7 @@
 #include "indexer/pickle.h"
 #include "indexer/readers.h"
 #include "indexer/torch_zip.h"
+#include "source/in_parallel.h"
 #include "source/transform.h"
 
 namespace ckptfs {
@@ -238,24 +235,6 @@ const StorageInfo* FindItem(const DcpPlan& plan, const std::string& fqn, const B
   if (t.dtype == DType::kF4 && !key.empty()) key.back() /= 2;
   auto it = plan.storage.find({fqn, key});
   return it == plan.storage.end() ? nullptr : &it->second;
-}
-
-// Runs work(0) .. work(n - 1) on up to `threads` threads (the caller's among them).
-void ForEachInParallel(size_t n, size_t threads, const std::function<void(size_t)>& work) {
-  std::atomic<size_t> next{0};
-  auto loop = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < n;) work(i);
-  };
-  std::vector<std::thread> extra;
-  for (size_t t = 1; t < std::min(n, threads); ++t) {
-    try {
-      extra.emplace_back(loop);
-    } catch (const std::system_error&) {
-      break;  // fewer side by side
-    }
-  }
-  loop();
-  for (std::thread& t : extra) t.join();
 }
 
 // The object of file `id` (`rel`), opened once.

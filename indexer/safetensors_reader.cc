@@ -6,21 +6,19 @@
 //    rank's local chunks, placed by `saved_offsets` in the
 //    DCP_SHARDING_INFO (or dcp_custom_metadata) entry of __metadata__.
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
 #include <cstring>
 #include <map>
 #include <regex>
 #include <optional>
 #include <set>
-#include <system_error>
-#include <thread>
 
 #include <nlohmann/json.hpp>
 
 #include "core/coverage.h"
 #include "core/safetensors.h"
 #include "indexer/format_reader.h"
+#include "source/in_parallel.h"
 #include "source/posix_io.h"
 #include "indexer/readers.h"
 #include "indexer/sharding_info.h"
@@ -152,21 +150,9 @@ std::vector<Pending> Register(const DirListing& dir, FileTable& files, const std
 }
 
 void ReadHeaders(const FileTable& files, std::vector<Pending>& pending) {
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i; (i = next++) < pending.size();)
-      pending[i].header.emplace(ReadHeader(files, pending[i].id, files.at(pending[i].id).size));
-  };
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < std::min(kHeaderReaders, pending.size()); ++t) {
-    try {
-      pool.emplace_back(work);
-    } catch (const std::system_error&) {
-      break;  // fewer threads: the loop below reads the rest
-    }
-  }
-  work();
-  for (std::thread& t : pool) t.join();
+  ForEachInParallel(pending.size(), kHeaderReaders, [&](size_t i) {
+    pending[i].header.emplace(ReadHeader(files, pending[i].id, files.at(pending[i].id).size));
+  });
 }
 
 // One safetensors file of the directory: its entries added; a file that

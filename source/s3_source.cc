@@ -1,11 +1,10 @@
 #include "source/s3_source.h"
 
 #include <algorithm>
-#include <atomic>
 #include <functional>
-#include <system_error>
-#include <thread>
 #include <vector>
+
+#include "source/in_parallel.h"
 
 namespace ckptfs {
 namespace {
@@ -35,29 +34,6 @@ struct PinnedObject {
 };
 
 // One object, pinned to the ETag it had when opened.
-// Runs work(0 .. n-1) on up to `threads` threads, this one included; the
-// first failure (by index) is the answer.
-Status InParallel(size_t n, unsigned threads, const std::function<Status(size_t)>& work) {
-  std::atomic<size_t> next{0};
-  std::vector<Status> errors(n);
-  auto loop = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < n;) errors[i] = work(i);
-  };
-  std::vector<std::thread> pool;
-  for (unsigned t = 1; t < std::min<size_t>(n, threads); ++t) {
-    try {
-      pool.emplace_back(loop);
-    } catch (const std::system_error&) {
-      break;  // no thread to be had: the ones started and this one do every piece
-    }
-  }
-  loop();
-  for (auto& t : pool) t.join();
-  for (const Status& s : errors)
-    if (!s.ok()) return s;
-  return Status::OK();
-}
-
 class S3Object : public SourceObject {
  public:
   S3Object(std::shared_ptr<const PinnedObject> pinned, std::shared_ptr<PartCache> parts)
