@@ -142,6 +142,10 @@ struct SourceFile {
   // a rewrite that keeps the size and restores the mtime is still seen.
   int64_t ctime_ns = 0;
   uint64_t inode = 0;
+  // What pins a read to exactly these bytes, where the backend has such a
+  // thing (object storage: the ETag, whose hash is `inode`); "" otherwise.
+  // Source::OpenIndexed opens by it without asking the store again.
+  std::string version;
   std::string transform;  // "" for a plain file; "zstd"
   // CRC32C of the bytes no tensor chunk covers (BytesOutsideChunks), when
   // the writer recorded one: zip framing, headers, BYTE_IO items.

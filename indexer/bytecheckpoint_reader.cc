@@ -220,7 +220,7 @@ class ByteCheckpointReader : public FormatReader {
                          std::map<std::string, TensorMeta>& all, FlatTables& flat) {
     const std::string rel = sub + "/.metadata";
     ASSIGN_OR_RETURN(FileId meta_id, files.Add(rel));
-    ASSIGN_OR_RETURN(std::string text, files.source().ReadWhole(files.at(meta_id).path));
+    ASSIGN_OR_RETURN(std::string text, files.ReadWhole(meta_id));
     auto doc = Unpickle(text);
     if (!doc.ok()) return doc.status().WithContext(rel);
     std::string foreign;

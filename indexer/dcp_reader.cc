@@ -125,7 +125,7 @@ void AddChunk(TensorMeta& t, Chunk c, const std::map<std::string, Shape>& reform
 // problem that makes the checkpoint incomplete.
 void LoadMetadataFile(const std::string& rel, FileTable& files, DcpPlan& plan, Checkpoint& out) {
   auto id = files.Add(rel);
-  auto text = id.ok() ? files.source().ReadWhole(rel) : Result<std::string>(id.status());
+  auto text = id.ok() ? files.ReadWhole(*id) : Result<std::string>(id.status());
   if (!text.ok()) return AddProblem(out, rel + ": " + text.status().message(), true);
   auto doc = Unpickle(*text);
   if (!doc.ok()) return AddProblem(out, rel + ": " + doc.status().message(), true);

@@ -6,6 +6,7 @@
 // Checkpoint (and mark it incomplete when the tensor list cannot be trusted).
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,7 +24,12 @@ struct DirListing {
   std::string rel;                 // relative to the source root; "" for it
   std::vector<std::string> files;  // names of regular files, sorted
   std::vector<std::string> dirs;   // names of subdirectories, sorted
+  std::vector<std::string> linked_dirs;  // links to directories (POSIX), not walked
+  // Identities of `files` the listing told (object stores), by name.
+  std::map<std::string, SourceFile> known;
   bool has_file(const std::string& name) const;
+  // A subdirectory or a link to one.
+  bool has_dir(const std::string& name) const;
 };
 
 class FormatReader {

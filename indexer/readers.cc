@@ -122,7 +122,8 @@ void AddSidecarFiles(const DirListing& dir, FileTable& files, Checkpoint& out) {
   const std::string meta_rel = JoinRel(dir.rel, ".hf_metadata");
   if (std::find(dir.dirs.begin(), dir.dirs.end(), ".hf_metadata") != dir.dirs.end())
     AddFolder(meta_rel, "", 0, false, files, out);
-  std::set<std::string> modules = ModuleFolders(files.source(), JoinRel(dir.rel, "modules.json"));
+  std::set<std::string> modules;
+  if (dir.has_file("modules.json")) modules = ModuleFolders(files.source(), JoinRel(dir.rel, "modules.json"));
   for (const std::string& name : dir.files) {
     if (name[0] == '.' || IsWeightOrShardIndex(name) || out.sidecars.count(name)) continue;
     if (auto id = files.Add(JoinRel(dir.rel, name)); id.ok()) out.sidecars[name] = *id;

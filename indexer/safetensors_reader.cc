@@ -56,8 +56,8 @@ Result<std::optional<ShardingInfo>> ReadShardingInfo(const SafetensorsHeader& h)
 // The shard files record no world size, so a missing last rank shrinks
 // shapes without leaving a hole. config.json, when there is one, says what
 // the shapes should be: a disagreement marks the checkpoint incomplete.
-void CheckAgainstConfig(const Source& source, const std::string& rel, Checkpoint& out) {
-  auto text = source.ReadWhole(rel);
+void CheckAgainstConfig(const FileTable& files, FileId config, Checkpoint& out) {
+  auto text = files.ReadWhole(config);
   json cfg = text.ok() ? json::parse(*text, nullptr, false) : json();
   if (!cfg.is_object()) return;
   auto dim = [&](const char* key) -> std::optional<uint64_t> {
@@ -210,9 +210,9 @@ void SetShapes(std::map<std::string, TensorMeta>& tensors) {
 void AddSidecars(const DirListing& dir, FileTable& files, Checkpoint& out) {
   const std::string meta_rel = JoinRel(dir.rel, ".hf_metadata");
   AddSidecarFiles(dir, files, out);
-  if (auto it = out.sidecars.find("config.json"); it != out.sidecars.end())
-    CheckAgainstConfig(files.source(), files.at(it->second).path, out);
+  if (auto it = out.sidecars.find("config.json"); it != out.sidecars.end()) CheckAgainstConfig(files, it->second, out);
   const std::string mapping = JoinRel(meta_rel, "fqn_to_file_index_mapping.json");
+  if (!dir.has_dir(".hf_metadata")) return;
   if (!files.source().Identify(mapping).ok()) return;
   auto text = files.source().ReadWhole(mapping);
   Status st = text.ok() ? ParseFileIndexMapping(*text, mapping, out) : text.status();

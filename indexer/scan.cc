@@ -20,6 +20,11 @@ bool DirListing::has_file(const std::string& name) const {
   return std::binary_search(files.begin(), files.end(), name);
 }
 
+bool DirListing::has_dir(const std::string& name) const {
+  return std::binary_search(dirs.begin(), dirs.end(), name) ||
+         std::find(linked_dirs.begin(), linked_dirs.end(), name) != linked_dirs.end();
+}
+
 namespace {
 
 Result<DirListing> ListDir(const Source& source, const std::string& rel) {
@@ -29,6 +34,8 @@ Result<DirListing> ListDir(const Source& source, const std::string& rel) {
   d.rel = rel;
   d.files = std::move(l.files);
   d.dirs = std::move(l.dirs);
+  d.linked_dirs = std::move(l.linked_dirs);
+  d.known = std::move(l.known);
   return d;
 }
 
@@ -41,12 +48,17 @@ Result<std::optional<Checkpoint>> ReadCheckpoint(const Source& source, const Dir
     if (!r->Recognise(listing)) continue;
     Checkpoint ckpt;
     ckpt.dir = listing.rel;
-    FileTable files(source);
+    std::map<std::string, SourceFile> listed;
+    for (const auto& [name, f] : listing.known) listed.emplace(JoinRel(listing.rel, name), f);
+    FileTable files(source, std::move(listed));
     RETURN_IF_ERROR(r->Read(listing, files, ckpt));
     ckpt.files = files.Take();
     if (claimed) *claimed = r->ClaimedSubdirs(listing);
     if (!options.file_index_mapping.empty()) RETURN_IF_ERROR(LoadFileIndexMapping(options.file_index_mapping, ckpt));
-    Status record = UseCommitRecord(source, ckpt);
+    // Looked for only where the listing shows its directory (a link to
+    // one included, which UseCommitRecord refuses, saying why).
+    Status record = listing.has_dir(kCommitDir) ? UseCommitRecord(source, ckpt)
+                                                  : Status::NotFound("no " + std::string(kCommitDir));
     if (!record.ok() && record.code() != Status::Code::kNotFound && options.warn)
       options.warn(CommitRecordPath(source.root(), ckpt.dir) + " not used (" + record.message() +
                    "); indexed from the files alone, without the writer's checksums");
@@ -72,7 +84,7 @@ std::string MissingCommitPoint(const DirListing& d) {
   if (unpublished && !safetensors)
     return std::to_string(unpublished) + " .safetensors.tmp file(s) and no shard published: an interrupted save";
   if (safetensors) return std::to_string(safetensors) + " .safetensors file(s) no format reads as a checkpoint";
-  if (std::binary_search(d.dirs.begin(), d.dirs.end(), ".ckptfs"))
+  if (std::binary_search(d.dirs.begin(), d.dirs.end(), kCommitDir))
     return ".ckptfs/ without a commit record: an interrupted ckptfs save";
   return "";
 }
@@ -124,6 +136,10 @@ enum class Clock { kMtime, kCtime };
 // The time `name` in `dir` was last written (kMtime) or changed (kCtime),
 // in ns; nullopt when it is missing.
 std::optional<int64_t> FileTime(const DirListing& dir, const std::string& name, Clock clock) {
+  // A listing that told the file's identity told its times (an object's
+  // Last-Modified stands for both).
+  if (auto known = dir.known.find(name); known != dir.known.end())
+    return clock == Clock::kMtime ? known->second.mtime_ns : known->second.ctime_ns;
   const std::string rel = JoinRel(dir.rel, name);
   return clock == Clock::kMtime ? dir.source->ModifyTimeNs(rel) : dir.source->ChangeTimeNs(rel);
 }
@@ -136,6 +152,7 @@ bool NothingAfter(const DirListing& dir, int64_t at, Clock clock, const std::str
 }
 
 bool RecordIsCurrent(const DirListing& dir) {
+  if (!dir.has_dir(kCommitDir)) return false;
   auto record = FileTime(dir, kCommitRecord, Clock::kMtime);
   if (!record) return false;
   // Modification times, not ctimes: a copy that keeps them (cp -a, rsync -a)

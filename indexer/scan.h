@@ -44,6 +44,7 @@ std::vector<std::string> FindCheckpointDirs(const Source& source);
 // ckptfs's writer's commit record, relative to its checkpoint's directory,
 // and its absolute path for checkpoint directory `dir` ("" for the root
 // itself) of `root`.
+inline constexpr char kCommitDir[] = ".ckptfs";
 inline constexpr char kCommitRecord[] = ".ckptfs/commit.sst";
 std::string CommitRecordPath(const std::string& root, const std::string& dir);
 // Its path relative to the source root.

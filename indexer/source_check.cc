@@ -1,5 +1,6 @@
 #include "indexer/source_check.h"
 
+#include "source/identities_now.h"
 #include "source/posix_source.h"
 
 namespace ckptfs {
@@ -11,9 +12,10 @@ Status CheckSources(const std::string& root, const std::vector<SourceFile>& file
 Status CheckSources(const Source& source, const std::vector<SourceFile>& files) {
   std::string changed;
   int count = 0;
+  IdentitiesNow identities(source);
   for (const SourceFile& f : files) {
     if (f.derived()) continue;  // its base file is checked
-    auto now = source.Identify(f.path);
+    auto now = identities.Of(f.path);
     std::string what = now.ok() ? source.DescribeChange(f, *now) : now.status().message();
     if (what.empty()) continue;
     if (++count <= 3) changed += (changed.empty() ? "" : "; ") + f.path + ": " + what;

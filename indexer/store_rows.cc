@@ -183,6 +183,7 @@ Result<TensorMeta> DecodeTensor(std::string_view fqn, std::string_view value) {
 
 json FileToJson(FileId id, const SourceFile& f) {
   json j = {{"id", id}, {"size", f.size}, {"mtime_ns", f.mtime_ns}, {"ctime_ns", f.ctime_ns}, {"inode", f.inode}};
+  if (!f.version.empty()) j["version"] = f.version;
   if (f.has_rest_crc32c) j["rest_crc32c"] = f.rest_crc32c;
   if (f.derived())
     j["derived"] = {{"transform", f.transform}, {"base", f.base}, {"offset", f.base_offset}, {"length", f.base_length}};
@@ -340,6 +341,12 @@ Status CheckpointDecoder::AddFile(std::string_view path, std::string_view value)
     f.mtime_ns = j.at("mtime_ns").get<int64_t>();
     f.ctime_ns = j.at("ctime_ns").get<int64_t>();
     f.inode = j.at("inode").get<uint64_t>();
+    if (j.contains("version")) {
+      f.version = j["version"].get<std::string>();
+      // It goes out in a request header (If-Match): printable ASCII only.
+      if (std::any_of(f.version.begin(), f.version.end(), [](char c) { return c < 0x20 || c > 0x7e; }))
+        return Status::Corruption("source file '" + f.path + "': malformed version");
+    }
     if (j.contains("rest_crc32c")) {
       f.rest_crc32c = j["rest_crc32c"].get<uint32_t>();
       f.has_rest_crc32c = true;

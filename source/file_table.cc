@@ -8,12 +8,22 @@ Result<FileId> FileTable::Add(const std::string& rel) {
   // so a mount never serves bytes from outside what it was given.
   if (!source_.Contains(rel))
     return Status::InvalidArgument(rel + ": resolves outside the source root (a symlink?); not used");
-  ASSIGN_OR_RETURN(SourceFile f, source_.Identify(rel));
+  SourceFile f;
+  if (auto listed = listed_.find(rel); listed != listed_.end()) {
+    f = listed->second;
+  } else {
+    ASSIGN_OR_RETURN(f, source_.Identify(rel));
+  }
   f.path = rel;
   FileId id = files_.size();
   files_.push_back(std::move(f));
   by_path_[rel] = id;
   return id;
+}
+
+Result<std::string> FileTable::ReadWhole(FileId id) const {
+  ASSIGN_OR_RETURN(std::unique_ptr<SourceObject> obj, Open(id));
+  return obj->ReadString(0, files_.at(id).size);
 }
 
 FileId FileTable::AddDerived(FileId base, uint64_t offset, uint64_t length, const std::string& transform,

@@ -15,11 +15,15 @@ namespace ckptfs {
 
 class FileTable {
  public:
-  // `source` must outlive the table.
-  explicit FileTable(const Source& source) : source_(source) {}
+  // `source` must outlive the table. `listed`: identities a listing of the
+  // same moment told (SourceListing::known), by path; a file there is not
+  // asked again.
+  explicit FileTable(const Source& source, std::map<std::string, SourceFile> listed = {})
+      : source_(source), listed_(std::move(listed)) {}
 
-  // Identifies `rel` and registers it (once). Fails when it is not a
-  // regular file, or not inside the root (a symlink leading out).
+  // Identifies `rel` (from the listing when it told, else by asking the
+  // source) and registers it (once). Fails when it is not a regular file,
+  // or not inside the root (a symlink leading out).
   Result<FileId> Add(const std::string& rel);
   // Registers the decoded bytes of [offset, offset + length) of `base`.
   FileId AddDerived(FileId base, uint64_t offset, uint64_t length, const std::string& transform,
@@ -27,12 +31,16 @@ class FileTable {
 
   const Source& source() const { return source_; }
   const SourceFile& at(FileId id) const { return files_.at(id); }
-  // Opens registered file `id` (not a derived one).
-  Result<std::unique_ptr<SourceObject>> Open(FileId id) const { return source_.Open(files_.at(id).path); }
+  // Opens registered file `id` (not a derived one), at the identity it was
+  // registered with (Source::OpenIndexed).
+  Result<std::unique_ptr<SourceObject>> Open(FileId id) const { return source_.OpenIndexed(files_.at(id)); }
+  // The registered size of file `id`, read as Open opens it.
+  Result<std::string> ReadWhole(FileId id) const;
   std::vector<SourceFile> Take() { return std::move(files_); }
 
  private:
   const Source& source_;
+  std::map<std::string, SourceFile> listed_;
   std::vector<SourceFile> files_;
   std::map<std::string, FileId> by_path_;
 };

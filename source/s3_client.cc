@@ -583,7 +583,7 @@ Result<S3ListPage> S3Client::List(const std::string& prefix) const {
   return Status::IOError("listing s3://" + config_.location.bucket + "/" + prefix + ": too many pages");
 }
 
-Status S3Client::Probe(const std::string& prefix) const {
+Result<bool> S3Client::Probe(const std::string& prefix) const {
   Request r;
   r.listing = true;
   // No delimiter: the first key anywhere below the prefix, read next.
@@ -595,7 +595,9 @@ Status S3Client::Probe(const std::string& prefix) const {
   // Credentials may list a bucket without reading it (S3's ListBucket
   // without GetObject): then every read would fail, so say so now.
   const std::string key = XmlFirst(resp.body, "Key");
-  return key.empty() ? Status::OK() : Head(key).status();
+  if (key.empty()) return false;
+  RETURN_IF_ERROR(Head(key).status());
+  return true;
 }
 
 Result<S3ObjectInfo> S3Client::Head(const std::string& key) const {

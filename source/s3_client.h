@@ -94,8 +94,9 @@ class S3Client {
 
   // What a mount checks first: a wrong endpoint, secret or bucket, or
   // credentials that may list but not read, fail at once (no server at all
-  // is not retried; a busy one is). Lists the prefix and HEADs its first key.
-  Status Probe(const std::string& prefix) const;
+  // is not retried; a busy one is). Lists the prefix and HEADs its first key;
+  // true when there is one.
+  Result<bool> Probe(const std::string& prefix) const;
 
   // Ranged GETs answered in full so far, and their bytes (what a mount
   // fetched: logged when it ends, read by bench/bench_s3.py).

@@ -12,8 +12,11 @@ namespace {
 SourceFile IdentityOf(const S3ObjectInfo& o) {
   SourceFile f;
   f.size = o.size;
+  // S3 has no ctime: Last-Modified stands for both (as ChangeTimeNs says).
   f.mtime_ns = o.last_modified_ns;
+  f.ctime_ns = o.last_modified_ns;
   f.inode = EtagIdentity(o.etag);
+  f.version = o.etag;
   return f;
 }
 
@@ -143,9 +146,8 @@ S3Source::S3Source(S3Config config, std::shared_ptr<DiskCache> cache)
       cache_(std::move(cache)) {}
 
 Status S3Source::Probe() const {
-  RETURN_IF_ERROR(client_->Probe(client_->config().location.prefix));
-  ASSIGN_OR_RETURN(SourceListing l, List(""));
-  if (l.files.empty() && l.dirs.empty())
+  ASSIGN_OR_RETURN(bool any, client_->Probe(client_->config().location.prefix));
+  if (!any)
     return Status::NotFound(root_ + ": no object under this prefix at " + client_->config().endpoint +
                             "; check the prefix (keys are case-sensitive)");
   return Status::OK();
@@ -179,6 +181,25 @@ Result<SourceFile> S3Source::Identify(const std::string& rel) const {
 
 Result<std::unique_ptr<SourceObject>> S3Source::Open(const std::string& rel) const {
   ASSIGN_OR_RETURN(S3ObjectInfo o, client_->Head(Key(rel)));
+  return Pin(std::move(o));
+}
+
+Result<std::unique_ptr<SourceObject>> S3Source::OpenIndexed(const SourceFile& indexed) const {
+  // A version that is not the ETag the identity was taken from (a store
+  // row written by hand) is not trusted: the object is asked for its own.
+  // Nor is one read through the disk cache, whose blocks are served
+  // without a GET to catch a replaced object: the HEAD at open does.
+  if (cache_ || indexed.derived() || indexed.version.empty() || EtagIdentity(indexed.version) != indexed.inode)
+    return Open(indexed.path);
+  S3ObjectInfo o;
+  o.key = Key(indexed.path);
+  o.size = indexed.size;
+  o.etag = indexed.version;
+  o.last_modified_ns = indexed.mtime_ns;
+  return Pin(std::move(o));
+}
+
+Result<std::unique_ptr<SourceObject>> S3Source::Pin(S3ObjectInfo o) const {
   auto pinned = std::make_shared<PinnedObject>();
   pinned->client = client_;
   pinned->cache = cache_;

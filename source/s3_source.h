@@ -47,12 +47,17 @@ class S3Source : public Source {
   Result<SourceListing> List(const std::string& rel) const override;
   Result<SourceFile> Identify(const std::string& rel) const override;
   Result<std::unique_ptr<SourceObject>> Open(const std::string& rel) const override;
+  // Pinned to the indexed ETag (SourceFile::version), no HEAD: a GET of an
+  // object replaced since is answered 412, and the read fails Stale.
+  // With a disk cache, Open (its blocks are served without a GET).
+  Result<std::unique_ptr<SourceObject>> OpenIndexed(const SourceFile& indexed) const override;
   std::string DescribeChange(const SourceFile& indexed, const SourceFile& now) const override;
   bool Contains(const std::string& rel) const override;
   // Both are the object's Last-Modified (S3 has no ctime).
   std::optional<int64_t> ChangeTimeNs(const std::string& rel) const override;
   std::optional<int64_t> ModifyTimeNs(const std::string& rel) const override { return ChangeTimeNs(rel); }
   bool ReadsArePinned() const override { return true; }
+  bool ListingsIdentify() const override { return true; }
   bool CachesReads() const override { return false; }
   // The client's part size and threads.
   std::optional<FetchShape> PreferredFetch() const override;
@@ -67,6 +72,8 @@ class S3Source : public Source {
 
  private:
   std::string Key(const std::string& rel) const { return client_->config().location.prefix + rel; }
+  // An object reading version `o` (o.etag) of its key.
+  Result<std::unique_ptr<SourceObject>> Pin(S3ObjectInfo o) const;
 
   std::shared_ptr<S3Client> client_;
   std::string root_;

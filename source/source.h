@@ -154,6 +154,15 @@ class Source {
   // Opens regular file `rel` for reading.
   virtual Result<std::unique_ptr<SourceObject>> Open(const std::string& rel) const = 0;
 
+  // Opens file `indexed.path`, indexed as `indexed`, for reading those
+  // bytes. A backend whose reads are pinned to a version (ReadsArePinned)
+  // may pin them to `indexed.version` without asking the store: a file
+  // changed since then fails its reads with Stale, not its open. Default
+  // (and for a derived file or one without a version): Open(indexed.path).
+  virtual Result<std::unique_ptr<SourceObject>> OpenIndexed(const SourceFile& indexed) const {
+    return Open(indexed.path);
+  }
+
   // "" when `now` is the file that was indexed as `indexed`, else what
   // changed, in words ("size changed from 10 to 12").
   virtual std::string DescribeChange(const SourceFile& indexed, const SourceFile& now) const = 0;
@@ -174,6 +183,11 @@ class Source {
   // changes (object storage: every GET carries If-Match), so a reader
   // need not identify the path again after each read.
   virtual bool ReadsArePinned() const { return false; }
+
+  // True when List tells each file's identity (SourceListing::known) as
+  // Identify would: one listing of a directory then answers for all its
+  // files (object storage: a LIST instead of a HEAD per object).
+  virtual bool ListingsIdentify() const { return false; }
 
   // True when bytes read once are kept for the next read without asking
   // (a POSIX file's page cache); false for object storage, whose ranges are

@@ -1,5 +1,7 @@
 #include "source/source_objects.h"
 
+#include "source/identities_now.h"
+
 namespace ckptfs {
 
 SourceObjects::SourceObjects(std::shared_ptr<const Source> source, const std::vector<SourceFile>* files)
@@ -12,7 +14,7 @@ Result<const SourceObject*> SourceObjects::Get(FileId id) {
     if (!stale_[id].empty()) return Status::Stale(stale_[id]);
     if (objects_[id]) return objects_[id].get();
   }
-  auto opened = source_->Open((*files_)[id].path);
+  auto opened = source_->OpenIndexed((*files_)[id]);
   if (!opened.ok()) return opened.status();
   std::unique_ptr<SourceObject> obj = std::move(opened).value();
   RETURN_IF_ERROR(CheckUnchanged(id, *obj));
@@ -44,6 +46,7 @@ Status SourceObjects::CheckUnchanged(FileId id, const SourceObject& obj) {
 }
 
 Status SourceObjects::Recheck() {
+  IdentitiesNow identities(*source_);
   for (FileId id = 0; id < files_->size(); ++id) {
     const SourceFile& f = (*files_)[id];
     if (f.derived()) continue;
@@ -51,7 +54,7 @@ Status SourceObjects::Recheck() {
       std::lock_guard<std::mutex> lock(mu_);
       if (!stale_[id].empty()) return Status::Stale(stale_[id]);
     }
-    auto now = source_->Identify(f.path);
+    auto now = identities.Of(f.path);
     std::string what = now.ok() ? source_->DescribeChange(f, *now) : "gone (" + now.status().message() + ")";
     if (!what.empty()) return MarkStale(id, what);
   }

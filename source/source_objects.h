@@ -31,8 +31,9 @@ class SourceObjects {
   Status CheckUnchanged(FileId id, const SourceObject& obj);
   // Get, then CheckUnchanged: after a read of `id`.
   Status Check(FileId id);
-  // Identifies every (non-derived) source by path now; Stale naming the
-  // first one that changed since indexing, else OK.
+  // Identifies every (non-derived) source by path now (IdentitiesNow: a
+  // listing per directory where listings tell); Stale naming the first one
+  // that changed since indexing, else OK.
   Status Recheck();
   // True once any source was seen changed.
   bool any_stale() const { return any_stale_.load(); }

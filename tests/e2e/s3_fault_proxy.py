@@ -193,6 +193,7 @@ class FaultProxy(LocalListener):
         self.counts = {k: 0 for k in (*KINDS, "forbidden", "drop", "hold", "passed")}
         self.held = 0  # requests that reached a scripted hold
         self._released = threading.Event()
+        self.requests: list[str] = []  # every request line (method and path), in arrival order
         self.ranged_gets = 0  # GETs with a Range header, faulted or not
         self.ranged_in_flight = 0
         self.peak_ranged_in_flight = 0  # most ranged GETs answered at once
@@ -308,6 +309,8 @@ class FaultProxy(LocalListener):
         # Whether the answer will have a body of 2 bytes or more is known
         # only from upstream; a fault drawn for one without passes it.
         line = head.partition(b"\r\n")[0]
+        with self.lock:
+            self.requests.append(line.decode(errors="replace").rsplit(" ", 1)[0])
         kind = self._choose(line, ranged or not self.ranged_only, has_body=not is_head,
                             range_=_header(head, b"range"))
         if kind == "slowdown":

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -172,6 +173,75 @@ def test_an_object_overwritten_while_mounted_reads_eio(s3_server, s3_env, main_c
         assert "ETag" in m.log() or "changed" in m.log(), m.log()[-2000:]
         plain_lines = [line for line in m.log().splitlines() if plain in line]
         assert plain_lines and "failed (Input/output error)" in plain_lines[-1], m.log()[-2000:]
+
+
+def test_indexed_objects_are_read_by_their_etag_without_a_head_and_a_replacement_still_fails(
+        s3_server, s3_env, dcp_step, mount_factory, ckptfs, tmp_path):
+    """Indexing takes each object's identity from the listing, and reads and
+    a mount pin their GETs to the indexed ETag: no HEAD per object, no LIST
+    twice, .metadata read once (each request a round trip on a distant
+    server). A replacement after indexing is still caught: the first GET of
+    the replaced object, If-Match the indexed ETag, is refused, and the read
+    fails with EIO instead of serving either version. The reads run in a
+    child process: the proxy's threads need this one's interpreter."""
+    from s3_fault_proxy import FaultProxy
+
+    client = s3_server["client"]
+    keys = upload_tree(client, dcp_step["out_dir"], "pinned/step-100/")
+    shards = sorted(k for k in keys if k.endswith(".distcp"))
+    assert len(shards) == 2, keys
+    url = f"s3://{BUCKET}/pinned"
+    proxy = FaultProxy(s3_server["port"], seed=4, p_slowdown=0, p_reset=0, p_truncate=0)
+    via = ("--endpoint-url", f"http://127.0.0.1:{proxy.port}")
+    loaded = tmp_path / "loaded.pt"
+    load = ("import sys, torch\n"
+            "from safetensors.torch import load_file\n"
+            "torch.save(load_file(sys.argv[1]), sys.argv[2])\n")
+    read_all = ("import json, os, sys\n"
+                "errs = []\n"
+                "for n in sorted(os.listdir(sys.argv[1])):\n"
+                "    try:\n"
+                "        open(os.path.join(sys.argv[1], n), 'rb').read()\n"
+                "    except OSError as e:\n"
+                "        errs.append(e.errno)\n"
+                "print(json.dumps(errs))\n")
+    try:
+        r = ckptfs("index", *via, url)
+        assert r.returncode == 0, r.stderr.decode()
+        sent = list(proxy.requests)
+        heads = [q for q in sent if q.startswith("HEAD ")]
+        assert len(heads) <= 1, sent  # the probe's check that objects may be read, no more
+        listings = [q for q in sent if "delimiter=" in q]
+        assert len(listings) == len(set(listings)) == 2, sent  # the root, then the step
+        assert [q for q in sent if q.startswith("GET ") and q.endswith("/.metadata")] == \
+            [f"GET /{BUCKET}/pinned/step-100/.metadata"], sent
+
+        with mount_factory(url, *via, "--rescan-ms", "0", "--reindex") as m:
+            child = subprocess.run([sys.executable, "-c", load, m.p("step-100", "consolidated", "model.safetensors"),
+                                    str(loaded)], capture_output=True, text=True, timeout=120)
+            assert child.returncode == 0, child.stderr + m.log()[-2000:]
+            heads = [q for q in proxy.requests if q.startswith("HEAD ") and q.endswith(".distcp")]
+            assert not heads, heads
+        got, want = torch.load(loaded), dcp_step["expected"]
+        assert set(got) == set(want), sorted(got)
+        for k, t in want.items():
+            assert torch.equal(got[k], t), k
+
+        with mount_factory(url, *via, "--rescan-ms", "0") as m:
+            cons = m.p("step-100", "consolidated")
+            assert "model.safetensors" in os.listdir(cons)
+            # Replaced after the mount indexed it, before any read opened
+            # it: same size, one byte changed, so only the ETag tells.
+            body = bytearray(client.get_object(Bucket=BUCKET, Key=shards[0])["Body"].read())
+            body[len(body) // 2] ^= 0xFF
+            client.put_object(Bucket=BUCKET, Key=shards[0], Body=bytes(body))
+            child = subprocess.run([sys.executable, "-c", read_all, cons], capture_output=True, text=True,
+                                   timeout=120)
+            assert child.returncode == 0, child.stderr
+            assert json.loads(child.stdout) == [errno.EIO], child.stdout + m.log()[-2000:]
+            assert "changed since indexing" in m.log(), m.log()[-2000:]
+    finally:
+        proxy.close()
 
 
 def test_a_step_uploaded_to_a_mounted_prefix_appears_and_a_deleted_one_vanishes(

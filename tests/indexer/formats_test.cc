@@ -103,7 +103,7 @@ TEST_F(RecogniseContract, ReadersListNothingAndReadAtMost512BytesOfFilesTheListi
   CountingSource source(fs::canonical(dir_).string());
   auto listing = source.List("");
   ASSERT_TRUE(listing.ok());
-  DirListing dir{&source, "", listing->files, listing->dirs};
+  DirListing dir{&source, "", listing->files, listing->dirs, listing->linked_dirs, listing->known};
   source.lists = 0;
   for (const auto& reader : AllReaders()) {
     // Every name matches; only ByteCheckpoint's .metadata says otherwise.

@@ -225,5 +225,61 @@ TEST_F(IndexLifecycleTest, ASourceChangedSinceIndexingIsStale) {
       << fresh.status().message();
 }
 
+// A local root whose listings tell each file's identity, as an object
+// store's do, and which counts the files it is asked to identify.
+class ListingIdentitiesSource : public PosixSource {
+ public:
+  using PosixSource::PosixSource;
+  Result<SourceListing> List(const std::string& rel) const override {
+    ASSIGN_OR_RETURN(SourceListing l, PosixSource::List(rel));
+    for (const std::string& name : l.files)
+      if (auto f = PosixSource::Identify(JoinRel(rel, name)); f.ok()) l.known[name] = *f;
+    return l;
+  }
+  Result<SourceFile> Identify(const std::string& rel) const override {
+    identified.push_back(rel);
+    return PosixSource::Identify(rel);
+  }
+  bool ListingsIdentify() const override { return true; }
+  mutable std::vector<std::string> identified;
+};
+
+TEST_F(IndexLifecycleTest, WhereListingsTellIdentitiesNoFileIsAskedForItsOwn) {
+  SaveCheckpoint("step_1", "w", 3);
+  SaveCheckpoint("step_2", "w", 3);
+  ListingIdentitiesSource source(fs::canonical(root_).string());
+  auto catalog = ScanSource(source);
+  ASSERT_TRUE(catalog.ok()) << catalog.status().ToString();
+  ASSERT_EQ(catalog->checkpoints.size(), 2u);
+  EXPECT_EQ(source.identified, std::vector<std::string>{});
+  // The identities are the files' own: the same as asking for each.
+  for (const Checkpoint& ck : catalog->checkpoints)
+    for (const SourceFile& f : ck.files) {
+      auto asked = source.PosixSource::Identify(f.path);
+      ASSERT_TRUE(asked.ok()) << f.path;
+      EXPECT_EQ(source.DescribeChange(f, *asked), "") << f.path;
+    }
+
+  ASSERT_TRUE(Build().ok());
+  auto store = OpenForReading(*source_, index_, root_, Options());
+  ASSERT_TRUE(store.ok()) << store.status().ToString();
+  auto fresh = FreshCheckpoints(source, **store);
+  ASSERT_TRUE(fresh.ok()) << fresh.status().ToString();
+  EXPECT_EQ(fresh->size(), 2u);
+  EXPECT_EQ(source.identified, std::vector<std::string>{});
+  // A change shows in the listing; a file the listing lacks is asked for,
+  // and the answer names it.
+  std::ofstream(fs::path(root_) / "step_2" / "model.safetensors", std::ios::binary | std::ios::app) << "x";
+  fresh = FreshCheckpoints(source, **store);
+  ASSERT_FALSE(fresh.ok());
+  EXPECT_NE(fresh.status().message().find("step_2/model.safetensors: size changed"), std::string::npos)
+      << fresh.status().message();
+  fs::remove(fs::path(root_) / "step_1" / "model.safetensors");
+  fresh = FreshCheckpoints(source, **store);
+  ASSERT_FALSE(fresh.ok());
+  EXPECT_EQ(source.identified, std::vector<std::string>{"step_1/model.safetensors"});
+  EXPECT_NE(fresh.status().message().find("step_1/model.safetensors"), std::string::npos) << fresh.status().message();
+}
+
 }  // namespace
 }  // namespace ckptfs

@@ -18,6 +18,7 @@
 #include <nlohmann/json.hpp>
 
 #include "indexer/commit_record.h"
+#include "indexer/store_rows.h"
 #include "tests/indexer/test_dirs.h"
 
 namespace ckptfs {
@@ -38,6 +39,7 @@ void ExpectSameCheckpoint(const Checkpoint& a, const Checkpoint& b) {
     EXPECT_EQ(x.mtime_ns, y.mtime_ns);
     EXPECT_EQ(x.ctime_ns, y.ctime_ns);
     EXPECT_EQ(x.inode, y.inode);
+    EXPECT_EQ(x.version, y.version);
     EXPECT_EQ(x.transform, y.transform);
     EXPECT_EQ(x.base, y.base);
     EXPECT_EQ(x.base_offset, y.base_offset);
@@ -117,6 +119,7 @@ Checkpoint FullCheckpoint(const std::string& dir) {
   c.format = "dcp";
   c.files = {File(p + "__0_0.distcp", 4096, 11), File(p + "__1_0.distcp", 4096, 12), File(p + ".metadata", 300, 13),
              File(p + "config.json", 20, 14)};
+  c.files[0].version = "\"9b2cf535f27731c974343645a3985328-2\"";  // an object's ETag
   SourceFile derived = c.files[1];
   derived.path += "@128";
   derived.size = 64;
@@ -212,6 +215,27 @@ TEST_F(StoreTest, RootCheckpointAndFilesOutsideTheDirectoryRoundTrip) {
   ASSERT_TRUE(a.ok() && b.ok());
   ExpectSameCheckpoint(root, *a);
   ExpectSameCheckpoint(outside, *b);
+}
+
+TEST(StoreRows, AVersionThatCouldNotGoOutInARequestHeaderIsRefused) {
+  CheckpointEntry e;
+  e.dir = "s";
+  e.format = "dcp";
+  e.files = 1;
+  const std::string key = rows::FilesPrefix("s") + "a.distcp";
+  auto row = [](const std::string& version) {
+    return nlohmann::json{{"id", 0}, {"size", 1}, {"mtime_ns", 0}, {"ctime_ns", 0}, {"inode", 1}, {"version", version}}
+        .dump();
+  };
+  rows::CheckpointDecoder plain(e, false);
+  ASSERT_TRUE(plain.Add(key, row("\"abc\"")).ok());
+  EXPECT_EQ(plain.TakeFiles().at(0).version, "\"abc\"");
+  const std::vector<std::string> bad_versions = {"\"abc\"\r\nX-Injected: 1", std::string("\"a\0b\"", 5),
+                                                 "\"caf\xc3\xa9\""};
+  for (const std::string& bad : bad_versions) {
+    rows::CheckpointDecoder d(e, false);
+    EXPECT_EQ(d.Add(key, row(bad)).code(), Status::Code::kCorruption) << bad;
+  }
 }
 
 TEST_F(StoreTest, DataReachesSstFilesAndSurvivesReopen) {
