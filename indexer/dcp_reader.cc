@@ -60,6 +60,11 @@ constexpr size_t kFramingBatch = 8192;
 // file's few dozen small GETs leave most of those idle.
 constexpr size_t kFramingFiles = 8;
 
+// Over object storage, the gaps between items' framing read with it rather
+// than split into another GET: each up to 256 KiB (a few ms of transfer,
+// less than a request's round trip), at most 16 MiB per file read at once.
+constexpr WindowGaps kFramingGaps{256 << 10, 16 << 20};
+
 // Decoded items are held in memory while indexing; this bounds one.
 constexpr uint64_t kMaxDecodedItem = 8ull << 30;
 
@@ -285,8 +290,13 @@ FramedObjects FetchFraming(const DirListing& dir, FileTable& files, const DcpPla
     const auto& obj = ObjectOf(rel, *id, files, objects);
     if (obj.ok()) jobs.push_back({&rel, obj->get(), std::move(ranges), nullptr});
   }
+  // Over a backend with round trips to hide, a short gap costs less read
+  // than asked for again.
+  const WindowGaps gaps =
+      files.source().PreferredFetch() ? kFramingGaps : WindowGaps{};
   ForEachInParallel(jobs.size(), kFramingFiles, [&](size_t i) {
-    if (auto w = WindowedObject::Fetch(*jobs[i].obj, std::move(jobs[i].ranges)); w.ok()) jobs[i].framed = std::move(*w);
+    if (auto w = WindowedObject::Fetch(*jobs[i].obj, std::move(jobs[i].ranges), gaps); w.ok())
+      jobs[i].framed = std::move(*w);
   });
   FramedObjects out;
   for (Job& j : jobs)

@@ -39,15 +39,21 @@ Status SourceObject::ReadRanges(const std::vector<std::pair<uint64_t, uint64_t>>
 }
 
 Result<std::unique_ptr<WindowedObject>> WindowedObject::Fetch(const SourceObject& inner,
-                                                              std::vector<std::pair<uint64_t, uint64_t>> ranges) {
+                                                              std::vector<std::pair<uint64_t, uint64_t>> ranges,
+                                                              WindowGaps gaps) {
   std::sort(ranges.begin(), ranges.end());
   std::vector<std::pair<uint64_t, uint64_t>> merged;  // (offset, length)
   for (const auto& [offset, len] : ranges) {
     if (len == 0) continue;
-    if (!merged.empty() && offset <= merged.back().first + merged.back().second)
+    const uint64_t end = merged.empty() ? 0 : merged.back().first + merged.back().second;
+    const uint64_t gap = offset > end ? offset - end : 0;
+    const bool bridge = gap > 0 && gap <= gaps.longest && gap <= gaps.budget;
+    if (!merged.empty() && (offset <= end || bridge)) {
+      if (bridge) gaps.budget -= gap;
       merged.back().second = std::max(merged.back().second, offset + len - merged.back().first);
-    else
+    } else {
       merged.emplace_back(offset, len);
+    }
   }
   std::vector<std::string> bytes;
   RETURN_IF_ERROR(inner.ReadRanges(merged, &bytes));

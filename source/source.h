@@ -102,6 +102,14 @@ class SourceObject {
                             std::vector<std::string>* out) const;
 };
 
+// Gaps between ranges read rather than split into another read
+// (WindowedObject::Fetch): each at most `longest` bytes, all together at
+// most `budget` (memory held).
+struct WindowGaps {
+  uint64_t longest = 0;
+  uint64_t budget = 0;
+};
+
 // Some ranges of an object read ahead at once (ReadRanges), and the object:
 // a read inside the ranges is answered from memory, any other goes to the
 // object. For parsers that know beforehand which small pieces they will
@@ -110,9 +118,11 @@ class SourceObject {
 // those the object read; it must outlive this.
 class WindowedObject : public SourceObject {
  public:
-  // Reads `ranges` of `inner`; overlapping or touching ones are read as one.
+  // Reads `ranges` of `inner`; overlapping or touching ones are read as
+  // one, and so are ones `gaps` allows bridging.
   static Result<std::unique_ptr<WindowedObject>> Fetch(const SourceObject& inner,
-                                                       std::vector<std::pair<uint64_t, uint64_t>> ranges);
+                                                       std::vector<std::pair<uint64_t, uint64_t>> ranges,
+                                                       WindowGaps gaps = {});
   Status ReadAt(uint64_t offset, uint64_t len, char* dst) const override;
   Result<SourceFile> Identity() const override { return inner_.Identity(); }
   Result<std::unique_ptr<SourceObject>> Reopen() const override { return inner_.Reopen(); }

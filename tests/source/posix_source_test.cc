@@ -176,5 +176,24 @@ TEST(WindowedObject, ReadsInsideWindowsStayInMemoryOthersGoThrough) {
   EXPECT_EQ(WindowedObject::Fetch(inner, {{9990, 20}}).status().code(), Status::Code::kCorruption);
 }
 
+TEST(WindowedObject, GapsUpToTheLongestAreReadWhileTheBudgetLasts) {
+  std::string bytes(10000, '\0');
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = char(i * 13 % 251);
+  CountingObject inner(bytes);
+  // Gaps of 100, 300, 100 and 100 bytes: the 300 is too long; the budget
+  // of 250 covers two of the three short ones, in file order.
+  auto w = WindowedObject::Fetch(inner, {{0, 50}, {150, 50}, {500, 50}, {650, 50}, {800, 50}, {950, 50}},
+                                 WindowGaps{200, 250});
+  ASSERT_TRUE(w.ok()) << w.status().ToString();
+  EXPECT_EQ(inner.reads, 4);                       // [0,200) [500,700) [800,850) [950,1000)
+  EXPECT_EQ((*w)->bytes(), 200u + 200u + 50u + 50u);
+  std::string got(200, '\0');
+  ASSERT_TRUE((*w)->ReadAt(0, 200, got.data()).ok());  // the bridged gap holds the object's bytes
+  EXPECT_EQ(got, bytes.substr(0, 200));
+  ASSERT_TRUE((*w)->ReadAt(500, 200, got.data()).ok());
+  EXPECT_EQ(got, bytes.substr(500, 200));
+  EXPECT_EQ(inner.reads, 4);
+}
+
 }  // namespace
 }  // namespace ckptfs
