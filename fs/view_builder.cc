@@ -28,7 +28,7 @@ struct PendingDir {
 std::string ReadSidecar(const Source& source, const Checkpoint& ckpt, const std::string& name) {
   auto it = ckpt.sidecars.find(name);
   if (it == ckpt.sidecars.end()) return "";
-  auto text = source.ReadWhole(ckpt.files[it->second].path);
+  auto text = source.ReadWholeIndexed(ckpt.files[it->second]);
   return text.ok() ? *text : "";
 }
 

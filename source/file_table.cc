@@ -21,11 +21,6 @@ Result<FileId> FileTable::Add(const std::string& rel) {
   return id;
 }
 
-Result<std::string> FileTable::ReadWhole(FileId id) const {
-  ASSIGN_OR_RETURN(std::unique_ptr<SourceObject> obj, Open(id));
-  return obj->ReadString(0, files_.at(id).size);
-}
-
 FileId FileTable::AddDerived(FileId base, uint64_t offset, uint64_t length, const std::string& transform,
                              uint64_t decoded_size) {
   SourceFile f = files_.at(base);

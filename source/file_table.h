@@ -34,8 +34,8 @@ class FileTable {
   // Opens registered file `id` (not a derived one), at the identity it was
   // registered with (Source::OpenIndexed).
   Result<std::unique_ptr<SourceObject>> Open(FileId id) const { return source_.OpenIndexed(files_.at(id)); }
-  // The registered size of file `id`, read as Open opens it.
-  Result<std::string> ReadWhole(FileId id) const;
+  // All of registered file `id`, read as Open opens it.
+  Result<std::string> ReadWhole(FileId id) const { return source_.ReadWholeIndexed(files_.at(id)); }
   std::vector<SourceFile> Take() { return std::move(files_); }
 
  private:

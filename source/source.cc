@@ -101,7 +101,13 @@ Result<std::string> Source::ReadRange(const std::string& rel, uint64_t offset, u
 }
 
 Result<std::string> Source::ReadWhole(const std::string& rel) const {
-  ASSIGN_OR_RETURN(std::unique_ptr<SourceObject> obj, Open(rel));
+  SourceFile any;  // no identity to open at: the file as it is now
+  any.path = rel;
+  return ReadWholeIndexed(any);
+}
+
+Result<std::string> Source::ReadWholeIndexed(const SourceFile& indexed) const {
+  ASSIGN_OR_RETURN(std::unique_ptr<SourceObject> obj, OpenIndexed(indexed));
   ASSIGN_OR_RETURN(SourceFile id, obj->Identity());
   return obj->ReadString(0, id.size);
 }

@@ -234,6 +234,9 @@ class Source {
   // Convenience: [offset, offset + len) of file `rel`, and all of it.
   Result<std::string> ReadRange(const std::string& rel, uint64_t offset, uint64_t len) const;
   Result<std::string> ReadWhole(const std::string& rel) const;
+  // All of file `indexed.path`, opened as OpenIndexed opens it (over object
+  // storage: the indexed version, without asking for it again).
+  Result<std::string> ReadWholeIndexed(const SourceFile& indexed) const;
 };
 
 // "dir/name", or "name" when dir is the root ("").

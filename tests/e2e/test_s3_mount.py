@@ -188,6 +188,8 @@ def test_indexed_objects_are_read_by_their_etag_without_a_head_and_a_replacement
 
     client = s3_server["client"]
     keys = upload_tree(client, dcp_step["out_dir"], "pinned/step-100/")
+    # A sidecar the views read when they are built.
+    client.put_object(Bucket=BUCKET, Key="pinned/step-100/config.json", Body=b'{"model_type": "llama"}')
     shards = sorted(k for k in keys if k.endswith(".distcp"))
     assert len(shards) == 2, keys
     url = f"s3://{BUCKET}/pinned"
@@ -227,9 +229,14 @@ def test_indexed_objects_are_read_by_their_etag_without_a_head_and_a_replacement
         for k, t in want.items():
             assert torch.equal(got[k], t), k
 
+        before = len(proxy.requests)
         with mount_factory(url, *via, "--rescan-ms", "0") as m:
             cons = m.p("step-100", "consolidated")
             assert "model.safetensors" in os.listdir(cons)
+            # Over the stored index: checked by listings, its views built
+            # from config.json read at its indexed ETag; only the probe HEADs.
+            heads = [q for q in proxy.requests[before:] if q.startswith("HEAD ")]
+            assert len(heads) <= 1, proxy.requests[before:]
             # Replaced after the mount indexed it, before any read opened
             # it: same size, one byte changed, so only the ETag tells.
             body = bytearray(client.get_object(Bucket=BUCKET, Key=shards[0])["Body"].read())
