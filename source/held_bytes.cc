@@ -13,9 +13,12 @@ HeldBytes::HeldBytes(std::shared_ptr<char[]> bytes, uint64_t offset, uint64_t le
 }
 
 bool HeldBytes::Compact(const IntervalSet& spans) {
-  uint64_t keep = 0;
-  for (const auto& [b, e] : spans.spans()) keep += e - b;
-  if (keep * 2 > size_) return false;  // a copy would free less than it costs
+  if (spans.Bytes(0, UINT64_MAX) * 2 > size_) return false;  // a copy would free less than it costs
+  return Keep(spans);
+}
+
+bool HeldBytes::Keep(const IntervalSet& spans) {
+  const uint64_t keep = spans.Bytes(0, UINT64_MAX);
   std::shared_ptr<char[]> small;
   try {
     small.reset(new char[std::max<uint64_t>(keep, 1)]);

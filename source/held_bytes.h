@@ -31,6 +31,10 @@ class HeldBytes {
   // that frees at least half of what is held. Returns whether it did; false
   // also when the small buffer cannot be allocated (all stays held).
   bool Compact(const IntervalSet& spans);
+  // Keeps only `spans` (every byte of them held now), copied into a buffer
+  // of their own, whatever that frees; false (all stays held) when it
+  // cannot be allocated.
+  bool Keep(const IntervalSet& spans);
 
   // Bytes of a held span copied into a reply at `dst`.
   struct Copy {

@@ -27,7 +27,8 @@ std::string Gb(uint64_t n) { return std::to_string(n) + " bytes"; }
 
 std::string FetchCounters::Describe() const {
   return "fetched " + Gb(fetched.load()) + " from its sources (" + Gb(ordered.load()) + " in source order, " +
-         Gb(direct.load()) + " with O_DIRECT, " + Gb(refetched.load()) + " refetched), served " + Gb(served.load());
+         Gb(pinned.load()) + " pinned, " + Gb(direct.load()) + " with O_DIRECT, " + Gb(refetched.load()) +
+         " refetched), served " + Gb(served.load());
 }
 
 uint64_t FetchBudget::RangeBytes(uint64_t capacity, uint64_t wanted) {
@@ -248,17 +249,31 @@ void OrderedFetch::AttachMappings(std::map<FileId, std::vector<Mapping>>& maps) 
   }
 }
 
-std::vector<std::pair<uint64_t, uint64_t>> OrderedFetch::Push(const Range& r, const char* bytes) {
+std::vector<std::pair<uint64_t, uint64_t>> OrderedFetch::Push(const Range& r, const char* bytes, uint64_t at) {
   static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
-  std::vector<std::pair<uint64_t, uint64_t>> pushed;
+  std::vector<std::pair<uint64_t, uint64_t>> pushed, needed;
   for (const Mapping& m : r.maps) {
-    const uint64_t b = (m.virt + page - 1) / page * page, e = (m.virt + m.len) / page * page;
-    if (e <= b) continue;  // no whole page: the consumer's request fills it
-    const uint64_t src = m.src + (b - m.virt);
-    served_->AddPushed(b, e - b);
-    options_.sink(b, bytes + (src - r.offset), e - b);
-    options_.counters->served.fetch_add(e - b, std::memory_order_relaxed);
-    pushed.emplace_back(src, e - b);
+    // What readers have not been served meanwhile: the rest is in the page cache.
+    needed.clear();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = r.needed.spans().upper_bound(m.src);
+      if (it != r.needed.spans().begin()) --it;
+      for (; it != r.needed.spans().end() && it->first < m.src + m.len; ++it)
+        if (std::max(m.src, it->first) < std::min(m.src + m.len, it->second))
+          needed.emplace_back(std::max(m.src, it->first), std::min(m.src + m.len, it->second));
+    }
+    for (const auto& [sb, se] : needed) {
+      // Whole pages only: the consumer's request fills a page shared with a neighbour.
+      const uint64_t vb = m.virt + (sb - m.src), ve = m.virt + (se - m.src);
+      const uint64_t b = (vb + page - 1) / page * page, e = ve / page * page;
+      if (e <= b) continue;
+      const uint64_t src = m.src + (b - m.virt);
+      served_->AddPushed(b, e - b);
+      options_.sink(b, bytes + (src - at), e - b);
+      options_.counters->served.fetch_add(e - b, std::memory_order_relaxed);
+      pushed.emplace_back(src, e - b);
+    }
   }
   return pushed;
 }
@@ -309,7 +324,8 @@ void OrderedFetch::Work() {
       ranges_[i].state = State::kFetching;
     }
     options_.budget->Release(options_.range_bytes - ranges_[i].length);
-    FetchRange(i, true);
+    if (pinning()) PushPinned(i);
+    else FetchRange(i, true);
   }
 }
 
@@ -338,7 +354,7 @@ void OrderedFetch::FetchRange(size_t i, bool push) {
   changed_.notify_all();
   if (!st.ok() || !push || !options_.sink || stop_.load()) return;
   // Outside the lock: readers of the range's other bytes need not wait.
-  const auto pushed = Push(r, bytes);
+  const auto pushed = Push(r, bytes, r.offset);
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [src, len] : pushed)
     if (r.state == State::kHeld) Delivered(i, src, len);
@@ -346,6 +362,56 @@ void OrderedFetch::FetchRange(size_t i, bool push) {
   // back to the fetch.
   const uint64_t before = r.held.size();
   if (r.state == State::kHeld && r.held.Compact(r.needed)) options_.budget->Release(before - r.held.size());
+}
+
+void OrderedFetch::PushPinned(size_t i) {
+  Range& r = ranges_[i];  // offset, length and file never change once built
+  uint64_t first = 0, last = 0, bytes_needed = 0;  // what its readers have not been served yet
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (r.needed.empty()) {  // its readers read it all themselves
+      options_.budget->Release(r.length);
+      r.state = State::kDone;
+    } else {
+      first = r.needed.spans().begin()->first;
+      last = r.needed.spans().rbegin()->second;
+      bytes_needed = r.needed.Bytes(first, last);
+    }
+  }
+  if (bytes_needed == 0) return changed_.notify_all();
+  auto pinned = options_.pin(r.file, first, last - first);
+  if (!pinned.ok()) return FetchRange(i, true);
+  options_.counters->fetched.fetch_add(bytes_needed, std::memory_order_relaxed);
+  options_.counters->ordered.fetch_add(bytes_needed, std::memory_order_relaxed);
+  options_.counters->pinned.fetch_add(bytes_needed, std::memory_order_relaxed);
+  std::shared_ptr<PinnedRange> pin = std::move(*pinned);
+  // Readers copy from the pinned bytes while they are pushed (their copies
+  // keep the pin), as from any held range: published first (FetchRange).
+  std::shared_ptr<char[]> bytes(pin, const_cast<char*>(pin->data()));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    r.fetched = true;
+    r.held = HeldBytes(bytes, first, last - first);
+    r.state = State::kHeld;
+    options_.budget->Release(r.length - (last - first));
+    if (stop_.load()) Free(i);
+  }
+  changed_.notify_all();
+  if (stop_.load()) return;
+  const auto pushed = Push(r, bytes.get(), first);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& [src, len] : pushed)
+    if (r.state == State::kHeld) Delivered(i, src, len);
+  if (r.state != State::kHeld) return;
+  // The pin ends with the copies out of it: only the edges of pages shared
+  // with a neighbour are kept, in memory of their own.
+  const uint64_t before = r.held.size();
+  if (r.held.Keep(r.needed)) {
+    options_.budget->Release(before - r.held.size());
+  } else {
+    Free(i);  // out of memory: its readers read the ordinary way
+    r.state = State::kFailed;
+  }
 }
 
 void OrderedFetch::TakeHeld(const Piece& p, std::vector<HeldBytes::Copy>* held, std::vector<CopyOp>* rest) const {
@@ -384,6 +450,7 @@ Status OrderedFetch::Serve(const ReadPlan& plan, char* dst) {
     // A range no fetch thread has reached is fetched now, by this reader,
     // whole, when there is room; else only the reader's bytes are read.
     for (const Piece& p : pieces) {
+      if (pinning()) break;  // pinned ranges are the fetch threads' alone (header)
       if (p.range == npos || ranges_[p.range].state != State::kQueued) continue;
       if (!options_.budget->TryAcquire(ranges_[p.range].length)) continue;
       ranges_[p.range].state = State::kFetching;

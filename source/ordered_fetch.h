@@ -30,6 +30,18 @@
 // boundary off a page boundary) wait for the consumer's request. Pushed
 // bytes count as served: the range is freed once nothing else is needed.
 //
+// Pinned ranges. Where the sources can pin a range (local files:
+// Source::PinsRanges), a fetch thread pushes its pages straight from the
+// source's own page cache, mapped and pinned (SourceObject::Pin: no one may
+// write the file meanwhile), and checks the source's identity while pinned:
+// one copy per byte instead of a read into a buffer and then a push. Only
+// the few bytes of edge pages are copied out and held. As the pushed pages
+// of a range are locked by the reads a consumer is waiting on, a reader
+// never waits for such a range, nor takes one: it reads its own bytes the
+// ordinary way (from the same page cache) while the range is queued or
+// being pushed. On object storage, where such a read costs a round trip
+// and bytes fetched twice, readers take ranges as below.
+//
 // Memory. Held ranges of all open files of a mount share one FetchBudget
 // (`ckptfs mount --fetch-hold-mib`). A fetch thread waits for room before it
 // takes its next range; a reader that needs a range not fetched yet fetches
@@ -72,6 +84,7 @@
 #include "source/held_bytes.h"
 #include "source/interval_set.h"
 #include "source/range_buffers.h"
+#include "source/source.h"
 #include "source/tensor_push.h"
 
 namespace ckptfs {
@@ -80,10 +93,11 @@ namespace ckptfs {
 struct FetchCounters {
   std::atomic<uint64_t> fetched{0};    // source bytes read (every path)
   std::atomic<uint64_t> ordered{0};    // of those, by source-order plans
+  std::atomic<uint64_t> pinned{0};     // of those, pushed from pinned source bytes (SourceObject::Pin)
   std::atomic<uint64_t> direct{0};     // of those, read with O_DIRECT (SourceObject::ReadOnce)
   std::atomic<uint64_t> refetched{0};  // bytes of planned ranges read again after being freed
   std::atomic<uint64_t> served{0};     // bytes of virtual files replied to readers
-  // "fetched N bytes from its sources (...), served M bytes"
+  // "fetched N bytes from its sources (... in source order, ... pinned, ...), served M bytes"
   std::string Describe() const;
 };
 
@@ -188,6 +202,11 @@ struct OrderedFetchOptions {
   FetchCounters* counters = nullptr;  // not owned; outlives this
   std::vector<bool> planned;          // by FileId: false for sources left to the ordinary path (derived)
   PageSink sink;                      // the file's pages go here once fetched (empty: none are pushed)
+  // Where set (with a sink), the fetch threads push ranges from pinned
+  // source bytes (see "Pinned ranges" above); NotSupported or any error:
+  // that range is fetched instead.
+  using Pin = std::function<Result<std::unique_ptr<PinnedRange>>(FileId file, uint64_t offset, uint64_t len)>;
+  Pin pin;
 };
 
 class OrderedFetch {
@@ -250,9 +269,11 @@ class OrderedFetch {
   void Build();
   // Gives each range the mappings of its bytes (`maps`: by file). REQUIRES: mu_.
   void AttachMappings(std::map<FileId, std::vector<Mapping>>& maps);
-  // Hands the whole pages range `i` completes to options_.sink; returns
-  // them as (source offset, length), for Delivered.
-  std::vector<std::pair<uint64_t, uint64_t>> Push(const Range& r, const char* bytes);
+  // Hands the whole pages range `r` completes to options_.sink, but for
+  // those its readers were served meanwhile; returns them as (source
+  // offset, length), for Delivered. Takes mu_.
+  // `bytes` holds the source's bytes from byte `at` on.
+  std::vector<std::pair<uint64_t, uint64_t>> Push(const Range& r, const char* bytes, uint64_t at);
   // The pieces of `c`, split at range boundaries. REQUIRES: mu_.
   void Split(const CopyOp& c, std::vector<Piece>* out) const;
   // The fetch threads' loop: ranges in order while there are any.
@@ -262,6 +283,13 @@ class OrderedFetch {
   // threads push: a reader's thread holds the kernel's locks on the pages
   // of its own request, and a push into them would wait for itself.
   void FetchRange(size_t i, bool push);
+  // Pushes range `i` (claimed: kFetching, its budget taken) from pinned
+  // source bytes, the span from its first to its last byte still needed
+  // (counted as fetched: those bytes), and holds only what it could not
+  // push; FetchRange where it cannot be pinned.
+  void PushPinned(size_t i);
+  // Whether the fetch threads push from pinned bytes (a sink and a pin).
+  bool pinning() const { return options_.pin && options_.sink; }
   // Splits piece `p` of held range p.range into copies from its kept bytes
   // (`held`) and the rest (`rest`, read the ordinary way). REQUIRES: mu_.
   void TakeHeld(const Piece& p, std::vector<HeldBytes::Copy>* held, std::vector<CopyOp>* rest) const;

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -98,6 +99,31 @@ uint64_t CachedPrefix(int fd, uint64_t offset, uint64_t len) {
   return std::min(len, pages * page > span.skip ? pages * page - span.skip : 0);
 }
 
+// A range pinned under a read lease (PosixObject::Pin). Leases belong to an
+// open file description, so each pin has a descriptor of its own and pins
+// of one file never end each other's lease. Closing it ends the lease.
+class LeasedRange : public PinnedRange {
+ public:
+  explicit LeasedRange(int fd) : fd_(fd) {}
+  ~LeasedRange() override {
+    if (map_) ::munmap(map_, length_);
+    ::close(fd_);
+  }
+  LeasedRange(const LeasedRange&) = delete;
+  LeasedRange& operator=(const LeasedRange&) = delete;
+  // The mapping of the range (unmapped with this); `data`: its first byte.
+  void Keep(void* map, size_t length, const char* data) {
+    map_ = map;
+    length_ = length;
+    data_ = data;
+  }
+
+ private:
+  int fd_;
+  void* map_ = nullptr;
+  size_t length_ = 0;
+};
+
 // Reads [from, end) of the file with O_DIRECT on `dfd` into `base`, which
 // holds the file from byte `start` (both aligned), starting at the aligned
 // offset at or below `from`. A tail left unaligned by a short read (the end
@@ -130,6 +156,7 @@ class PosixObject : public SourceObject {
   Status ReadAtVia(uint64_t offset, uint64_t len, char* dst, DirectIo* direct) const override;
   Result<uint64_t> ReadOnce(uint64_t offset, uint64_t len, char* dst) const override;
   Result<SourceFile> Identity() const override;
+  Result<std::unique_ptr<PinnedRange>> Pin(uint64_t offset, uint64_t len) const override;
   void WillNeed(uint64_t offset, uint64_t len) const override;
   void Prefetch(uint64_t offset, uint64_t len, const std::function<bool()>& go_on) const override;
   Result<std::unique_ptr<SourceObject>> Reopen() const override;
@@ -207,6 +234,36 @@ Result<uint64_t> PosixObject::ReadOnce(uint64_t offset, uint64_t len, char* dst)
   const uint64_t start = AlignDown(offset, kDirectAlign);
   RETURN_IF_ERROR(PreadDirect(direct_fd_, fd_, dst - (offset - start), start, offset + cached, offset + len, abs_));
   return len - cached;
+}
+
+// A read lease: the kernel grants it only while no one has the file open
+// for writing (shared writable mappings included), and while it is held a
+// writer's open or truncate waits for its release (or, at worst, for
+// /proc/sys/fs/lease-break-time, 45 s by default, against the milliseconds
+// a pin is held). The lease is taken on a second open of the same file
+// (through /proc/self/fd: whatever the path names now), then the range is
+// mapped and read in under it. A writer asking meanwhile is signalled to
+// us as SIGURG, ignored unless a handler is installed, where the default
+// SIGIO would end the process. Anything refused (not the file's owner and
+// no CAP_LEASE, a network filesystem, a writer, a file shorter than the
+// range, a kernel without MADV_POPULATE_READ) is NotSupported: the caller
+// reads the range with ReadAt, which reports a real problem.
+Result<std::unique_ptr<PinnedRange>> PosixObject::Pin(uint64_t offset, uint64_t len) const {
+  if (len == 0) return Status::NotSupported(abs_ + ": an empty range is not pinned");
+  const int fd = ::open(("/proc/self/fd/" + std::to_string(fd_)).c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Status::NotSupported(abs_ + ": cannot open it again: " + std::strerror(errno));
+  auto pin = std::make_unique<LeasedRange>(fd);  // from here on, returning ends the lease
+  if (::fcntl(fd, F_SETSIG, SIGURG) != 0 || ::fcntl(fd, F_SETLEASE, F_RDLCK) != 0)
+    return Status::NotSupported(abs_ + ": no read lease: " + std::strerror(errno));
+  static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
+  const AlignedSpan span = AlignSpan(offset, len, page);
+  void* map = ::mmap(nullptr, span.length, PROT_READ, MAP_SHARED, fd, off_t(span.start));
+  if (map == MAP_FAILED) return Status::NotSupported(abs_ + ": cannot map it: " + std::strerror(errno));
+  pin->Keep(map, span.length, static_cast<const char*>(map) + span.skip);
+  // Read in now, while pinned: a fault later would make a writer wait on the disk.
+  if (::madvise(map, span.length, MADV_POPULATE_READ) != 0)
+    return Status::NotSupported(abs_ + ": cannot read the mapping in: " + std::strerror(errno));
+  return std::unique_ptr<PinnedRange>(std::move(pin));
 }
 
 Result<SourceFile> PosixObject::Identity() const {

@@ -34,6 +34,7 @@ class PosixSource : public Source {
   std::optional<int64_t> ModifyTimeNs(const std::string& rel) const override;
   std::string DirKey(const std::string& rel) const override;
   std::string LocalPath(const std::string& rel) const override { return Abs(rel); }
+  bool PinsRanges() const override { return true; }
 
   std::string Abs(const std::string& rel) const { return rel.empty() ? root_ : root_ + "/" + rel; }
 

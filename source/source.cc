@@ -17,6 +17,10 @@ Result<FilledRange> SourceObject::ReadFilled(uint64_t offset, uint64_t len, Dire
   return out;
 }
 
+Result<std::unique_ptr<PinnedRange>> SourceObject::Pin(uint64_t, uint64_t) const {
+  return Status::NotSupported("this source cannot pin a range");
+}
+
 Result<uint64_t> SourceObject::ReadOnce(uint64_t offset, uint64_t len, char* dst) const {
   RETURN_IF_ERROR(ReadAt(offset, len, dst));
   return uint64_t(0);

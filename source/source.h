@@ -43,6 +43,17 @@ struct FilledRange {
   const char* data = nullptr;                 // the first byte asked for
 };
 
+// Bytes of a source file mapped into memory and kept from changing while
+// this lives (SourceObject::Pin). Releasing it unmaps them.
+class PinnedRange {
+ public:
+  virtual ~PinnedRange() = default;
+  const char* data() const { return data_; }  // the first byte asked for
+
+ protected:
+  const char* data_ = nullptr;
+};
+
 // One open source file. ReadAt may be called from several threads at once.
 class SourceObject {
  public:
@@ -72,6 +83,17 @@ class SourceObject {
   // whole; bytes of that span outside the range may be overwritten.
   // Returns the bytes read with O_DIRECT. Errors as ReadAt. Default: ReadAt.
   virtual Result<uint64_t> ReadOnce(uint64_t offset, uint64_t len, char* dst) const;
+
+  // [offset, offset + len) of this object's file, in memory and unchangeable
+  // while the result lives: no one may open the file for writing or
+  // truncate it meanwhile (a writer's open waits until the result is
+  // released). So bytes checked after Pin (the identity of the file, as
+  // after every read) stay the checked ones, and may be copied from the
+  // result later without a copy of their own first. Hold it for
+  // milliseconds: a writer waits that long. NotSupported where the backend,
+  // the filesystem, the file's writers or the caller's rights do not allow
+  // it (Source::PinsRanges says whether to try); then read with ReadAt.
+  virtual Result<std::unique_ptr<PinnedRange>> Pin(uint64_t offset, uint64_t len) const;
 
   // The identity of the bytes this object reads now (for POSIX: fstat of
   // the descriptor). Path left empty.
@@ -198,6 +220,10 @@ class Source {
   // Identify would: one listing of a directory then answers for all its
   // files (object storage: a LIST instead of a HEAD per object).
   virtual bool ListingsIdentify() const { return false; }
+
+  // True when its objects' Pin may succeed (POSIX files): a source-order
+  // fetch then pushes pages from pinned source bytes (source/ordered_fetch.h).
+  virtual bool PinsRanges() const { return false; }
 
   // True when bytes read once are kept for the next read without asking
   // (a POSIX file's page cache); false for object storage, whose ranges are

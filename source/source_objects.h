@@ -37,6 +37,7 @@ class SourceObjects {
   Status Recheck();
   // True once any source was seen changed.
   bool any_stale() const { return any_stale_.load(); }
+  const Source& source() const { return *source_; }
 
  private:
   // Records `what` changed about file `id`; returns the Stale error.

@@ -87,6 +87,14 @@ std::unique_ptr<OrderedFetch> SourceReader::MakeOrderedFetch(std::shared_ptr<con
     counters_->direct.fetch_add(direct, std::memory_order_relaxed);
     return Status::OK();
   };
+  // Pinned, then checked: the checked bytes are the pushed ones.
+  if (objects_.source().PinsRanges() && !read_.hold_direct)
+    o.pin = [this](FileId id, uint64_t offset, uint64_t len) -> Result<std::unique_ptr<PinnedRange>> {
+      ASSIGN_OR_RETURN(const SourceObject* obj, objects_.Get(id));
+      ASSIGN_OR_RETURN(std::unique_ptr<PinnedRange> pinned, obj->Pin(offset, len));
+      RETURN_IF_ERROR(objects_.CheckUnchanged(id, *obj));
+      return pinned;
+    };
   return std::make_unique<OrderedFetch>(
       std::move(layout), std::move(served), std::move(o), std::move(fetch),
       [this](const ReadPlan& plan, char* dst) { return Execute(plan, dst); },

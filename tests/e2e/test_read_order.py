@@ -10,9 +10,11 @@ those tensors, never from the mount.
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,7 +31,7 @@ from s3_server import BUCKET, upload_tree
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MODES = ["read", "load_file", "from_pretrained", "safe_open_reverse", "safe_open_random"]
-COUNTERS = re.compile(r"fetched (\d+) bytes from its sources \((\d+) bytes in source order, "
+COUNTERS = re.compile(r"fetched (\d+) bytes from its sources \((\d+) bytes in source order, (\d+) bytes pinned, "
                       r"(\d+) bytes with O_DIRECT, (\d+) bytes refetched\), served (\d+) bytes")
 HOLD = re.compile(r"source-order hold: peak (\d+) bytes of the (\d+) bytes? bound")
 
@@ -60,8 +62,9 @@ def _final_log(m) -> str:
 
 
 def _as_counters(found: tuple) -> dict:
-    fetched, ordered, direct, refetched, served = map(int, found)
-    return {"fetched": fetched, "ordered": ordered, "direct": direct, "refetched": refetched, "served": served}
+    fetched, ordered, pinned, direct, refetched, served = map(int, found)
+    return {"fetched": fetched, "ordered": ordered, "pinned": pinned, "direct": direct, "refetched": refetched,
+            "served": served}
 
 
 def _counters(log: str) -> dict:
@@ -84,8 +87,102 @@ def test_each_source_byte_fetched_once_from_disk(mode, step, mount_factory):
     with mount_factory(step["dir"]) as m:
         _read_with(mode, m.p("consolidated"), step["expected_path"])
     log = _final_log(m)
-    _check_fetched(_counters(log), step["tensor_bytes"], mode)
+    c = _counters(log)
+    _check_fetched(c, step["tensor_bytes"], mode)
+    # Local sources: the fetch pushes from pinned source pages (the mount
+    # runs as root, which may lease any file), not from copies of them.
+    assert c["pinned"] >= 0.5 * step["tensor_bytes"], (mode, c)
     assert HOLD.search(log), log[-2000:]
+
+
+def _invert_in_place(path: str, delay_s: float) -> None:
+    """After `delay_s`, inverts every byte of `path` in place, 1 MiB per
+    write(), as a tool rewriting the file would."""
+    time.sleep(delay_s)
+    with open(path, "r+b", buffering=0) as w:
+        old = w.read()
+        new = np.bitwise_not(np.frombuffer(old, np.uint8)).tobytes()
+        for at in range(0, len(new), 1 << 20):
+            w.seek(at)
+            w.write(new[at:at + (1 << 20)])
+
+
+def _expected_file(path: str, expected: dict) -> tuple[bytes, int]:
+    """The bytes consolidated/model.safetensors must hold: its header as
+    the mount gives it (read before any source changes), then each tensor's
+    bytes from the tensors the step was made from, where the header puts
+    them. Returns (bytes, header length)."""
+    import json
+    with open(path, "rb", buffering=0) as f:
+        n = int.from_bytes(f.read(8), "little")
+        raw = f.read(n)
+    want = bytearray(os.path.getsize(path))
+    want[:8 + n] = n.to_bytes(8, "little") + raw
+    for name, meta in json.loads(raw).items():
+        if name != "__metadata__":
+            b, e = meta["data_offsets"]
+            want[8 + n + b:8 + n + e] = expected[name].contiguous().view(torch.uint8).numpy().tobytes()
+    return bytes(want), 8 + n
+
+
+def _pass_over(fd: int, want: bytes, start: int, first=None) -> tuple[int, int, int]:
+    """Reads the file from `start` in 1 MiB pread()s, calling first() after
+    the first; returns (reads equal to `want`, wrong, EIO)."""
+    ok = wrong = eio = 0
+    for off in range(start, len(want), 1 << 20):
+        if first and off > start:
+            first()
+            first = None
+        try:
+            got = os.pread(fd, 1 << 20, off)
+        except OSError as e:
+            assert e.errno == errno.EIO, e
+            eio += 1
+            continue
+        if got == want[off:off + len(got)]:
+            ok += 1
+        else:
+            wrong += 1
+    return ok, wrong, eio
+
+
+def test_a_source_rewritten_in_place_during_a_load_serves_no_byte_of_it(step, tmp_path, mount_factory):
+    """The fetch of local sources pushes pages from pinned source files
+    (SourceObject::Pin: a read lease, so a writer's open waits for the
+    push). One of the step's files is inverted in place while the step is
+    read, at a random moment in the first milliseconds of the fetch (the
+    step is fetched in about ten): every byte a read
+    returns, during the change or in a second pass after it (from the page
+    cache, where pushed pages stay), is the step's as indexed; what cannot
+    be answered with those bytes fails with EIO. Rounds on fresh copies and
+    mounts. Without the lease (the pin's check then passes before a write
+    that the push copies), this failed in each of two runs."""
+    rng = random.Random(11)
+    totals = [0, 0, 0]
+    pinned = 0
+    for rnd in range(12):
+        copy = tmp_path / f"round{rnd}"
+        shutil.copytree(step["dir"], copy)
+        shards = sorted(f for f in os.listdir(copy) if f.endswith(".distcp"))
+        victim = os.path.join(copy, shards[rnd % len(shards)])
+        writer = threading.Thread(target=_invert_in_place, args=(victim, rng.uniform(0, 0.008)))
+        with mount_factory(str(copy)) as m:
+            path = m.p("consolidated", "model.safetensors")
+            want, header = _expected_file(path, step["expected"])
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                first = _pass_over(fd, want, header, writer.start)
+                writer.join(60)
+                assert not writer.is_alive(), "the writer was held up"
+                second = _pass_over(fd, want, header)
+            finally:
+                os.close(fd)
+        totals = [t + a + b for t, a, b in zip(totals, first, second)]
+        pinned += _counters(_final_log(m))["pinned"]
+    ok, wrong, eio = totals
+    assert wrong == 0, f"{wrong} reads returned bytes that are not the indexed ones ({ok} equal, {eio} EIO)"
+    assert eio > 0, totals  # the change was seen
+    assert pinned > 0  # by the pinned path too
 
 
 def _source_files(step_dir: str) -> list[str]:
@@ -112,6 +209,7 @@ def test_fetch_direct_reads_cold_sources_around_the_page_cache(direct, step, mou
     resident = sum(harness.resident_bytes(f) for f in files)
     if direct:
         assert c["direct"] >= 0.5 * step["tensor_bytes"], c
+        assert c["pinned"] == 0, c  # read into the range's own buffer, not pinned
         assert c["direct"] <= c["ordered"], c
         # Left cached: what the ordinary path read (fetched - ordered), with
         # the kernel's read-ahead around it.
@@ -137,6 +235,7 @@ def test_each_source_byte_fetched_once_from_s3(mode, step, s3_step, s3_env, moun
     log = _final_log(m)
     c = _counters(log)
     _check_fetched(c, step["tensor_bytes"], mode)
+    assert c["pinned"] == 0, c  # objects are fetched, never pinned
     received = re.search(r"s3: (\d+) bytes received", log)
     assert received, log[-2000:]
     # What the server sent: the reads' bytes and at most the index's checks besides.

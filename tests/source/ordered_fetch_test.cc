@@ -382,6 +382,46 @@ TEST(OrderedFetch, FetchedPagesArePushedAsTheFilesBytes) {
   EXPECT_EQ(r.reader->counters().refetched.load(), 0u);
 }
 
+// Local sources are pinned (SourceObject::Pin), and their pages pushed
+// straight from the pin: no range is read into a buffer of the daemon's,
+// by a fetch thread or by a reader. A source someone holds open for
+// writing cannot be pinned: its ranges are read as before, and exact.
+TEST(OrderedFetch, LocalRangesArePushedFromPinnedPagesUnlessAWriterHoldsTheFile) {
+  for (bool writer : {false, true}) {
+    SCOPED_TRACE(writer ? "f3 open for writing" : "no writer");
+    Files t = MakeFiles(8, 300 * kKiB);
+    const int held = writer ? ::open((t.dir / "f3").c_str(), O_WRONLY) : -1;
+    Reader r(t, 64ull << 20, 256 * kKiB);
+    PageCache cache;
+    auto f = r.reader->MakeOrderedFetch(t.layout, nullptr, cache.Sink());
+    std::string got(t.layout->size(), '\0');
+    // f3 holds the first two tensors of the layout (its reverse): they start the plan.
+    ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100, 4 * kKiB, got.data() + 100).ok());
+    ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100 + 300 * kKiB, 4 * kKiB, got.data() + 100 + 300 * kKiB).ok());
+    const uint64_t sources = 8 * 300 * kKiB;
+    for (int i = 0; i < 500 && r.reader->counters().ordered.load() < sources - 8 * kKiB; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the last range's push
+    const uint64_t pinned = r.reader->counters().pinned.load(), ordered = r.reader->counters().ordered.load();
+    if (writer) {
+      EXPECT_EQ(pinned, ordered - (2 * 300 * kKiB - 8 * kKiB));  // all but f3's, less the two reads
+      EXPECT_GT(r.budget->buffers().idle(), 0u);                 // f3's ranges were read into buffers
+    } else {
+      EXPECT_EQ(pinned, ordered);
+      EXPECT_EQ(r.budget->buffers().idle(), 0u);  // no range buffer was ever taken
+    }
+    {
+      std::lock_guard<std::mutex> lock(cache.mu);
+      for (const auto& [offset, data] : cache.pages)
+        EXPECT_TRUE(data == t.expected.substr(offset, data.size())) << offset;
+    }
+    ASSERT_TRUE(cache.Pass(*r.reader, *f, *t.layout, got).ok());
+    EXPECT_TRUE(got == t.expected);
+    EXPECT_EQ(r.reader->counters().fetched.load(), sources + 8 * kKiB);
+    if (held >= 0) ::close(held);
+  }
+}
+
 TEST(OrderedFetch, PushedRangesKeepOnlyThePagesTheyShare) {
   // No tensor starts on a page, and 256 KiB ranges cut tensors off page
   // boundaries: nearly every range shares a page with another. Held whole

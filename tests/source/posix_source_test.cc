@@ -1,5 +1,6 @@
 #include "source/posix_source.h"
 
+#include <fcntl.h>
 #include <gtest/gtest.h>
 #include <spawn.h>
 #include <sys/stat.h>
@@ -7,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
@@ -15,6 +17,7 @@
 
 #include "core/planner.h"
 #include "source/source_reader.h"
+#include "tests/temp_dirs.h"
 
 extern char** environ;
 
@@ -153,6 +156,69 @@ class CountingObject : public MemoryObject {
   }
   mutable int reads = 0;
 };
+
+// A pinned range (SourceObject::Pin) holds the file's bytes, and a writer's
+// open waits until the pin is released: the pinned bytes stay the ones
+// checked after pinning. The writer here is a thread of this process,
+// which breaks the lease as any other opener does.
+TEST(PosixPin, HoldsTheFilesBytesAndAWritersOpenWaitsForItsRelease) {
+  fs::path dir = TempDirs::Make("ckptfs-pin");
+  const std::string bytes = RandomBytes(3 << 20, 11);
+  WriteFile(dir / "f", bytes);
+  auto src = PosixSource::OpenRoot(dir.string());
+  ASSERT_TRUE(src.ok());
+  auto obj = (*src)->Open("f");
+  ASSERT_TRUE(obj.ok()) << obj.status().message();
+  const uint64_t offset = 5000, len = (2 << 20) + 123;
+  auto pin = (*obj)->Pin(offset, len);
+  ASSERT_TRUE(pin.ok()) << pin.status().message();
+  EXPECT_TRUE(std::string((*pin)->data(), len) == bytes.substr(offset, len));
+  std::atomic<bool> opened{false};
+  std::thread writer([&] {
+    int fd = ::open((dir / "f").c_str(), O_WRONLY);
+    opened = true;
+    if (fd >= 0) {
+      EXPECT_EQ(::pwrite(fd, "XYZ", 3, off_t(offset)), 3);
+      ::close(fd);
+    }
+  });
+  // An open that did not wait would be done in microseconds.
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_FALSE(opened.load()) << "a writer opened the file while it was pinned";
+  EXPECT_TRUE(std::string((*pin)->data(), len) == bytes.substr(offset, len)) << "pinned bytes changed";
+  pin->reset();
+  writer.join();
+  EXPECT_TRUE(opened.load());
+  std::string now(3, '\0');
+  ASSERT_TRUE((*obj)->ReadAt(offset, 3, now.data()).ok());
+  EXPECT_EQ(now, "XYZ");  // released: the writer went ahead
+  fs::remove_all(dir);
+}
+
+// Refused (NotSupported, so the caller reads instead) while someone has the
+// file open for writing, and for a range past its end; ReadAt then says
+// what is wrong.
+TEST(PosixPin, RefusedWhileOpenForWritingAndPastTheEnd) {
+  fs::path dir = TempDirs::Make("ckptfs-pin");
+  WriteFile(dir / "f", RandomBytes(10000, 12));
+  auto src = PosixSource::OpenRoot(dir.string());
+  ASSERT_TRUE(src.ok());
+  auto obj = (*src)->Open("f");
+  ASSERT_TRUE(obj.ok());
+  {
+    const int fd = ::open((dir / "f").c_str(), O_WRONLY);
+    ASSERT_GE(fd, 0);
+    auto pin = (*obj)->Pin(0, 4096);
+    EXPECT_EQ(pin.status().code(), Status::Code::kNotSupported) << pin.status().message();
+    ::close(fd);
+  }
+  EXPECT_TRUE((*obj)->Pin(0, 4096).ok());  // the writer is gone
+  auto past = (*obj)->Pin(8192, 8192);
+  EXPECT_EQ(past.status().code(), Status::Code::kNotSupported) << past.status().message();
+  std::string buf(8192, '\0');
+  EXPECT_EQ((*obj)->ReadAt(8192, 8192, buf.data()).code(), Status::Code::kCorruption);
+  fs::remove_all(dir);
+}
 
 TEST(WindowedObject, ReadsInsideWindowsStayInMemoryOthersGoThrough) {
   std::string bytes(10000, '\0');
