@@ -449,9 +449,16 @@ Status OrderedFetch::Serve(const ReadPlan& plan, char* dst) {
       if (!c.to_scratch) Split(c, &pieces);
     // A range no fetch thread has reached is fetched now, by this reader,
     // whole, when there is room; else only the reader's bytes are read.
-    for (const Piece& p : pieces) {
-      if (pinning()) break;  // pinned ranges are the fetch threads' alone (header)
+    // Ranges to be pinned are the fetch threads' alone (header): this
+    // reader's bytes leave them now and are read the ordinary way, so that
+    // a pin taken meanwhile neither fetches them too nor serves them.
+    for (Piece& p : pieces) {
       if (p.range == npos || ranges_[p.range].state != State::kQueued) continue;
+      if (pinning()) {
+        ranges_[p.range].needed.Remove(p.src, p.src + p.length);
+        p.range = npos;
+        continue;
+      }
       if (!options_.budget->TryAcquire(ranges_[p.range].length)) continue;
       ranges_[p.range].state = State::kFetching;
       claimed.push_back(p.range);
