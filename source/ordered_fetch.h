@@ -35,12 +35,14 @@
 // source's own page cache, mapped and pinned (SourceObject::Pin: no one may
 // write the file meanwhile), and checks the source's identity while pinned:
 // one copy per byte instead of a read into a buffer and then a push. Only
-// the few bytes of edge pages are copied out and held. As the pushed pages
-// of a range are locked by the reads a consumer is waiting on, a reader
-// never waits for such a range, nor takes one: it reads its own bytes the
-// ordinary way (from the same page cache) while the range is queued or
-// being pushed. On object storage, where such a read costs a round trip
-// and bytes fetched twice, readers take ranges as below.
+// the few bytes of edge pages are copied out and held. The pinned bytes are
+// published to readers before any page is pushed (a push waits on the
+// pages a waiting reader's request has locked), so a reader waits for a
+// range only while it is being pinned, and copies from the pin while it is
+// pushed. A reader never takes a queued range: it reads its own bytes the
+// ordinary way (from the same page cache) and takes them out of the range,
+// which the pin then leaves out. On object storage, where such a read
+// costs a round trip, readers take ranges as below.
 //
 // Memory. Held ranges of all open files of a mount share one FetchBudget
 // (`ckptfs mount --fetch-hold-mib`). A fetch thread waits for room before it
