@@ -211,6 +211,14 @@ struct OrderedFetchOptions {
   Pin pin;
 };
 
+// A piece of a copy, inside planned range `range` or in none (npos).
+struct FetchPiece {
+  static constexpr size_t npos = static_cast<size_t>(-1);
+  size_t range;
+  uint64_t src, dst, length;
+  FileId file;
+};
+
 class OrderedFetch {
  public:
   // Reads [offset, offset + len) of `file` into dst, identity-checked and
@@ -259,22 +267,15 @@ class OrderedFetch {
   using State = RangeState;
   using Mapping = PlannedRange::Mapping;
   using Range = PlannedRange;
-  // A piece of a copy, inside range `range` or in none (npos).
-  struct Piece {
-    size_t range;
-    uint64_t src, dst, length;
-    FileId file;
-  };
-  static constexpr size_t npos = static_cast<size_t>(-1);
+  using Piece = FetchPiece;
+  static constexpr size_t npos = FetchPiece::npos;
 
   // Builds ranges_ from the whole file's plan less what was served. REQUIRES: mu_.
   void Build();
   // Gives each range the mappings of its bytes (`maps`: by file). REQUIRES: mu_.
   void AttachMappings(std::map<FileId, std::vector<Mapping>>& maps);
-  // Hands the whole pages range `r` completes to options_.sink, but for
-  // those its readers were served meanwhile; returns them as (source
-  // offset, length), for Delivered. Takes mu_.
-  // `bytes` holds the source's bytes from byte `at` on.
+  // Hands the whole pages of range `r` its readers were not served meanwhile to
+  // options_.sink from `bytes` (source bytes from `at` on); returns them (source offset, length). Takes mu_.
   std::vector<std::pair<uint64_t, uint64_t>> Push(const Range& r, const char* bytes, uint64_t at);
   // The pieces of `c`, split at range boundaries. REQUIRES: mu_.
   void Split(const CopyOp& c, std::vector<Piece>* out) const;
@@ -285,10 +286,8 @@ class OrderedFetch {
   // threads push: a reader's thread holds the kernel's locks on the pages
   // of its own request, and a push into them would wait for itself.
   void FetchRange(size_t i, bool push);
-  // Pushes range `i` (claimed: kFetching, its budget taken) from pinned
-  // source bytes, the span from its first to its last byte still needed
-  // (counted as fetched: those bytes), and holds only what it could not
-  // push; FetchRange where it cannot be pinned.
+  // FetchRange from the span of range `i` still needed, pinned (its needed bytes counted as fetched);
+  // holds only what it could not push. FetchRange where it cannot be pinned.
   void PushPinned(size_t i);
   // Whether the fetch threads push from pinned bytes (a sink and a pin).
   bool pinning() const { return options_.pin && options_.sink; }

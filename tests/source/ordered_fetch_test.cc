@@ -102,6 +102,12 @@ struct Reader {
   }
 };
 
+// Waits (up to 5 s) until the plan's fetch threads have fetched `bytes` in source order.
+void WaitForTheFetch(SourceReader& r, uint64_t bytes) {
+  for (int i = 0; i < 500 && r.counters().ordered.load() < bytes; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+}
+
 // Reads [offset, offset + len) as OpenFiles does: the ordinary path until
 // the plan started, then through it.
 Status ReadVia(SourceReader& r, OrderedFetch& f, const Layout& layout, uint64_t offset, uint64_t len, char* dst) {
@@ -360,8 +366,7 @@ TEST(OrderedFetch, FetchedPagesArePushedAsTheFilesBytes) {
   ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100 + 300 * kKiB, 4 * kKiB, got.data() + 100 + 300 * kKiB).ok());
   ASSERT_TRUE(f->started());
   const uint64_t sources = 8 * 300 * kKiB;
-  for (int i = 0; i < 500 && r.reader->counters().ordered.load() < sources - 8 * kKiB; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  WaitForTheFetch(*r.reader, sources - 8 * kKiB);
   std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the last range's push
   uint64_t bytes = 0;
   {
@@ -399,8 +404,7 @@ TEST(OrderedFetch, LocalRangesArePushedFromPinnedPagesUnlessAWriterHoldsTheFile)
     ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100, 4 * kKiB, got.data() + 100).ok());
     ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100 + 300 * kKiB, 4 * kKiB, got.data() + 100 + 300 * kKiB).ok());
     const uint64_t sources = 8 * 300 * kKiB;
-    for (int i = 0; i < 500 && r.reader->counters().ordered.load() < sources - 8 * kKiB; ++i)
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    WaitForTheFetch(*r.reader, sources - 8 * kKiB);
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the last range's push
     const uint64_t pinned = r.reader->counters().pinned.load(), ordered = r.reader->counters().ordered.load();
     if (writer) {
@@ -436,8 +440,7 @@ TEST(OrderedFetch, PushedRangesKeepOnlyThePagesTheyShare) {
   ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100, 4 * kKiB, got.data() + 100).ok());
   ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100 + 300 * kKiB, 4 * kKiB, got.data() + 100 + 300 * kKiB).ok());
   const uint64_t sources = 8 * 300 * kKiB;
-  for (int i = 0; i < 500 && r.reader->counters().ordered.load() < sources - 8 * kKiB; ++i)
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  WaitForTheFetch(*r.reader, sources - 8 * kKiB);
   EXPECT_GE(r.reader->counters().ordered.load(), sources - 8 * kKiB);
   // At most two pages per range and per tensor edge are kept.
   const uint64_t ranges = f->range_count();
