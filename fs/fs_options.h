@@ -39,14 +39,14 @@ struct FsOptions {
   // (a view of a replaced or removed checkpoint).
   using InvalidateEntry = std::function<void(uint64_t parent, const std::string& name)>;
   InvalidateEntry invalidate_entry;
-  // Stores `len` bytes at `offset` of inode `ino` in the kernel's page
+  // Stores `bytes` at `offset` of inode `ino` in the kernel's page
   // cache: whole tensors read ahead of their readers
   // (ReadOptions::push_tensor_bytes). Called from a push thread; does
   // nothing unless `valid()` holds, checked in the same step as the store
   // against `invalidate` (which the mount orders after it): pages of a
   // checkpoint found stale are never stored. May be empty (no pushes).
-  using Store = std::function<void(uint64_t ino, uint64_t offset, const char* data, size_t len,
-                                   const std::function<bool()>& valid)>;
+  using Store =
+      std::function<void(uint64_t ino, uint64_t offset, const PageBytes& bytes, const std::function<bool()>& valid)>;
   Store store;
   // Read-ahead and overlapped source reads (source/source_reader.h).
   ReadOptions read;

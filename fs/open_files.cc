@@ -131,8 +131,8 @@ PageSink OpenFiles::PushSink(const FsNode& n, const Served* served) const {
   // A merged/ file's tensors are computed, and its reader is not the
   // checkpoint's: nothing is pushed.
   if (!options_.store || n.sources) return {};
-  return [store = options_.store, ino = n.ino, served](uint64_t offset, const char* data, size_t len) {
-    store(ino, offset, data, len, [served] { return !served->stale.load(); });
+  return [store = options_.store, ino = n.ino, served](uint64_t offset, const PageBytes& bytes) {
+    store(ino, offset, bytes, [served] { return !served->stale.load(); });
   };
 }
 

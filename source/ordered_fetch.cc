@@ -249,7 +249,8 @@ void OrderedFetch::AttachMappings(std::map<FileId, std::vector<Mapping>>& maps) 
   }
 }
 
-std::vector<std::pair<uint64_t, uint64_t>> OrderedFetch::Push(const Range& r, const char* bytes, uint64_t at) {
+std::vector<std::pair<uint64_t, uint64_t>> OrderedFetch::Push(const Range& r, const char* bytes, uint64_t at,
+                                                               int fd) {
   static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
   std::vector<std::pair<uint64_t, uint64_t>> pushed, needed;
   for (const Mapping& m : r.maps) {
@@ -270,7 +271,7 @@ std::vector<std::pair<uint64_t, uint64_t>> OrderedFetch::Push(const Range& r, co
       if (e <= b) continue;
       const uint64_t src = m.src + (b - m.virt);
       served_->AddPushed(b, e - b);
-      options_.sink(b, bytes + (src - at), e - b);
+      options_.sink(b, PageBytes{bytes + (src - at), e - b, fd, src});
       options_.counters->served.fetch_add(e - b, std::memory_order_relaxed);
       pushed.emplace_back(src, e - b);
     }
@@ -398,7 +399,7 @@ void OrderedFetch::PushPinned(size_t i) {
   }
   changed_.notify_all();
   if (stop_.load()) return;
-  const auto pushed = Push(r, bytes.get(), first);
+  const auto pushed = Push(r, bytes.get(), first, pin->fd());
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& [src, len] : pushed)
     if (r.state == State::kHeld) Delivered(i, src, len);

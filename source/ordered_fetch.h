@@ -32,9 +32,11 @@
 //
 // Pinned ranges. Where the sources can pin a range (local files:
 // Source::PinsRanges), a fetch thread pushes its pages straight from the
-// source's own page cache, mapped and pinned (SourceObject::Pin: no one may
-// write the file meanwhile), and checks the source's identity while pinned:
-// one copy per byte instead of a read into a buffer and then a push. Only
+// source's own page cache, pinned (SourceObject::Pin: no one may write the
+// file meanwhile), and checks the source's identity while pinned. The sink
+// is told the pin's descriptor (PageBytes::fd), and the mount splices the
+// pages from the source's cache into the file's: the kernel's one copy per
+// byte, where a read into a buffer and a push are two in the daemon. Only
 // the few bytes of edge pages are copied out and held. The pinned bytes are
 // published to readers before any page is pushed (a push waits on the
 // pages a waiting reader's request has locked), so a reader waits for a
@@ -275,8 +277,9 @@ class OrderedFetch {
   // Gives each range the mappings of its bytes (`maps`: by file). REQUIRES: mu_.
   void AttachMappings(std::map<FileId, std::vector<Mapping>>& maps);
   // Hands the whole pages of range `r` its readers were not served meanwhile to
-  // options_.sink from `bytes` (source bytes from `at` on); returns them (source offset, length). Takes mu_.
-  std::vector<std::pair<uint64_t, uint64_t>> Push(const Range& r, const char* bytes, uint64_t at);
+  // options_.sink from `bytes` (source bytes from `at` on; where `fd` >= 0, also at
+  // the same offsets of that pinned file); returns them (source offset, length). Takes mu_.
+  std::vector<std::pair<uint64_t, uint64_t>> Push(const Range& r, const char* bytes, uint64_t at, int fd = -1);
   // The pieces of `c`, split at range boundaries. REQUIRES: mu_.
   void Split(const CopyOp& c, std::vector<Piece>* out) const;
   // The fetch threads' loop: ranges in order while there are any.

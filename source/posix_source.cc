@@ -104,7 +104,7 @@ uint64_t CachedPrefix(int fd, uint64_t offset, uint64_t len) {
 // of one file never end each other's lease. Closing it ends the lease.
 class LeasedRange : public PinnedRange {
  public:
-  explicit LeasedRange(int fd) : fd_(fd) {}
+  explicit LeasedRange(int fd) { fd_ = fd; }
   ~LeasedRange() override {
     if (map_) ::munmap(map_, length_);
     ::close(fd_);
@@ -119,7 +119,6 @@ class LeasedRange : public PinnedRange {
   }
 
  private:
-  int fd_;
   void* map_ = nullptr;
   size_t length_ = 0;
 };
@@ -242,12 +241,14 @@ Result<uint64_t> PosixObject::ReadOnce(uint64_t offset, uint64_t len, char* dst)
 // /proc/sys/fs/lease-break-time, 45 s by default, against the milliseconds
 // a pin is held). The lease is taken on a second open of the same file
 // (through /proc/self/fd: whatever the path names now), then the range is
-// mapped and read in under it. A writer asking meanwhile is signalled to
-// us as SIGURG, ignored unless a handler is installed, where the default
-// SIGIO would end the process. Anything refused (not the file's owner and
-// no CAP_LEASE, a network filesystem, a writer, a file shorter than the
-// range, a kernel without MADV_POPULATE_READ) is NotSupported: the caller
-// reads the range with ReadAt, which reports a real problem.
+// mapped under it, not read in: the pin's user splices its pages from the
+// page cache (PinnedRange::fd), and reads through the mapping fault in only
+// what they copy. A writer asking meanwhile is signalled to us as SIGURG,
+// ignored unless a handler is installed, where the default SIGIO would end
+// the process. Anything refused (not the file's owner and no CAP_LEASE, a
+// network filesystem, a writer, a file shorter than the range) is
+// NotSupported: the caller reads the range with ReadAt, which reports a
+// real problem.
 Result<std::unique_ptr<PinnedRange>> PosixObject::Pin(uint64_t offset, uint64_t len) const {
   if (len == 0) return Status::NotSupported(abs_ + ": an empty range is not pinned");
   const int fd = ::open(("/proc/self/fd/" + std::to_string(fd_)).c_str(), O_RDONLY | O_CLOEXEC);
@@ -255,14 +256,15 @@ Result<std::unique_ptr<PinnedRange>> PosixObject::Pin(uint64_t offset, uint64_t 
   auto pin = std::make_unique<LeasedRange>(fd);  // from here on, returning ends the lease
   if (::fcntl(fd, F_SETSIG, SIGURG) != 0 || ::fcntl(fd, F_SETLEASE, F_RDLCK) != 0)
     return Status::NotSupported(abs_ + ": no read lease: " + std::strerror(errno));
+  // Its size cannot change under the lease; a page past the end would fault.
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || uint64_t(st.st_size) < offset + len)
+    return Status::NotSupported(abs_ + ": the range ends past the end of the file");
   static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
   const AlignedSpan span = AlignSpan(offset, len, page);
   void* map = ::mmap(nullptr, span.length, PROT_READ, MAP_SHARED, fd, off_t(span.start));
   if (map == MAP_FAILED) return Status::NotSupported(abs_ + ": cannot map it: " + std::strerror(errno));
   pin->Keep(map, span.length, static_cast<const char*>(map) + span.skip);
-  // Read in now, while pinned: a fault later would make a writer wait on the disk.
-  if (::madvise(map, span.length, MADV_POPULATE_READ) != 0)
-    return Status::NotSupported(abs_ + ": cannot read the mapping in: " + std::strerror(errno));
   return std::unique_ptr<PinnedRange>(std::move(pin));
 }
 

@@ -49,9 +49,13 @@ class PinnedRange {
  public:
   virtual ~PinnedRange() = default;
   const char* data() const { return data_; }  // the first byte asked for
+  // An open descriptor of the file, valid while this lives, at whose
+  // offsets the same bytes lie (for splicing them); -1 if none.
+  int fd() const { return fd_; }
 
  protected:
   const char* data_ = nullptr;
+  int fd_ = -1;
 };
 
 // One open source file. ReadAt may be called from several threads at once.
@@ -84,7 +88,7 @@ class SourceObject {
   // Returns the bytes read with O_DIRECT. Errors as ReadAt. Default: ReadAt.
   virtual Result<uint64_t> ReadOnce(uint64_t offset, uint64_t len, char* dst) const;
 
-  // [offset, offset + len) of this object's file, in memory and unchangeable
+  // [offset, offset + len) of this object's file, mapped and unchangeable
   // while the result lives: no one may open the file for writing or
   // truncate it meanwhile (a writer's open waits until the result is
   // released). So bytes checked after Pin (the identity of the file, as

@@ -56,7 +56,7 @@ void TensorPusher::Run(const Layout& layout, const std::vector<ReadStream::Windo
       if (!plan.ok() || !plan->computes.empty()) return;
       buf.resize(plan->length);
       if (!execute_(*plan, buf.data()).ok()) return;
-      if (go_on()) sink(at, buf.data(), plan->length);
+      if (go_on()) sink(at, PageBytes{buf.data(), plan->length});
     }
   }
 }

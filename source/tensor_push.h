@@ -22,9 +22,21 @@
 
 namespace ckptfs {
 
-// Receives bytes [offset, offset + len) of a virtual file, computed ahead of
-// its reader, for the kernel's page cache.
-using PageSink = std::function<void(uint64_t offset, const char* data, size_t len)>;
+// Bytes of a virtual file handed to a PageSink: `len` bytes at `data`.
+// Where `fd` >= 0 the same bytes also lie at `fd_offset` of that open file,
+// which cannot change until the sink returns (a pinned source,
+// SourceObject::Pin): the sink may splice them from the file's page cache
+// instead of copying `data`.
+struct PageBytes {
+  const char* data = nullptr;
+  size_t len = 0;
+  int fd = -1;
+  uint64_t fd_offset = 0;
+};
+
+// Receives bytes [offset, offset + bytes.len) of a virtual file, computed
+// ahead of its reader, for the kernel's page cache.
+using PageSink = std::function<void(uint64_t offset, const PageBytes& bytes)>;
 
 // The mount's push_tensor_bytes over sources that do not cache reads
 // (Source::CachesReads): the matrices of models up to a few billion

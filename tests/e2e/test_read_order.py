@@ -34,6 +34,7 @@ MODES = ["read", "load_file", "from_pretrained", "safe_open_reverse", "safe_open
 COUNTERS = re.compile(r"fetched (\d+) bytes from its sources \((\d+) bytes in source order, (\d+) bytes pinned, "
                       r"(\d+) bytes with O_DIRECT, (\d+) bytes refetched\), served (\d+) bytes")
 HOLD = re.compile(r"source-order hold: peak (\d+) bytes of the (\d+) bytes? bound")
+PUSHED = re.compile(r"pushed pages: (\d+) bytes spliced from pinned source files, (\d+) bytes from memory")
 
 
 @pytest.fixture(scope="module")
@@ -73,6 +74,14 @@ def _counters(log: str) -> dict:
     return _as_counters(found[0])
 
 
+def _pushed(log: str) -> tuple[int, int]:
+    """Bytes of pushed pages the mount spliced from pinned source files, and
+    bytes it pushed from memory."""
+    found = PUSHED.findall(log)
+    assert len(found) == 1, log[-3000:]
+    return int(found[0][0]), int(found[0][1])
+
+
 def _check_fetched(c: dict, tensor_bytes: int, what: str) -> None:
     # Every tensor byte is read from the sources at least once; at most 5 %
     # more (the few KiB between a DCP file's items are fetched with them).
@@ -92,6 +101,10 @@ def test_each_source_byte_fetched_once_from_disk(mode, step, mount_factory):
     # Local sources: the fetch pushes from pinned source pages (the mount
     # runs as root, which may lease any file), not from copies of them.
     assert c["pinned"] >= 0.5 * step["tensor_bytes"], (mode, c)
+    # Their pages go into the file's page cache by splice, none from memory
+    # (readers take no range here: every push is a pinned range's).
+    spliced, from_memory = _pushed(log)
+    assert spliced > 0 and from_memory == 0, (mode, PUSHED.search(log).group(0), c)
     assert HOLD.search(log), log[-2000:]
 
 
@@ -210,6 +223,7 @@ def test_fetch_direct_reads_cold_sources_around_the_page_cache(direct, step, mou
     if direct:
         assert c["direct"] >= 0.5 * step["tensor_bytes"], c
         assert c["pinned"] == 0, c  # read into the range's own buffer, not pinned
+        assert _pushed(_final_log(m))[0] == 0, c
         assert c["direct"] <= c["ordered"], c
         # Left cached: what the ordinary path read (fetched - ordered), with
         # the kernel's read-ahead around it.
@@ -236,6 +250,7 @@ def test_each_source_byte_fetched_once_from_s3(mode, step, s3_step, s3_env, moun
     c = _counters(log)
     _check_fetched(c, step["tensor_bytes"], mode)
     assert c["pinned"] == 0, c  # objects are fetched, never pinned
+    assert _pushed(log)[0] == 0, c
     received = re.search(r"s3: (\d+) bytes received", log)
     assert received, log[-2000:]
     # What the server sent: the reads' bytes and at most the index's checks besides.

@@ -121,10 +121,17 @@ Status ReadVia(SourceReader& r, OrderedFetch& f, const Layout& layout, uint64_t 
 struct PageCache {
   std::mutex mu;
   std::map<uint64_t, std::string> pages;  // offset -> bytes pushed there
+  uint64_t from_file = 0, from_memory = 0;  // bytes pushed with a pinned file's descriptor, and without
   PageSink Sink() {
-    return [this](uint64_t offset, const char* data, size_t len) {
+    return [this](uint64_t offset, const PageBytes& b) {
+      // A pinned file's bytes are taken from the file, as the mount splices them.
+      std::string bytes(b.len, '\0');
+      if (b.fd >= 0) EXPECT_EQ(::pread(b.fd, bytes.data(), b.len, off_t(b.fd_offset)), ssize_t(b.len));
+      else bytes.assign(b.data, b.len);
+      EXPECT_TRUE(std::memcmp(bytes.data(), b.data, b.len) == 0) << "the file's bytes differ from memory's";
       std::lock_guard<std::mutex> lock(mu);
-      pages[offset] = std::string(data, len);
+      (b.fd >= 0 ? from_file : from_memory) += b.len;
+      pages[offset] = std::move(bytes);
     };
   }
   // Reads the whole file into `got`: cached pages from the cache, the rest
@@ -407,18 +414,24 @@ TEST(OrderedFetch, LocalRangesArePushedFromPinnedPagesUnlessAWriterHoldsTheFile)
     WaitForTheFetch(*r.reader, sources - 8 * kKiB);
     std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the last range's push
     const uint64_t pinned = r.reader->counters().pinned.load(), ordered = r.reader->counters().ordered.load();
-    if (writer) {
-      EXPECT_EQ(pinned, ordered - (2 * 300 * kKiB - 8 * kKiB));  // all but f3's, less the two reads
-      EXPECT_GT(r.budget->buffers().idle(), 0u);                 // f3's ranges were read into buffers
-    } else {
-      EXPECT_EQ(pinned, ordered);
-      EXPECT_EQ(r.budget->buffers().idle(), 0u);  // no range buffer was ever taken
-    }
+    uint64_t from_file, from_memory;
     {
       std::lock_guard<std::mutex> lock(cache.mu);
+      from_file = cache.from_file;
+      from_memory = cache.from_memory;
       for (const auto& [offset, data] : cache.pages)
         EXPECT_TRUE(data == t.expected.substr(offset, data.size())) << offset;
     }
+    if (writer) {
+      EXPECT_EQ(pinned, ordered - (2 * 300 * kKiB - 8 * kKiB));  // all but f3's, less the two reads
+      EXPECT_GT(r.budget->buffers().idle(), 0u);                 // f3's ranges were read into buffers
+      EXPECT_GT(from_memory, 0u);                                // and pushed from them
+    } else {
+      EXPECT_EQ(pinned, ordered);
+      EXPECT_EQ(r.budget->buffers().idle(), 0u);  // no range buffer was ever taken
+      EXPECT_EQ(from_memory, 0u);                 // every page pushed names its pinned file
+    }
+    EXPECT_GE(from_file, pinned - 8 * 2 * 2 * 4096);  // all but the pages shared at tensor edges
     ASSERT_TRUE(cache.Pass(*r.reader, *f, *t.layout, got).ok());
     EXPECT_TRUE(got == t.expected);
     EXPECT_EQ(r.reader->counters().fetched.load(), sources + 8 * kKiB);

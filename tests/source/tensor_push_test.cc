@@ -70,9 +70,9 @@ struct Pushed {
   std::map<uint64_t, std::string> pieces;
   std::map<uint64_t, int> calls;
   PageSink Sink() {
-    return [this](uint64_t offset, const char* data, size_t len) {
+    return [this](uint64_t offset, const PageBytes& b) {
       std::lock_guard<std::mutex> lock(mu);
-      pieces[offset] = std::string(data, len);
+      pieces[offset] = std::string(b.data, b.len);
       ++calls[offset];
     };
   }
