@@ -1,15 +1,27 @@
 #include "source/held_bytes.h"
 
+#include <sys/mman.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <iterator>
 #include <new>
 
 namespace ckptfs {
 
-HeldBytes::HeldBytes(std::shared_ptr<char[]> bytes, uint64_t offset, uint64_t length, uint64_t at)
-    : bytes_(std::move(bytes)), size_(length) {
+HeldBytes::HeldBytes(std::shared_ptr<char[]> bytes, uint64_t offset, uint64_t length, uint64_t at, bool mapped)
+    : bytes_(std::move(bytes)), size_(length), mapped_(mapped) {
   spans_[offset] = {offset + length, at};
+}
+
+Status HeldBytes::ReadIn(const char* from, uint64_t len) {
+  static const uintptr_t page = uintptr_t(::sysconf(_SC_PAGESIZE));
+  const uintptr_t b = reinterpret_cast<uintptr_t>(from) / page * page;
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(from) + len + page - 1) / page * page;
+  if (len == 0 || ::madvise(reinterpret_cast<void*>(b), e - b, MADV_POPULATE_READ) == 0) return Status::OK();
+  return Status::IOError(std::string("the pinned source's pages cannot be read: ") + std::strerror(errno));
 }
 
 bool HeldBytes::Compact(const IntervalSet& spans) {
@@ -29,13 +41,16 @@ bool HeldBytes::Keep(const IntervalSet& spans) {
   uint64_t at = 0;
   for (const auto& [b, e] : spans.spans()) {
     auto s = std::prev(spans_.upper_bound(b));  // holds [b, e): the contract
-    std::memcpy(small.get() + at, bytes_.get() + s->second.at + (b - s->first), e - b);
+    const char* from = bytes_.get() + s->second.at + (b - s->first);
+    if (mapped_ && !ReadIn(from, e - b).ok()) return false;
+    std::memcpy(small.get() + at, from, e - b);
     kept[b] = {e, at};
     at += e - b;
   }
   bytes_ = std::move(small);
   spans_ = std::move(kept);
   size_ = keep;
+  mapped_ = false;
   return true;
 }
 
@@ -49,7 +64,7 @@ void HeldBytes::Take(uint64_t src, uint64_t length, uint64_t dst, std::vector<Co
     const uint64_t b = std::max(pos, s->first), e = std::min(end, s->second.end);
     if (b >= e) continue;
     if (pos < b) missing->emplace_back(pos, b - pos);
-    copies->push_back({bytes_, bytes_.get() + s->second.at + (b - s->first), dst + (b - src), e - b});
+    copies->push_back({bytes_, bytes_.get() + s->second.at + (b - s->first), dst + (b - src), e - b, mapped_});
     pos = e;
   }
   if (pos < end) missing->emplace_back(pos, end - pos);

@@ -8,6 +8,12 @@
 // Not thread-safe: its owner guards it. The buffer is shared with the
 // copies Take hands out, so a copy stays valid after a Compact or a Reset
 // and may be read outside the owner's lock.
+//
+// The bytes may be a mapping of a source file (a pin, SourceObject::Pin),
+// whose pages are read in on first touch: a page that cannot be read would
+// end the process (SIGBUS) where a read() fails. So a mapped hold reads
+// the pages in (ReadIn) before it copies from them, and its copies say they
+// are mapped, for their readers to do the same.
 #pragma once
 
 #include <cstdint>
@@ -16,6 +22,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/status.h"
 #include "source/interval_set.h"
 
 namespace ckptfs {
@@ -24,8 +31,12 @@ class HeldBytes {
  public:
   HeldBytes() = default;
   // Holds source bytes [offset, offset + length), which `bytes` holds whole
-  // from byte `at` on.
-  HeldBytes(std::shared_ptr<char[]> bytes, uint64_t offset, uint64_t length, uint64_t at = 0);
+  // from byte `at` on; `mapped`: a mapping of a file (see above).
+  HeldBytes(std::shared_ptr<char[]> bytes, uint64_t offset, uint64_t length, uint64_t at = 0, bool mapped = false);
+
+  // Reads the pages under [from, from + len) of a file's mapping in, or
+  // says why it cannot (the file's read error); then a copy cannot fault.
+  static Status ReadIn(const char* from, uint64_t len);
 
   // Keeps only `spans` (source offsets; every byte of them held now) when
   // that frees at least half of what is held. Returns whether it did; false
@@ -33,7 +44,7 @@ class HeldBytes {
   bool Compact(const IntervalSet& spans);
   // Keeps only `spans` (every byte of them held now), copied into a buffer
   // of their own, whatever that frees; false (all stays held) when it
-  // cannot be allocated.
+  // cannot be allocated, or a mapping's pages cannot be read.
   bool Keep(const IntervalSet& spans);
 
   // Bytes of a held span copied into a reply at `dst`.
@@ -41,6 +52,7 @@ class HeldBytes {
     std::shared_ptr<char[]> bytes;  // keeps `from` alive
     const char* from;
     uint64_t dst, length;
+    bool mapped;  // read it in (ReadIn) before copying
   };
   // Splits source bytes [src, src + length), bound for reply offset `dst`,
   // into copies from what is held and the source spans that are not
@@ -58,6 +70,7 @@ class HeldBytes {
   std::shared_ptr<char[]> bytes_;
   std::map<uint64_t, Span> spans_;  // by source begin
   uint64_t size_ = 0;
+  bool mapped_ = false;
 };
 
 }  // namespace ckptfs

@@ -392,7 +392,7 @@ void OrderedFetch::PushPinned(size_t i) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     r.fetched = true;
-    r.held = HeldBytes(bytes, first, last - first);
+    r.held = HeldBytes(bytes, first, last - first, 0, /*mapped=*/true);
     r.state = State::kHeld;
     options_.budget->Release(r.length - (last - first));
     if (stop_.load()) Free(i);
@@ -410,7 +410,7 @@ void OrderedFetch::PushPinned(size_t i) {
   if (r.held.Keep(r.needed)) {
     options_.budget->Release(before - r.held.size());
   } else {
-    Free(i);  // out of memory: its readers read the ordinary way
+    Free(i);  // out of memory, or unreadable pages: its readers read the ordinary way
     r.state = State::kFailed;
   }
 }
@@ -492,7 +492,10 @@ Status OrderedFetch::Serve(const ReadPlan& plan, char* dst) {
   }
   for (const CopyOp& c : plan.copies)
     if (c.to_scratch) rest.copies.push_back(c);
-  for (const HeldBytes::Copy& h : held) std::memcpy(dst + h.dst, h.from, h.length);
+  for (const HeldBytes::Copy& h : held) {
+    if (h.mapped) RETURN_IF_ERROR(HeldBytes::ReadIn(h.from, h.length));
+    std::memcpy(dst + h.dst, h.from, h.length);
+  }
   if (!rest.copies.empty() || !rest.converts.empty()) RETURN_IF_ERROR(execute_(rest, dst));
   std::sort(held_files.begin(), held_files.end());
   held_files.erase(std::unique(held_files.begin(), held_files.end()), held_files.end());

@@ -161,6 +161,40 @@ struct PageCache {
   }
 };
 
+// A pinned range is a mapping of its file, read in on first touch. Its
+// pages past the end of the file stand here for pages the disk cannot
+// read: touched, they would end the process (SIGBUS). Read in first, they
+// are an error, and a Keep over them keeps nothing.
+TEST(HeldBytes, AMappingsUnreadablePagesAreAnErrorNotACrash) {
+  const auto dir = TempDirs::ForThisTest("held_mapped");
+  const long page = ::sysconf(_SC_PAGESIZE);
+  const int fd = ::open((dir / "f").c_str(), O_RDWR | O_CREAT, 0644);
+  ASSERT_EQ(::ftruncate(fd, page), 0);  // one page of zeros; the mapping has three
+  void* map = ::mmap(nullptr, 3 * page, PROT_READ, MAP_SHARED, fd, 0);
+  ASSERT_NE(map, MAP_FAILED);
+  ::close(fd);
+  std::shared_ptr<char[]> bytes(static_cast<char*>(map), [page](char* p) { ::munmap(p, 3 * page); });
+  HeldBytes held(bytes, 0, 3 * page, 0, /*mapped=*/true);
+  std::vector<HeldBytes::Copy> copies;
+  std::vector<std::pair<uint64_t, uint64_t>> missing;
+  held.Take(100, 2 * page, 0, &copies, &missing);
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_TRUE(copies[0].mapped);
+  EXPECT_TRUE(HeldBytes::ReadIn(copies[0].from, page - 100).ok());  // the file's page
+  EXPECT_EQ(HeldBytes::ReadIn(copies[0].from, copies[0].length).code(), Status::Code::kIOError);
+  IntervalSet past_the_end;
+  past_the_end.Add(page + 10, page + 20);
+  EXPECT_FALSE(held.Keep(past_the_end));
+  EXPECT_EQ(held.size(), uint64_t(3 * page));  // all still held
+  IntervalSet inside;
+  inside.Add(10, 20);
+  ASSERT_TRUE(held.Keep(inside));
+  copies.clear();
+  held.Take(10, 10, 0, &copies, &missing);
+  ASSERT_EQ(copies.size(), 1u);
+  EXPECT_FALSE(copies[0].mapped);  // kept in memory of its own
+}
+
 TEST(HeldBytes, CompactedKeepsItsSpansAndReportsTheRestMissing) {
   std::shared_ptr<char[]> bytes(new char[1000]);
   for (int i = 0; i < 1000; ++i) bytes[i] = char(i % 251);
