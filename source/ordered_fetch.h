@@ -276,9 +276,8 @@ class OrderedFetch {
   void Build();
   // Gives each range the mappings of its bytes (`maps`: by file). REQUIRES: mu_.
   void AttachMappings(std::map<FileId, std::vector<Mapping>>& maps);
-  // Hands the whole pages of range `r` its readers were not served meanwhile to
-  // options_.sink from `bytes` (source bytes from `at` on; where `fd` >= 0, also at
-  // the same offsets of that pinned file); returns them (source offset, length). Takes mu_.
+  // Hands range `r`'s whole pages not served meanwhile to options_.sink from `bytes` (source bytes from
+  // `at` on; also at those offsets of pinned file `fd`, if >= 0); returns them (source offset, length). Takes mu_.
   std::vector<std::pair<uint64_t, uint64_t>> Push(const Range& r, const char* bytes, uint64_t at, int fd = -1);
   // The pieces of `c`, split at range boundaries. REQUIRES: mu_.
   void Split(const CopyOp& c, std::vector<Piece>* out) const;
