@@ -44,7 +44,10 @@ struct FilledRange {
 };
 
 // Bytes of a source file mapped into memory and kept from changing while
-// this lives (SourceObject::Pin). Releasing it unmaps them.
+// this lives (SourceObject::Pin). Releasing it unmaps them. The mapping is
+// read on first touch, and a page the disk cannot read would end the
+// process there (SIGBUS): read the pages in before copying from them
+// (HeldBytes::ReadIn), or splice them from fd().
 class PinnedRange {
  public:
   virtual ~PinnedRange() = default;
@@ -93,7 +96,7 @@ class SourceObject {
   // truncate it meanwhile (a writer's open waits until the result is
   // released). So bytes checked after Pin (the identity of the file, as
   // after every read) stay the checked ones, and may be copied from the
-  // result later without a copy of their own first. Hold it for
+  // result later (see PinnedRange) without a copy of their own first. Hold it for
   // milliseconds: a writer waits that long. NotSupported where the backend,
   // the filesystem, the file's writers or the caller's rights do not allow
   // it (Source::PinsRanges says whether to try); then read with ReadAt.
