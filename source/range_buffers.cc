@@ -19,6 +19,19 @@ struct RangeBuffers::Shelf {
   std::vector<char*> kept;
 };
 
+namespace {
+
+// A range is written once, front to back (a GET's body, a read), into a
+// fresh mapping: faulted in 4 KiB at a time, that was 7% of the daemon's CPU
+// over S3. Huge pages fault 2 MiB at once. Only advice: where transparent
+// huge pages are off (or "never"), the mapping faults as before.
+constexpr uint64_t kHugePage = 2ull << 20;
+void AskForHugePages(char* p, uint64_t bytes) {
+  if (bytes >= kHugePage) ::madvise(p, bytes, MADV_HUGEPAGE);
+}
+
+}  // namespace
+
 RangeBuffers::RangeBuffers(uint64_t usual, size_t keep_idle)
     : usual_(usual), shelf_(std::make_shared<Shelf>(usual, std::max(keep_idle, kKeepIdle))) {}
 
@@ -37,6 +50,7 @@ std::shared_ptr<char[]> RangeBuffers::Take(uint64_t bytes) {
     void* m = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED) return nullptr;
     p = static_cast<char*>(m);
+    AskForHugePages(p, bytes);
   }
   std::weak_ptr<Shelf> shelf = shelf_;
   return std::shared_ptr<char[]>(p, [shelf, bytes](char* q) {

@@ -11,7 +11,9 @@
 // mappings, 7% of the daemon's CPU over S3); when a fetch ends, Trim()
 // leaves kKeepIdle, so the memory a mount keeps between loads stays a few
 // ranges. Buffers of other sizes (the last range of a span) are mapped for
-// the range and unmapped when freed.
+// the range and unmapped when freed. A new mapping of 2 MiB or more asks
+// for transparent huge pages (MADV_HUGEPAGE): the ranges a fetch holds at
+// its peak outnumber the shelf, and each was faulted in 4 KiB at a time.
 //
 // Thread-safe. A buffer may outlive the RangeBuffers it came from (the
 // copies a reader holds keep it): it is then unmapped when freed.

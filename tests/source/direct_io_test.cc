@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -636,6 +637,36 @@ TEST(RangeBuffers, ALargerShelfIsTrimmedWhenTheFetchEnds) {
   for (size_t i = 0; i < RangeBuffers::kKeepIdle + 2; ++i) many.push_back(small.Take(64 << 10));
   many.clear();
   EXPECT_EQ(small.idle(), RangeBuffers::kKeepIdle);
+}
+
+// The VmFlags line of /proc/self/smaps for the mapping holding `p`.
+std::string VmFlagsOf(const void* p) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<uintptr_t>(p);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    unsigned long lo, hi;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &lo, &hi) == 2 && line.find(':') > line.find('-'))
+      inside = lo <= at && at < hi;
+    else if (inside && line.rfind("VmFlags:", 0) == 0)
+      return line;
+  }
+  return "";
+}
+
+// A range buffer of 2 MiB or more asks for transparent huge pages ("hg" in
+// its VmFlags), so that a fresh one faults 2 MiB at a time; a small one
+// (the last range of a span) does not.
+TEST(RangeBuffers, LargeBuffersAskForHugePages) {
+  RangeBuffers buffers(8 << 20);
+  auto large = buffers.Take(8 << 20);
+  auto small = buffers.Take(12288);
+  ASSERT_NE(large, nullptr);
+  ASSERT_NE(small, nullptr);
+  const std::string large_flags = VmFlagsOf(large.get()), small_flags = VmFlagsOf(small.get());
+  ASSERT_FALSE(large_flags.empty()) << "no mapping in /proc/self/smaps holds the buffer";
+  EXPECT_NE(large_flags.find(" hg"), std::string::npos) << large_flags;
+  EXPECT_EQ(small_flags.find(" hg"), std::string::npos) << small_flags;
 }
 
 // The copies a reader holds may outlive the mount's buffers.
