@@ -347,6 +347,19 @@ def daemon_cpu(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def cpu_busy(window: float) -> float:
+    """The share of all CPUs' time that was not idle (nor iowait) over the
+    next `window` seconds, from /proc/stat."""
+    def snap() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return sum(v), v[3] + v[4]
+    total0, idle0 = snap()
+    time.sleep(window)
+    total1, idle1 = snap()
+    return 1 - (idle1 - idle0) / max(1, total1 - total0)
+
+
 def check(what: str, got: dict, want: dict) -> None:
     import torch
     if set(got) != set(want):
@@ -384,6 +397,8 @@ def one_pass(r: Run, ctx: dict, first: bool) -> dict:
     }
     out = {}
     for name, fn in rows.items():
+        if r.args.busy_check:
+            print(f"    CPUs busy over the 0.5 s before the row: {cpu_busy(0.5):.0%}", flush=True)
         secs, result = fn()
         out[name] = secs
         r.splits.setdefault(name, []).append((secs, r.last_split))
@@ -428,6 +443,9 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp/ckptfs-bench-dcp", help="work directory (the saved state is kept)")
     ap.add_argument("--size-gib", type=float, default=1.0, help="bytes of bf16 tensors (default 1)")
     ap.add_argument("--passes", type=int, default=3, help="cold passes; the best of them is reported")
+    ap.add_argument("--busy-check", action="store_true",
+                    help="before each row, sample /proc/stat for 0.5 s and print the share of the CPUs that "
+                         "was busy (is the machine quiet when the row starts?)")
     ap.add_argument("--bin", default=os.environ.get("CKPTFS_BIN", os.path.join(HERE, "..", "build", "ckptfs")))
     args = ap.parse_args()
     args.bin = os.path.abspath(args.bin)
