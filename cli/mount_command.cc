@@ -70,11 +70,11 @@ void AddMountFlags(CLI::App* m, MountFlags& f, Common& c) {
                 "tensor (tensors/*.npy) are not affected. The log says what was fetched at unmount and on SIGUSR1")
       ->check(CLI::Range(0u, 1u << 20));
   m->add_flag("--fetch-direct", f.fetch_direct,
-              "Read the ranges of --fetch-hold-mib with O_DIRECT where the source's filesystem allows it: about 40% "
-              "less of the daemon's CPU, and the sources' pages are not cached beside the virtual files' (ranges "
-              "already in the page cache are still read from it). Off by default: on the virtual disks measured so "
-              "far it was slower (the device needed the kernel's read-ahead); try it on local NVMe, or when the "
-              "daemon's CPU is the limit, and compare");
+              "Read the ranges of --fetch-hold-mib with O_DIRECT where the source's filesystem allows it, instead "
+              "of pinning them in the page cache: the sources' pages are not cached beside the virtual files' "
+              "(ranges already in the page cache are still read from it). Off by default: on the virtual disks "
+              "measured so far it was no faster, and at times slower (the device needed the kernel's "
+              "read-ahead); try it on local NVMe, or where the page cache is short, and compare");
   m->add_flag("--verify-checksums", f.verify_checksums,
               "Check each chunk's recorded CRC32C (checkpoints saved by ckptfs's writer) on its first read: a chunk "
               "that differs answers EIO, the rest keep serving. The first read of a chunk reads all of it");
