@@ -12,6 +12,8 @@ time on a shared 2-core machine.
     python3 bench/bench_ab.py --root /tmp/ckptfs-bench/checkpoint \\
         --config old=/tmp/ckptfs-old --config new=build/ckptfs --passes 7
 
+`--fresh-mount` starts each configuration's daemon anew (same index)
+before each of its passes: a first load, with no buffers kept from the last.
 A configuration is NAME=BINARY[,MOUNT_ARG...]. `--pattern` picks sequential
 1 MiB read() calls (default), safe_open + get_tensor of every tensor, or
 safetensors' load_file and then a byte of every page of what it returned
@@ -80,6 +82,13 @@ def reference_pass(paths: list[str], pattern: str) -> tuple[float, float, int]:
     return wall, 0.0, n
 
 
+def remount(m: common.Mounted) -> common.Mounted:
+    """A new daemon for `m`'s root, mount point and index, started."""
+    fresh = common.Mounted(m.binary, m.root, m.mnt, m.index, m.log_file, m.extra)
+    fresh.start()
+    return fresh
+
+
 def export_reference(mount: common.Mounted, rels: list[str], out: str) -> list[str]:
     """Copies each virtual file to a real file under `out` (same bytes)."""
     paths = []
@@ -105,6 +114,9 @@ def main(argv=None) -> int:
                     help="NAME=BINARY[,MOUNT_ARG...] (repeat for each side)")
     ap.add_argument("--passes", type=int, default=5)
     ap.add_argument("--pattern", choices=["read", "safe_open", "load_file"], default="read")
+    ap.add_argument("--fresh-mount", action="store_true",
+                    help="unmount and mount each configuration again (same index) before each of its passes, "
+                         "so that every pass is a new daemon's first load (no buffers kept from the last)")
     args = ap.parse_args(argv)
 
     files = args.file or ["consolidated/model.safetensors"]
@@ -120,7 +132,13 @@ def main(argv=None) -> int:
                               os.path.join(d, "mount.log"), extra)
             m.start()
             mounts[name] = m
-        runs = {name: (lambda m=m: one_pass(m, files, args.pattern)) for name, m in mounts.items()}
+        def run(name: str):
+            if args.fresh_mount:
+                mounts[name].stop()
+                mounts[name] = remount(mounts[name])
+            return one_pass(mounts[name], files, args.pattern)
+
+        runs = {name: (lambda name=name: run(name)) for name in mounts}
         if args.reference:
             ref = export_reference(next(iter(mounts.values())), files, work)
             runs["real"] = lambda: reference_pass(ref, args.pattern)
