@@ -144,6 +144,13 @@ size_t OrderedFetch::range_count() const {
   return ranges_.size();
 }
 
+std::vector<std::pair<uint64_t, uint64_t>> OrderedFetch::range_spans() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  for (const Range& r : ranges_) out.emplace_back(r.offset, r.length);
+  return out;
+}
+
 bool OrderedFetch::Noted(uint64_t offset, uint64_t length) {
   if (length == 0) return started_.load();
   const uint64_t again = served_->Add(offset, length);
@@ -212,17 +219,17 @@ void OrderedFetch::Build() {
         // Across a small gap, unless it holds bytes served already: those
         // would be fetched a second time.
         const bool joins = r && r->file == file && pos - (r->offset + r->length) <= kMaxGap &&
-                           pos < AlignDown(r->offset, kDirectAlign) + options_.range_bytes &&
-                           left_out[file].Bytes(r->offset + r->length, pos) == 0;
+                           pos < WindowEnd(r->offset) && left_out[file].Bytes(r->offset + r->length, pos) == 0;
         if (!joins) {
           ranges_.push_back({});
           r = &ranges_.back();
           r->file = file;
           r->offset = pos;
         }
-        // Its aligned span (AlignSpan, what its buffer holds) is at most
-        // range_bytes: a buffer of the usual size (RangeBuffers).
-        const uint64_t take = std::min(e, AlignDown(r->offset, kDirectAlign) + options_.range_bytes);
+        // A range stays inside its window (WindowEnd), so its aligned span
+        // (AlignSpan, what its buffer holds) is at most range_bytes: a
+        // buffer of the usual size (RangeBuffers).
+        const uint64_t take = std::min(e, WindowEnd(r->offset));
         r->needed.Add(pos, take);
         r->length = take - r->offset;
         pos = take;
@@ -230,6 +237,10 @@ void OrderedFetch::Build() {
     }
   }
   AttachMappings(maps);
+}
+
+uint64_t OrderedFetch::WindowEnd(uint64_t offset) const {
+  return AlignDown(offset, options_.range_bytes) + options_.range_bytes;
 }
 
 void OrderedFetch::AttachMappings(std::map<FileId, std::vector<Mapping>>& maps) {

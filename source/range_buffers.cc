@@ -36,7 +36,10 @@ RangeBuffers::RangeBuffers(uint64_t usual, size_t keep_idle)
     : usual_(usual), shelf_(std::make_shared<Shelf>(usual, std::max(keep_idle, kKeepIdle))) {}
 
 std::shared_ptr<char[]> RangeBuffers::Take(uint64_t bytes) {
-  if (bytes == 0) bytes = 1;
+  // Up to the usual size, a buffer of the usual size: a range that fills
+  // part of its window (source/ordered_fetch.h) reuses the shelf's too.
+  // Untouched pages of a fresh mapping cost nothing.
+  if (bytes <= usual_) bytes = usual_;
   char* p = nullptr;
   if (bytes == usual_) {
     std::lock_guard<std::mutex> lock(shelf_->mu);

@@ -10,8 +10,9 @@
 // with 16 GETs in flight, a shelf of 8 left half the ranges on fresh
 // mappings, 7% of the daemon's CPU over S3); when a fetch ends, Trim()
 // leaves kKeepIdle, so the memory a mount keeps between loads stays a few
-// ranges. Buffers of other sizes (the last range of a span) are mapped for
-// the range and unmapped when freed. A new mapping of 2 MiB or more asks
+// ranges. A smaller range (one that fills part of its window) gets a buffer
+// of the usual size too; larger buffers are mapped for the range and
+// unmapped when freed. A new mapping of 2 MiB or more asks
 // for transparent huge pages (MADV_HUGEPAGE): the ranges a fetch holds at
 // its peak outnumber the shelf, and each was faulted in 4 KiB at a time.
 //
@@ -31,8 +32,9 @@ class RangeBuffers {
   static constexpr size_t kKeepIdle = 8;
 
   // `usual`: the size of most buffers taken (a multiple of the page size);
-  // only buffers of exactly this size are kept for reuse, at most
-  // `keep_idle` (never fewer than kKeepIdle).
+  // a request of up to this many bytes gets a buffer of this size, and only
+  // those are kept for reuse, at most `keep_idle` (never fewer than
+  // kKeepIdle).
   explicit RangeBuffers(uint64_t usual, size_t keep_idle = kKeepIdle);
 
   // `bytes` of memory aligned to kDirectAlign (source/direct_io.h), not

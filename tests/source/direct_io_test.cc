@@ -587,7 +587,8 @@ TEST_F(DirectPosixTest, ReadOnceOfATmpfsFileIsBuffered) {
 // --- RangeBuffers ---------------------------------------------------------------
 
 // A freed buffer of the usual size serves the next take (no new mapping, no
-// page faults); other sizes are not kept; at most kKeepIdle wait.
+// page faults); a smaller take gets one of the usual size, a larger one is
+// not kept; at most kKeepIdle wait.
 TEST(RangeBuffers, UsualSizeIsRecycledUpToTheIdleBound) {
   RangeBuffers buffers(64 << 10);
   char* first;
@@ -601,8 +602,17 @@ TEST(RangeBuffers, UsualSizeIsRecycledUpToTheIdleBound) {
   auto b = buffers.Take(64 << 10);
   EXPECT_EQ(b.get(), first);
   EXPECT_EQ(buffers.idle(), 0u);
-  { auto odd = buffers.Take(12288); ASSERT_NE(odd, nullptr); }
+  { auto larger = buffers.Take(128 << 10); ASSERT_NE(larger, nullptr); }
   EXPECT_EQ(buffers.idle(), 0u) << "a buffer of another size was kept";
+  char* part;
+  {
+    auto smaller = buffers.Take(12288);  // a range filling part of its window
+    ASSERT_NE(smaller, nullptr);
+    part = smaller.get();
+    std::memset(smaller.get(), 7, 64 << 10);  // all of the usual size is there
+  }
+  EXPECT_EQ(buffers.idle(), 1u) << "a smaller range's buffer was not kept";
+  EXPECT_EQ(buffers.Take(64 << 10).get(), part);
   std::vector<std::shared_ptr<char[]>> many;
   for (size_t i = 0; i < RangeBuffers::kKeepIdle + 3; ++i) many.push_back(buffers.Take(64 << 10));
   std::set<char*> distinct;
@@ -656,11 +666,11 @@ std::string VmFlagsOf(const void* p) {
 
 // A range buffer of 2 MiB or more asks for transparent huge pages ("hg" in
 // its VmFlags), so that a fresh one faults 2 MiB at a time; a small one
-// (the last range of a span) does not.
+// (a mount's ranges of less than 2 MiB) does not.
 TEST(RangeBuffers, LargeBuffersAskForHugePages) {
-  RangeBuffers buffers(8 << 20);
+  RangeBuffers buffers(8 << 20), smaller(64 << 10);
   auto large = buffers.Take(8 << 20);
-  auto small = buffers.Take(12288);
+  auto small = smaller.Take(64 << 10);
   ASSERT_NE(large, nullptr);
   ASSERT_NE(small, nullptr);
   const std::string large_flags = VmFlagsOf(large.get()), small_flags = VmFlagsOf(small.get());

@@ -332,6 +332,69 @@ TEST(OrderedFetch, EachSourceByteOnceInAnyOrder) {
   }
 }
 
+// Tensors at `spans` (offset, length) of one file of `size` bytes, laid out
+// in the spans' order after a header literal.
+Files OneFile(uint64_t size, const std::vector<std::pair<uint64_t, uint64_t>>& spans) {
+  Files t;
+  t.dir = TempDirs::Make("ckptfs-ordered");
+  std::string contents;
+  for (uint64_t b = 0; b < size; ++b) contents += char((b * 131) % 251);
+  std::ofstream(t.dir / "f0", std::ios::binary) << contents;
+  SourceFile sf = *StatSource((t.dir / "f0").string());
+  sf.path = "f0";
+  t.files.push_back(sf);
+  t.layout->AddLiteral(std::string(100, 'h'));
+  t.expected = std::string(100, 'h');
+  for (size_t i = 0; i < spans.size(); ++i) {
+    const auto [offset, length] = spans[i];
+    auto tensor = std::make_shared<TensorMeta>();
+    tensor->fqn = "t" + std::to_string(i);
+    tensor->dtype = DType::kU8;
+    tensor->shape = {length};
+    Chunk c;
+    c.set_box(Box::Whole(tensor->shape));
+    c.set_dtype(DType::kU8);
+    c.set_bytes({FileId(0), offset, length});
+    tensor->chunks.push_back(c);
+    EXPECT_TRUE(t.layout->AddTensor(tensor, Box::Whole(tensor->shape)).ok());
+    t.expected += contents.substr(offset, length);
+  }
+  return t;
+}
+
+TEST(OrderedFetch, RangesStayInsideTheSourcesPartWindows) {
+  // Tensors that start off any window boundary, the second after a gap
+  // too large to read across: each range must still lie inside one window
+  // of range_bytes of its file (offsets 0, W, 2W ...), where an object
+  // store keeps an upload part, so that no part is read for two GETs.
+  const uint64_t w = 256 * kKiB;
+  const std::pair<uint64_t, uint64_t> a{101400, 600 * kKiB}, b{a.first + a.second + 200 * kKiB, 500 * kKiB};
+  Files t = OneFile(2048 * kKiB, {a, b});
+  Reader r(t, 64ull << 20, w);
+  auto f = r.reader->MakeOrderedFetch(t.layout, nullptr);
+  ASSERT_TRUE(f);
+  std::string got(t.layout->size(), '\0');
+  // The last 64 KiB of each tensor start the plan, which leaves them out;
+  // then the whole file in order.
+  const uint64_t end_b = t.layout->size() - 64 * kKiB, end_a = 100 + a.second - 64 * kKiB;
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, end_b, 64 * kKiB, got.data() + end_b).ok());
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, end_a, 64 * kKiB, got.data() + end_a).ok());
+  ASSERT_TRUE(f->started());
+  for (uint64_t o = 0; o < t.layout->size(); o += 64 * kKiB) {
+    const uint64_t n = std::min<uint64_t>(64 * kKiB, t.layout->size() - o);
+    ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, o, n, got.data() + o).ok());
+  }
+  EXPECT_TRUE(got == t.expected);
+  EXPECT_EQ(r.reader->counters().refetched.load(), 0u);
+  const auto spans = f->range_spans();
+  for (const auto& [offset, length] : spans)
+    EXPECT_EQ(offset / w, (offset + length - 1) / w) << "range at " << offset << " of " << length << " bytes";
+  // One range per window each tensor touches (the bytes left out do not
+  // change which): the first spans windows 0..2, the second 3..5.
+  auto windows = [w](std::pair<uint64_t, uint64_t> s) { return (s.first + s.second - 1) / w - s.first / w + 1; };
+  EXPECT_EQ(spans.size(), windows(a) + windows(b));
+}
+
 TEST(OrderedFetch, BoundSmallerThanTheFileStaysExact) {
   Files t = MakeFiles(8, 300 * kKiB);
   Reader r(t, 512 * kKiB, 256 * kKiB);  // two ranges at most
