@@ -40,6 +40,7 @@ std::shared_ptr<char[]> RangeBuffers::Take(uint64_t bytes) {
   // part of its window (source/ordered_fetch.h) reuses the shelf's too.
   // Untouched pages of a fresh mapping cost nothing.
   if (bytes <= usual_) bytes = usual_;
+  if (bytes == 0) bytes = 1;
   char* p = nullptr;
   if (bytes == usual_) {
     std::lock_guard<std::mutex> lock(shelf_->mu);
