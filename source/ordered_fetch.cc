@@ -21,6 +21,13 @@ constexpr uint64_t kMaxGap = 64 << 10;
 // memory at once.
 constexpr uint64_t kPlanSlice = 64 << 20;
 
+// The end of the window of `window` bytes holding source offset `offset`:
+// windows start at multiples of the range size in the source file, as an
+// object's upload parts do (and the GETs of s3torchconnector's client), so
+// that a server that stores objects in part-sized chunks reads each chunk
+// for one range, not for two.
+uint64_t WindowEnd(uint64_t offset, uint64_t window) { return AlignDown(offset, window) + window; }
+
 std::string Gb(uint64_t n) { return std::to_string(n) + " bytes"; }
 
 }  // namespace
@@ -139,11 +146,6 @@ bool OrderedFetch::Worth(const Layout& layout) {
   return tensors >= 2;
 }
 
-size_t OrderedFetch::range_count() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return ranges_.size();
-}
-
 std::vector<std::pair<uint64_t, uint64_t>> OrderedFetch::range_spans() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<std::pair<uint64_t, uint64_t>> out;
@@ -219,7 +221,8 @@ void OrderedFetch::Build() {
         // Across a small gap, unless it holds bytes served already: those
         // would be fetched a second time.
         const bool joins = r && r->file == file && pos - (r->offset + r->length) <= kMaxGap &&
-                           pos < WindowEnd(r->offset) && left_out[file].Bytes(r->offset + r->length, pos) == 0;
+                           pos < WindowEnd(r->offset, options_.range_bytes) &&
+                           left_out[file].Bytes(r->offset + r->length, pos) == 0;
         if (!joins) {
           ranges_.push_back({});
           r = &ranges_.back();
@@ -229,7 +232,7 @@ void OrderedFetch::Build() {
         // A range stays inside its window (WindowEnd), so its aligned span
         // (AlignSpan, what its buffer holds) is at most range_bytes: a
         // buffer of the usual size (RangeBuffers).
-        const uint64_t take = std::min(e, WindowEnd(r->offset));
+        const uint64_t take = std::min(e, WindowEnd(r->offset, options_.range_bytes));
         r->needed.Add(pos, take);
         r->length = take - r->offset;
         pos = take;
@@ -237,10 +240,6 @@ void OrderedFetch::Build() {
     }
   }
   AttachMappings(maps);
-}
-
-uint64_t OrderedFetch::WindowEnd(uint64_t offset) const {
-  return AlignDown(offset, options_.range_bytes) + options_.range_bytes;
 }
 
 void OrderedFetch::AttachMappings(std::map<FileId, std::vector<Mapping>>& maps) {

@@ -11,9 +11,9 @@
 // the file needs is fetched in the sources' own order (file, offset), in
 // large ranges, several in flight, and each fetched range is held in memory
 // until every source byte in it that the file needs has been served. A
-// range never crosses a multiple of the range size in its file (WindowEnd):
-// object stores keep an object as its upload parts, and a GET across a
-// part boundary makes the server read two.
+// range never crosses a multiple of the range size in its file (WindowEnd,
+// ordered_fetch.cc): object stores keep an object as its upload parts, and
+// a GET across a part boundary makes the server read two.
 //
 // When (OrderedFetch::Noted). A file with at least two tensor segments, once
 // requests of one open handle have begun inside two different tensors: a
@@ -266,7 +266,6 @@ class OrderedFetch {
   // checked unchanged. REQUIRES: started().
   Status Serve(const ReadPlan& plan, char* dst);
 
-  size_t range_count() const;  // for tests: ranges planned
   std::vector<std::pair<uint64_t, uint64_t>> range_spans() const;  // for tests: (source offset, length) of each
 
  private:
@@ -278,12 +277,6 @@ class OrderedFetch {
 
   // Builds ranges_ from the whole file's plan less what was served. REQUIRES: mu_.
   void Build();
-  // The end of the window of range_bytes holding source offset `offset`:
-  // windows start at multiples of range_bytes in the source file, as an
-  // object's upload parts do (and the GETs of s3torchconnector's client),
-  // so that a server that stores objects in part-sized chunks reads each
-  // chunk for one range, not for two.
-  uint64_t WindowEnd(uint64_t offset) const;
   // Gives each range the mappings of its bytes (`maps`: by file). REQUIRES: mu_.
   void AttachMappings(std::map<FileId, std::vector<Mapping>>& maps);
   // Hands range `r`'s whole pages not served meanwhile to options_.sink from `bytes` (source bytes from

@@ -25,6 +25,7 @@
 #include "source/posix_source.h"
 #include "source/source_reader.h"
 #include "tests/source/page_cache_probe.h"
+#include "tests/source/u8_tensor.h"
 #include "tests/temp_dirs.h"
 
 namespace ckptfs {
@@ -56,34 +57,34 @@ struct Files {
   std::string expected;
 };
 
+// Writes source file `name` of `t` with `contents`.
+void AddFile(Files& t, const std::string& name, const std::string& contents) {
+  std::ofstream(t.dir / name, std::ios::binary) << contents;
+  SourceFile sf = *StatSource((t.dir / name).string());
+  sf.path = name;
+  t.files.push_back(sf);
+}
+
+// Lays out u8 tensor `fqn`, bytes [offset, offset + length) of source
+// `file`, whose contents are `contents`.
+void AddTensor(Files& t, const std::string& fqn, FileId file, uint64_t offset, uint64_t length,
+               const std::string& contents) {
+  auto tensor = U8Tensor(fqn, file, offset, length);
+  EXPECT_TRUE(t.layout->AddTensor(tensor, Box::Whole(tensor->shape)).ok());
+  t.expected += contents.substr(offset, length);
+}
+
 Files MakeFiles(int count, uint64_t each) {
   Files t;
   t.dir = TempDirs::Make("ckptfs-ordered");
   std::vector<std::string> contents((count + 1) / 2);
   for (int i = 0; i < count; ++i)
     for (uint64_t b = 0; b < each; ++b) contents[i / 2] += char((b * 131 + i * 7) % 251);
-  for (size_t f = 0; f < contents.size(); ++f) {
-    const std::string name = "f" + std::to_string(f);
-    std::ofstream(t.dir / name, std::ios::binary) << contents[f];
-    SourceFile sf = *StatSource((t.dir / name).string());
-    sf.path = name;
-    t.files.push_back(sf);
-  }
+  for (size_t f = 0; f < contents.size(); ++f) AddFile(t, "f" + std::to_string(f), contents[f]);
   t.layout->AddLiteral(std::string(100, 'h'));
   t.expected = std::string(100, 'h');
-  for (int i = count - 1; i >= 0; --i) {
-    auto tensor = std::make_shared<TensorMeta>();
-    tensor->fqn = "t" + std::to_string(i);
-    tensor->dtype = DType::kU8;
-    tensor->shape = {each};
-    Chunk c;
-    c.set_box(Box::Whole(tensor->shape));
-    c.set_dtype(DType::kU8);
-    c.set_bytes({FileId(i / 2), (i % 2) * each, each});
-    tensor->chunks.push_back(c);
-    EXPECT_TRUE(t.layout->AddTensor(tensor, Box::Whole(tensor->shape)).ok());
-    t.expected += contents[i / 2].substr((i % 2) * each, each);
-  }
+  for (int i = count - 1; i >= 0; --i)
+    AddTensor(t, "t" + std::to_string(i), FileId(i / 2), (i % 2) * each, each, contents[i / 2]);
   return t;
 }
 
@@ -282,7 +283,7 @@ TEST(OrderedFetch, ColdPassAfterTheKernelDroppedThePagesIsPlannedAgain) {
   EXPECT_TRUE(got == t.expected);
   EXPECT_EQ(r.reader->counters().fetched.load(), 2 * sources);
   EXPECT_GE(r.reader->counters().ordered.load() - ordered, sources / 2);
-  EXPECT_GE(second->range_count(), 1u);
+  EXPECT_GE(second->range_spans().size(), 1u);
 }
 
 TEST(OrderedFetch, PlanLeavesOutWhatTheKernelStillHas) {
@@ -339,26 +340,11 @@ Files OneFile(uint64_t size, const std::vector<std::pair<uint64_t, uint64_t>>& s
   t.dir = TempDirs::Make("ckptfs-ordered");
   std::string contents;
   for (uint64_t b = 0; b < size; ++b) contents += char((b * 131) % 251);
-  std::ofstream(t.dir / "f0", std::ios::binary) << contents;
-  SourceFile sf = *StatSource((t.dir / "f0").string());
-  sf.path = "f0";
-  t.files.push_back(sf);
+  AddFile(t, "f0", contents);
   t.layout->AddLiteral(std::string(100, 'h'));
   t.expected = std::string(100, 'h');
-  for (size_t i = 0; i < spans.size(); ++i) {
-    const auto [offset, length] = spans[i];
-    auto tensor = std::make_shared<TensorMeta>();
-    tensor->fqn = "t" + std::to_string(i);
-    tensor->dtype = DType::kU8;
-    tensor->shape = {length};
-    Chunk c;
-    c.set_box(Box::Whole(tensor->shape));
-    c.set_dtype(DType::kU8);
-    c.set_bytes({FileId(0), offset, length});
-    tensor->chunks.push_back(c);
-    EXPECT_TRUE(t.layout->AddTensor(tensor, Box::Whole(tensor->shape)).ok());
-    t.expected += contents.substr(offset, length);
-  }
+  for (size_t i = 0; i < spans.size(); ++i)
+    AddTensor(t, "t" + std::to_string(i), FileId(0), spans[i].first, spans[i].second, contents);
   return t;
 }
 
@@ -553,7 +539,7 @@ TEST(OrderedFetch, PushedRangesKeepOnlyThePagesTheyShare) {
   WaitForTheFetch(*r.reader, sources - 8 * kKiB);
   EXPECT_GE(r.reader->counters().ordered.load(), sources - 8 * kKiB);
   // At most two pages per range and per tensor edge are kept.
-  const uint64_t ranges = f->range_count();
+  const uint64_t ranges = f->range_spans().size();
   std::this_thread::sleep_for(std::chrono::milliseconds(50));  // the last range's push
   EXPECT_LE(r.budget->held(), (ranges + 16) * 2 * 4096) << ranges << " ranges";
   ASSERT_TRUE(cache.Pass(*r.reader, *f, *t.layout, got).ok());

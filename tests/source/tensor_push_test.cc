@@ -16,6 +16,7 @@
 #include "core/layout.h"
 #include "source/posix_source.h"
 #include "source/source_reader.h"
+#include "tests/source/u8_tensor.h"
 #include "tests/temp_dirs.h"
 
 namespace ckptfs {
@@ -47,15 +48,7 @@ Tensors MakeTensors() {
     std::ofstream(t.dir / name, std::ios::binary) << bytes;
     SourceFile sf = *StatSource((t.dir / name).string());
     sf.path = name;
-    auto tensor = std::make_shared<TensorMeta>();
-    tensor->fqn = name;
-    tensor->dtype = DType::kU8;
-    tensor->shape = {n};
-    Chunk c;
-    c.set_box(Box::Whole(tensor->shape));
-    c.set_dtype(DType::kU8);
-    c.set_bytes({FileId(t.files.size()), 0, n});
-    tensor->chunks.push_back(c);
+    auto tensor = U8Tensor(name, FileId(t.files.size()), 0, n);
     t.files.push_back(sf);
     t.at[name] = {t.layout->size(), t.layout->size() + n};
     EXPECT_TRUE(t.layout->AddTensor(tensor, Box::Whole(tensor->shape)).ok());
