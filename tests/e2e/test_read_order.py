@@ -317,22 +317,32 @@ def test_a_second_cold_load_through_the_same_mount_is_fetched_in_source_order_ag
     load after they were dropped (memory pressure, drop_caches; here fadvise
     DONTNEED on the virtual file) asks for every page again, and must be
     fetched once more, in source order, like the first; a warm load after
-    it finds the pages in the page cache and fetches at most a few of them
-    (the kernel asks for a page again now and then), never the file again."""
+    it finds the pages in the page cache and fetches only those the kernel
+    no longer holds, never the file again.
+
+    The kernel may reclaim a few pages between two loads on its own (a
+    machine running DAMON's proactive pageout, as the test machines do, can
+    take a page soon after it was filled when its memory region looks
+    cold), so the warm load is judged against the pages missing just before
+    it, counted with mincore."""
     with mount_factory(step["dir"]) as m:
         pid = harness.mount_daemon_pid(m.path)
         folder = m.p("consolidated")
+        path = os.path.join(folder, "model.safetensors")
         _read_with("load_file", folder, step["expected_path"])
         first = _report(m, pid, 1)
         _check_fetched(first, step["tensor_bytes"], "first load")
-        _drop_pages(os.path.join(folder, "model.safetensors"))
+        _drop_pages(path)
         _read_with("load_file", folder, step["expected_path"])
         second = _report(m, pid, 2)
         again = {k: second[k] - first[k] for k in second}
         _check_fetched(again, step["tensor_bytes"], "second load, pages dropped")
+        missing = os.path.getsize(path) - harness.resident_bytes(path)
+        assert missing <= 0.05 * step["tensor_bytes"], ("the second load left the file out of the page cache", missing)
         _read_with("load_file", folder, step["expected_path"])
         warm = _report(m, pid, 3)
-        assert warm["fetched"] - second["fetched"] <= 16 * 4096, (second, warm)
+        # What was missing, plus a read-ahead window's worth of neighbours.
+        assert warm["fetched"] - second["fetched"] <= missing + (256 << 10), (missing, second, warm)
 
 
 def _expected_rank_piece(full: torch.Tensor, local_shape, rank: int, ranks: int) -> torch.Tensor:
