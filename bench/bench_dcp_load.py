@@ -29,7 +29,9 @@ mount (the mount's start, indexing included, is timed). Rows:
   s3    ckptfs from_pretrained  from_pretrained(MNT/consolidated) of the step
 
 Best of --passes. The table gives each row's ratio (time / reference
-time) against the references measured in the same run, next to its goal;
+time) against the references measured in the same run, next to its goal
+(judged on the best passes), and in brackets the ratio of the rows'
+median passes (is a miss one lucky pass of the reference?);
 the load average at start and end; each ckptfs mount's daemon peak RSS
 (VmHWM from /proc) and the bytes it fetched (its log) against the step's
 size; for the disk rows, how their best pass split between the load call
@@ -50,6 +52,7 @@ import io
 import os
 import re
 import shutil
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -411,16 +414,19 @@ def one_pass(r: Run, ctx: dict, first: bool) -> dict:
 
 def report(passes: list[dict], r: Run, ctx: dict, load: tuple[float, float]) -> None:
     best = {k: min(p[k] for p in passes) for k in passes[0]}
+    median = {k: statistics.median(p[k] for p in passes) for k in passes[0]}
     gb = ctx["step_bytes"] / 1e9
     print(f"\nload average {load[0]:.2f} at start, {load[1]:.2f} at end; best of {len(passes)} cold passes; "
           f"step {gb:.2f} GB ({RANKS} ranks), {len(ctx['specs'])} bf16 tensors")
-    print(f"{'row':<42} {'best s':>8} {'GB/s':>6}  ratio vs reference (goal)")
+    print(f"{'row':<42} {'best s':>8} {'median':>8} {'GB/s':>6}  ratio of the best vs reference (goal), "
+          f"[ratio of the medians]")
     for name, secs in best.items():
         ratios = [f"{secs / best[ref]:.2f}x {ref} (goal <= {goal}: {'met' if secs / best[ref] <= goal else 'MISSED'})"
+                  f" [{median[name] / median[ref]:.2f}x]"
                   for row, ref, goal in GOALS if row == name]
         if name.startswith("disk ") and name != DISK_FLOOR:
             ratios.insert(0, f"{secs / best[DISK_FLOOR]:.2f}x the floor")
-        print(f"{name:<42} {secs:8.2f} {gb / secs:6.2f}  " + "; ".join(ratios))
+        print(f"{name:<42} {secs:8.2f} {median[name]:8.2f} {gb / secs:6.2f}  " + "; ".join(ratios))
     print("  where the disk loads spent their best pass: the load call (mount start not included), then the "
           "first touch of every page of what it returned")
     for row, by_pass in r.splits.items():
