@@ -169,6 +169,7 @@ class PosixObject : public SourceObject {
   int fd_;
   std::string abs_;
   mutable std::once_flag direct_once_;
+  mutable std::once_flag random_once_;  // ReadOnce turns off the kernel's read-ahead
   mutable int direct_fd_ = -1;  // set once, under direct_once_
 };
 
@@ -223,6 +224,12 @@ Status PosixObject::ReadAtVia(uint64_t offset, uint64_t len, char* dst, DirectIo
 // straight into the caller's memory (the contract lets it overwrite the
 // aligned span around the range).
 Result<uint64_t> PosixObject::ReadOnce(uint64_t offset, uint64_t len, char* dst) const {
+  // From the first such range on, this file's cold ranges are read with
+  // O_DIRECT: the kernel's read-ahead after a buffered read of it (a
+  // cached prefix here, a reader's request elsewhere) would read them again
+  // into the page cache, racing the direct reads. Reads of the buffered
+  // descriptor read what they ask for from here on.
+  std::call_once(random_once_, [this] { ::posix_fadvise(fd_, 0, 0, POSIX_FADV_RANDOM); });
   if (len == 0 || DirectFd(nullptr) < 0) {
     RETURN_IF_ERROR(ReadAt(offset, len, dst));
     return uint64_t(0);
