@@ -20,6 +20,11 @@ passing it on and records every request line. Rows, per latency and build:
                  of its .metadata, which any DCP loader reads before a
                  tensor (the floor of two round trips)
 
+With --index-threads N..., only the index row runs instead, straight to the
+server (no proxy, no added latency), once per `--max-threads` N: whether
+more GETs in flight shorten the reads of the items' framing, or the
+server's CPU bounds them (on the 2-core test machine it does).
+
 Each row gives its best time of --passes, its ratio to the reference's
 best, and the requests of its last pass by kind (HEAD, LIST, GET). With
 --bin-old, the rows run for both builds in each pass, the builds taking
@@ -28,6 +33,7 @@ the same paths); this script times them.
 
     python3 bench/bench_s3_start.py [--dir /tmp/ckptfs-bench-start] [--size-gib 0.1] \\
         [--latency-ms 20 50] [--passes 3] [--bin build/ckptfs] [--bin-old OTHER]
+    python3 bench/bench_s3_start.py --size-gib 1 --index-threads 1 4 16 64
 
 Needs root (FUSE), `weed`, torch (to save the step), boto3.
 """
@@ -72,10 +78,11 @@ class Bench:
     def proxy(self, latency_s: float) -> FaultProxy:
         return FaultProxy(self.server.port, seed=0, p_slowdown=0, p_reset=0, p_truncate=0, latency_s=latency_s)
 
-    def index(self, binary: str, proxy: FaultProxy, index_dir: str) -> float:
+    def index(self, binary: str, proxy: FaultProxy | None, index_dir: str, *extra: str) -> float:
+        endpoint = f"http://127.0.0.1:{proxy.port}" if proxy else self.server.endpoint
         t0 = time.monotonic()
-        p = subprocess.run([binary, "index", "-q", "--index", index_dir, "--endpoint-url",
-                            f"http://127.0.0.1:{proxy.port}", f"s3://{s3_server.BUCKET}/{PREFIX}"],
+        p = subprocess.run([binary, "index", "-q", "--index", index_dir, "--endpoint-url", endpoint,
+                            f"s3://{s3_server.BUCKET}/{PREFIX}", *extra],
                            env=self.env, capture_output=True, text=True)
         if p.returncode != 0:
             raise RuntimeError(f"ckptfs index failed: {p.stderr}")
@@ -123,6 +130,22 @@ class Bench:
             proxy.close()
             shutil.rmtree(index_dir, ignore_errors=True)
 
+def index_threads(bench: Bench, builds: list, threads: list[int], passes: int) -> None:
+    """The index row straight to the server, per --max-threads value."""
+    results: dict = {}
+    for p in range(passes):
+        for n in threads:
+            for tag, binary in (builds if p % 2 == 0 else builds[::-1]):
+                index_dir = tempfile.mkdtemp(prefix="index-", dir=bench.work)
+                seconds = bench.index(binary, None, index_dir, "--max-threads", str(n))
+                shutil.rmtree(index_dir, ignore_errors=True)
+                results[(tag, n)] = min(results.get((tag, n), float("inf")), seconds)
+    print(f"\n== fresh index, no proxy, best of {passes}")
+    print(f"{'build':6} {'--max-threads':>13} {'best s':>8}")
+    for (tag, n), best in results.items():
+        print(f"{tag:6} {n:13d} {best:8.3f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dir", default="/tmp/ckptfs-bench-start")
@@ -131,6 +154,8 @@ def main() -> int:
     ap.add_argument("--passes", type=int, default=3)
     ap.add_argument("--bin", default=os.path.join(HERE, "..", "build", "ckptfs"))
     ap.add_argument("--bin-old", help="another build, measured in the same passes")
+    ap.add_argument("--index-threads", type=int, nargs="+",
+                    help="time only a fresh index, straight to the server, at each of these --max-threads")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     step, _, specs, _ = bench_dcp_load.prepare(args.dir, args.size_gib)
@@ -140,12 +165,14 @@ def main() -> int:
     load = os.getloadavg()[0]
     work = tempfile.mkdtemp(prefix="run-", dir=args.dir)
     (Path(work) / "seaweedfs").mkdir()
-    server = s3_server.Server(Path(work) / "seaweedfs")
+    server = s3_server.Server(Path(work) / "seaweedfs", volumes=int(args.size_gib * 1.5 * 1024 / 64) + 16)
     try:
         s3_server.upload_tree(server.client, step, PREFIX)
         os.environ.update(server.env())
         bench = Bench(args, server, work)
-        for latency in args.latency_ms:
+        if args.index_threads:
+            index_threads(bench, builds, args.index_threads, args.passes)
+        for latency in ([] if args.index_threads else args.latency_ms):
             results: dict = {}
             for p in range(args.passes):
                 order = builds if p % 2 == 0 else builds[::-1]
