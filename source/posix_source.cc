@@ -224,16 +224,16 @@ Status PosixObject::ReadAtVia(uint64_t offset, uint64_t len, char* dst, DirectIo
 // straight into the caller's memory (the contract lets it overwrite the
 // aligned span around the range).
 Result<uint64_t> PosixObject::ReadOnce(uint64_t offset, uint64_t len, char* dst) const {
+  if (len == 0 || DirectFd(nullptr) < 0) {
+    RETURN_IF_ERROR(ReadAt(offset, len, dst));
+    return uint64_t(0);
+  }
   // From the first such range on, this file's cold ranges are read with
   // O_DIRECT: the kernel's read-ahead after a buffered read of it (a
   // cached prefix here, a reader's request elsewhere) would read them again
   // into the page cache, racing the direct reads. Reads of the buffered
   // descriptor read what they ask for from here on.
   std::call_once(random_once_, [this] { ::posix_fadvise(fd_, 0, 0, POSIX_FADV_RANDOM); });
-  if (len == 0 || DirectFd(nullptr) < 0) {
-    RETURN_IF_ERROR(ReadAt(offset, len, dst));
-    return uint64_t(0);
-  }
   const uint64_t cached = CachedPrefix(fd_, offset, len);
   RETURN_IF_ERROR(PreadFull(fd_, dst, cached, offset, abs_));
   if (cached == len) return uint64_t(0);

@@ -554,6 +554,37 @@ TEST_F(DirectPosixTest, ReadOnceReadsExactBytesAndLeavesColdPagesOutOfTheCache) 
   EXPECT_GT(direct, 0u);
 }
 
+// Once a file's ranges are read with O_DIRECT, the kernel reads no more of
+// it ahead: a buffered read of its first 64 KiB caches those pages only,
+// where the same read of a file not yet read so caches more (the kernel's
+// initial read-ahead at offset 0; checked here, or this test could not
+// tell). Read-ahead racing the direct reads would cache ranges the fetch
+// holds in memory already (docs/BENCHMARKS.md, "A racing read-ahead").
+TEST_F(DirectPosixTest, ReadOnceTurnsOffTheKernelsReadAheadOfTheFile) {
+  dir_ = DiskDir("direct_once_ra");
+  ASSERT_FALSE(dir_.empty());
+  const size_t size = 16 << 20, head = 64 << 10;
+  const uint64_t head_pages = head / uint64_t(::sysconf(_SC_PAGESIZE));
+  const std::string bytes = RandomBytes(size, 15);
+  WriteFile(dir_ / "plain", bytes, 0);
+  WriteFile(dir_ / "once", bytes, 0);
+  ASSERT_EQ(ResidentPages(dir_ / "plain", 0, size) + ResidentPages(dir_ / "once", 0, size), 0u) << "eviction failed";
+  auto source = *PosixSource::OpenRoot(dir_.string());
+  auto plain = source->Open("plain");
+  auto once = source->Open("once");
+  ASSERT_TRUE(plain.ok() && once.ok());
+  std::string got(head, '\0');
+  ASSERT_TRUE((*plain)->ReadAt(0, head, got.data()).ok());
+  ASSERT_GT(ResidentPages(dir_ / "plain", 0, size), head_pages) << "the kernel read nothing ahead here";
+  RangeBuffers buffers(1 << 20);
+  OnceRead r = ReadOnceInto(buffers, **once, 8 << 20, 1 << 20);
+  ASSERT_TRUE(r.direct.ok()) << r.direct.status().message();
+  ASSERT_EQ(*r.direct, uint64_t(1 << 20));
+  ASSERT_TRUE((*once)->ReadAt(0, head, got.data()).ok());
+  EXPECT_EQ(got, bytes.substr(0, head));
+  EXPECT_EQ(ResidentPages(dir_ / "once", 0, size), head_pages);
+}
+
 TEST_F(DirectPosixTest, ReadOncePastTheEndIsCorruption) {
   dir_ = DiskDir("direct_once_eof");
   ASSERT_FALSE(dir_.empty());
