@@ -166,82 +166,65 @@ int RunTensorTable(const std::vector<LoadedCheckpoint>& checkpoints, const std::
   return kExitOk;
 }
 
-int RunInspect(VirtualFs& fs, const std::string& name, bool as_json) {
-  std::shared_ptr<const TensorMeta> t;
-  const Checkpoint* owner = nullptr;
-  SourceReader* reader = nullptr;
-  std::vector<std::string> names;
-  for (const LoadedCheckpoint& loaded : fs.LoadAll())
-    for (const auto& x : loaded.ckpt->tensors) {
-      names.push_back(x->fqn);
-      if (x->fqn == name) t = x, owner = loaded.ckpt, reader = loaded.reader;
+namespace {
+
+// Min, max, mean and the NaN and Inf counts of tensor `t`, read through
+// the read path in blocks of about 8 MiB.
+Result<json> TensorStats(const std::shared_ptr<const TensorMeta>& t, SourceReader& reader) {
+  Layout layout;
+  RETURN_IF_ERROR(layout.AddTensor(t, Box::Whole(t->shape)));
+  const uint64_t pb = PackBytes(t->dtype), g = PackGroup(t->dtype);
+  const uint64_t block = std::max<uint64_t>(pb, ((8u << 20) / pb) * pb);
+  std::vector<char> buf(block);
+  double lo = std::numeric_limits<double>::infinity(), hi = -lo, sum = 0;
+  uint64_t nan = 0, inf = 0, finite = 0;
+  for (uint64_t off = 0; off < layout.size(); off += block) {
+    ASSIGN_OR_RETURN(ReadPlan plan, Plan(layout, off, block));
+    RETURN_IF_ERROR(reader.Execute(plan, buf.data()));
+    const uint64_t elems = plan.length / pb * g;
+    for (uint64_t k = 0; k < elems; ++k) {
+      double v = DecodeElement(t->dtype, reinterpret_cast<const uint8_t*>(buf.data()), k);
+      if (std::isnan(v)) ++nan;
+      else if (std::isinf(v)) ++inf;
+      else {
+        lo = std::min(lo, v);
+        hi = std::max(hi, v);
+        sum += v;
+        ++finite;
+      }
     }
-  if (!t) {
-    Error("no tensor named '" + name + "'" + NearestNames(name, names) + " (list them with `ckptfs ls ROOT`)");
-    return kExitNoSource;
   }
+  return json{{"min", finite ? json(lo) : json(nullptr)},
+              {"max", finite ? json(hi) : json(nullptr)},
+              {"mean", finite ? json(sum / finite) : json(nullptr)},
+              {"nan", nan},
+              {"inf", inf}};
+}
+
+// What `inspect --json` prints of tensor `t` of checkpoint `owner`, but its
+// statistics.
+json DescribeTensor(const TensorMeta& t, const Checkpoint& owner) {
   json chunks = json::array();
-  for (const Chunk& c : t->chunks)
+  for (const Chunk& c : t.chunks)
     chunks.push_back({{"box", ToString(c.box())},
-                      {"file", owner->files[c.file()].path},
+                      {"file", owner.files[c.file()].path},
                       {"bytes", {c.offset(), c.offset() + c.length()}},
                       {"strides", c.strides()},
                       {"unavailable", c.unavailable()}});
-  json out = {{"checkpoint", owner->dir}, {"name", t->fqn}, {"dtype", std::string(DTypeName(t->dtype))},
-              {"shape", t->shape}, {"numel", t->numel()}, {"bytes", t->nbytes()}, {"chunks", chunks}};
-  if (std::string p = TensorProblem(*t); !p.empty()) out["problem"] = p;
+  json out = {{"checkpoint", owner.dir}, {"name", t.fqn}, {"dtype", std::string(DTypeName(t.dtype))},
+              {"shape", t.shape}, {"numel", t.numel()}, {"bytes", t.nbytes()}, {"chunks", chunks}};
+  if (std::string p = TensorProblem(t); !p.empty()) out["problem"] = p;
+  return out;
+}
 
-  // Statistics, computed by reading the tensor through the read path.
-  int rc = kExitOk;
-  if (HasRealValue(t->dtype) && t->problem.empty()) {
-    Layout layout;
-    Status st = layout.AddTensor(t, Box::Whole(t->shape));
-    const uint64_t pb = PackBytes(t->dtype), g = PackGroup(t->dtype);
-    const uint64_t block = std::max<uint64_t>(pb, ((8u << 20) / pb) * pb);
-    std::vector<char> buf(block);
-    double lo = std::numeric_limits<double>::infinity(), hi = -lo, sum = 0;
-    uint64_t nan = 0, inf = 0, finite = 0;
-    for (uint64_t off = 0; st.ok() && off < layout.size(); off += block) {
-      auto plan = Plan(layout, off, block);
-      if (!plan.ok()) {
-        st = plan.status();
-        break;
-      }
-      st = reader->Execute(*plan, buf.data());
-      const uint64_t elems = plan->length / pb * g;
-      for (uint64_t k = 0; st.ok() && k < elems; ++k) {
-        double v = DecodeElement(t->dtype, reinterpret_cast<const uint8_t*>(buf.data()), k);
-        if (std::isnan(v)) ++nan;
-        else if (std::isinf(v)) ++inf;
-        else {
-          lo = std::min(lo, v);
-          hi = std::max(hi, v);
-          sum += v;
-          ++finite;
-        }
-      }
-    }
-    if (st.ok()) {
-      out["stats"] = {{"min", finite ? json(lo) : json(nullptr)},
-                      {"max", finite ? json(hi) : json(nullptr)},
-                      {"mean", finite ? json(sum / finite) : json(nullptr)},
-                      {"nan", nan},
-                      {"inf", inf}};
-    } else {
-      out["stats_error"] = st.ToString();
-      rc = kExitReadError;
-    }
-  }
-  if (as_json) {
-    std::cout << out.dump(2) << "\n";
-    return rc;
-  }
-  std::printf("%s  (checkpoint %s)\n  dtype %s  shape %s  numel %llu  bytes %llu\n", t->fqn.c_str(),
-              Where(*owner).c_str(), std::string(DTypeName(t->dtype)).c_str(), ShapeToString(t->shape).c_str(),
-              static_cast<unsigned long long>(t->numel()), static_cast<unsigned long long>(t->nbytes()));
+// The text form of DescribeTensor's `out`, with its statistics.
+void PrintInspect(const TensorMeta& t, const Checkpoint& owner, const json& out) {
+  std::printf("%s  (checkpoint %s)\n  dtype %s  shape %s  numel %llu  bytes %llu\n", t.fqn.c_str(),
+              Where(owner).c_str(), std::string(DTypeName(t.dtype)).c_str(), ShapeToString(t.shape).c_str(),
+              static_cast<unsigned long long>(t.numel()), static_cast<unsigned long long>(t.nbytes()));
   if (out.contains("problem")) std::printf("  PROBLEM: %s\n", out["problem"].get<std::string>().c_str());
-  std::printf("  %zu chunk(s):\n", t->chunks.size());
-  for (const auto& c : chunks) {
+  std::printf("  %zu chunk(s):\n", t.chunks.size());
+  for (const auto& c : out["chunks"]) {
     auto b = c["bytes"];
     std::printf("    %-20s %s bytes [%llu, %llu)%s%s\n", c["box"].get<std::string>().c_str(),
                 c["file"].get<std::string>().c_str(), static_cast<unsigned long long>(b[0].get<uint64_t>()),
@@ -256,6 +239,37 @@ int RunInspect(VirtualFs& fs, const std::string& name, bool as_json) {
   } else if (out.contains("stats_error")) {
     std::printf("  statistics: cannot read the tensor: %s\n", out["stats_error"].get<std::string>().c_str());
   }
+}
+
+}  // namespace
+
+int RunInspect(VirtualFs& fs, const std::string& name, bool as_json) {
+  std::shared_ptr<const TensorMeta> t;
+  const Checkpoint* owner = nullptr;
+  SourceReader* reader = nullptr;
+  std::vector<std::string> names;
+  for (const LoadedCheckpoint& loaded : fs.LoadAll())
+    for (const auto& x : loaded.ckpt->tensors) {
+      names.push_back(x->fqn);
+      if (x->fqn == name) t = x, owner = loaded.ckpt, reader = loaded.reader;
+    }
+  if (!t) {
+    Error("no tensor named '" + name + "'" + NearestNames(name, names) + " (list them with `ckptfs ls ROOT`)");
+    return kExitNoSource;
+  }
+  json out = DescribeTensor(*t, *owner);
+  int rc = kExitOk;
+  if (HasRealValue(t->dtype) && t->problem.empty()) {
+    Result<json> stats = TensorStats(t, *reader);
+    if (stats.ok()) {
+      out["stats"] = std::move(*stats);
+    } else {
+      out["stats_error"] = stats.status().ToString();
+      rc = kExitReadError;
+    }
+  }
+  if (as_json) std::cout << out.dump(2) << "\n";
+  else PrintInspect(*t, *owner, out);
   return rc;
 }
 
