@@ -188,6 +188,87 @@ Status PlanTensor(const Segment& seg, uint64_t a, uint64_t b, uint64_t dst_base,
   return Status::OK();
 }
 
+// Bytes [a, b) of a tensor segment whose dtype is converted on read
+// (s.convert): the whole packed units of the source dtype under those
+// output elements are gathered into scratch and decoded there into `dst`.
+Status PlanConverted(const Segment& s, uint64_t a, uint64_t b, uint64_t dst, ReadPlan& plan) {
+  const uint64_t out_size = DTypeBits(s.as) / 8;
+  const uint64_t g = PackGroup(s.tensor->dtype), pb = PackBytes(s.tensor->dtype);
+  const uint64_t ea = a / out_size, eb = (b + out_size - 1) / out_size;
+  const uint64_t ua = ea / g, ub = (eb + g - 1) / g;
+  const uint64_t sa = ua * pb, sb = ub * pb;
+  const size_t first_new = plan.copies.size();
+  Status st = PlanTensor(s, sa, sb, plan.scratch_size - sa, plan.copies);
+  for (size_t i = first_new; i < plan.copies.size(); ++i) plan.copies[i].to_scratch = true;
+  plan.converts.push_back({s.tensor->dtype, plan.scratch_size, ea - ua * g, eb - ea, dst, a - ea * out_size, b - a});
+  plan.scratch_size += sb - sa;
+  return st;
+}
+
+// Bytes [a, b) of segment `s`, landing at `dst` of the plan's output.
+Status PlanSegment(const Segment& s, uint64_t a, uint64_t b, uint64_t dst, uint64_t offset, ReadPlan& plan) {
+  switch (s.kind) {
+    case Segment::Kind::kLiteral:
+      plan.literals.push_back({s.literal->data() + a, dst, b - a});
+      return Status::OK();
+    case Segment::Kind::kSource:
+      plan.copies.push_back({s.file, s.file_offset + a, dst, b - a});
+      return Status::OK();
+    case Segment::Kind::kComputed:
+      plan.computes.push_back({s.computed.get(), a, dst, b - a});
+      return Status::OK();
+    case Segment::Kind::kTensor: {
+      Status st = s.convert ? PlanConverted(s, a, b, dst, plan) : PlanTensor(s, a, b, s.offset - offset, plan.copies);
+      return st.ok() ? st : st.WithContext("tensor '" + s.tensor->fqn + "'");
+    }
+  }
+  return Status::OK();
+}
+
+// Copies in destination order (scratch last), neighbours in both source
+// and destination joined into one.
+std::vector<CopyOp> MergeCopies(std::vector<CopyOp> copies) {
+  SortRuns(copies, [](const CopyOp& x, const CopyOp& y) {
+    return x.to_scratch != y.to_scratch ? y.to_scratch : x.dst_offset < y.dst_offset;
+  });
+  std::vector<CopyOp> merged;
+  for (const CopyOp& c : copies) {
+    if (!merged.empty()) {
+      CopyOp& p = merged.back();
+      if (p.file == c.file && p.to_scratch == c.to_scratch && p.src_offset + p.length == c.src_offset &&
+          p.dst_offset + p.length == c.dst_offset) {
+        p.length += c.length;
+        continue;
+      }
+    }
+    merged.push_back(c);
+  }
+  return merged;
+}
+
+// The plan must fill every byte of the output ([offset, end) of the
+// layout), and of scratch, exactly once.
+Status CheckCoverage(const ReadPlan& plan, uint64_t offset, uint64_t end) {
+  std::vector<std::pair<uint64_t, uint64_t>> spans, scratch;
+  for (const auto& c : plan.copies) (c.to_scratch ? scratch : spans).emplace_back(c.dst_offset, c.length);
+  for (const auto& l : plan.literals) spans.emplace_back(l.dst_offset, l.length);
+  for (const auto& v : plan.converts) spans.emplace_back(v.dst_offset, v.length);
+  for (const auto& c : plan.computes) spans.emplace_back(c.dst_offset, c.length);
+  for (auto* list : {&spans, &scratch}) {
+    SortRuns(*list, std::less<std::pair<uint64_t, uint64_t>>());
+    const uint64_t want = list == &spans ? plan.length : plan.scratch_size;
+    uint64_t at = 0;
+    for (const auto& [d, l] : *list) {
+      if (d != at) break;
+      at += l;
+    }
+    if (at != want)
+      return Status::Incomplete("bytes " + std::to_string(offset + at) + ".." + std::to_string(end) +
+                                " are in no chunk, or in two");
+  }
+  return Status::OK();
+}
+
 }  // namespace
 
 Result<ReadPlan> Plan(const Layout& layout, uint64_t offset, uint64_t length) {
@@ -201,77 +282,10 @@ Result<ReadPlan> Plan(const Layout& layout, uint64_t offset, uint64_t length) {
     const Segment& s = *it;
     uint64_t a = std::max(offset, s.offset) - s.offset;
     uint64_t b = std::min(end, s.offset + s.length) - s.offset;
-    if (a >= b) continue;
-    uint64_t dst = s.offset + a - offset;
-    switch (s.kind) {
-      case Segment::Kind::kLiteral:
-        plan.literals.push_back({s.literal->data() + a, dst, b - a});
-        break;
-      case Segment::Kind::kSource:
-        plan.copies.push_back({s.file, s.file_offset + a, dst, b - a});
-        break;
-      case Segment::Kind::kComputed:
-        plan.computes.push_back({s.computed.get(), a, dst, b - a});
-        break;
-      case Segment::Kind::kTensor: {
-        Status st;
-        if (!s.convert) {
-          st = PlanTensor(s, a, b, s.offset - offset, plan.copies);
-        } else {
-          // Output element range -> whole packed units of the source dtype,
-          // gathered into scratch and decoded there.
-          const uint64_t out_size = DTypeBits(s.as) / 8;
-          const uint64_t g = PackGroup(s.tensor->dtype), pb = PackBytes(s.tensor->dtype);
-          const uint64_t ea = a / out_size, eb = (b + out_size - 1) / out_size;
-          const uint64_t ua = ea / g, ub = (eb + g - 1) / g;
-          const uint64_t sa = ua * pb, sb = ub * pb;
-          size_t first_new = plan.copies.size();
-          st = PlanTensor(s, sa, sb, plan.scratch_size - sa, plan.copies);
-          for (size_t i = first_new; i < plan.copies.size(); ++i) plan.copies[i].to_scratch = true;
-          plan.converts.push_back({s.tensor->dtype, plan.scratch_size, ea - ua * g, eb - ea, dst,
-                                   a - ea * out_size, b - a});
-          plan.scratch_size += sb - sa;
-        }
-        if (!st.ok()) return st.WithContext("tensor '" + s.tensor->fqn + "'");
-        break;
-      }
-    }
+    if (a < b) RETURN_IF_ERROR(PlanSegment(s, a, b, s.offset + a - offset, offset, plan));
   }
-  SortRuns(plan.copies, [](const CopyOp& x, const CopyOp& y) {
-    return x.to_scratch != y.to_scratch ? y.to_scratch : x.dst_offset < y.dst_offset;
-  });
-  std::vector<CopyOp> merged;
-  for (const CopyOp& c : plan.copies) {
-    if (!merged.empty()) {
-      CopyOp& p = merged.back();
-      if (p.file == c.file && p.to_scratch == c.to_scratch && p.src_offset + p.length == c.src_offset &&
-          p.dst_offset + p.length == c.dst_offset) {
-        p.length += c.length;
-        continue;
-      }
-    }
-    merged.push_back(c);
-  }
-  plan.copies = std::move(merged);
-
-  // The plan must fill every byte of the output, and of scratch, exactly once.
-  std::vector<std::pair<uint64_t, uint64_t>> spans, scratch;
-  for (const auto& c : plan.copies) (c.to_scratch ? scratch : spans).emplace_back(c.dst_offset, c.length);
-  for (const auto& l : plan.literals) spans.emplace_back(l.dst_offset, l.length);
-  for (const auto& v : plan.converts) spans.emplace_back(v.dst_offset, v.length);
-  for (const auto& c : plan.computes) spans.emplace_back(c.dst_offset, c.length);
-  for (auto* list : {&spans, &scratch}) {
-    SortRuns(*list, std::less<std::pair<uint64_t, uint64_t>>());
-    const uint64_t want = list == &spans ? length : plan.scratch_size;
-    uint64_t at = 0;
-    for (const auto& [d, l] : *list) {
-      if (d != at) break;
-      at += l;
-    }
-    if (at != want)
-      return Status::Incomplete("bytes " + std::to_string(offset + at) + ".." + std::to_string(end) +
-                                " are in no chunk, or in two");
-  }
+  plan.copies = MergeCopies(std::move(plan.copies));
+  RETURN_IF_ERROR(CheckCoverage(plan, offset, end));
   return plan;
 }
 
