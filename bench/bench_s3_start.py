@@ -130,6 +130,7 @@ class Bench:
             proxy.close()
             shutil.rmtree(index_dir, ignore_errors=True)
 
+
 def index_threads(bench: Bench, builds: list, threads: list[int], passes: int) -> None:
     """The index row straight to the server, per --max-threads value."""
     results: dict = {}
@@ -172,7 +173,8 @@ def main() -> int:
         bench = Bench(args, server, work)
         if args.index_threads:
             index_threads(bench, builds, args.index_threads, args.passes)
-        for latency in ([] if args.index_threads else args.latency_ms):
+        latencies = [] if args.index_threads else args.latency_ms  # --index-threads: that row alone
+        for latency in latencies:
             results: dict = {}
             for p in range(args.passes):
                 order = builds if p % 2 == 0 else builds[::-1]

@@ -206,7 +206,7 @@ Status PlanConverted(const Segment& s, uint64_t a, uint64_t b, uint64_t dst, Rea
 }
 
 // Bytes [a, b) of segment `s`, landing at `dst` of the plan's output.
-Status PlanSegment(const Segment& s, uint64_t a, uint64_t b, uint64_t dst, uint64_t offset, ReadPlan& plan) {
+Status PlanSegment(const Segment& s, uint64_t a, uint64_t b, uint64_t dst, ReadPlan& plan) {
   switch (s.kind) {
     case Segment::Kind::kLiteral:
       plan.literals.push_back({s.literal->data() + a, dst, b - a});
@@ -218,7 +218,7 @@ Status PlanSegment(const Segment& s, uint64_t a, uint64_t b, uint64_t dst, uint6
       plan.computes.push_back({s.computed.get(), a, dst, b - a});
       return Status::OK();
     case Segment::Kind::kTensor: {
-      Status st = s.convert ? PlanConverted(s, a, b, dst, plan) : PlanTensor(s, a, b, s.offset - offset, plan.copies);
+      Status st = s.convert ? PlanConverted(s, a, b, dst, plan) : PlanTensor(s, a, b, dst - a, plan.copies);
       return st.ok() ? st : st.WithContext("tensor '" + s.tensor->fqn + "'");
     }
   }
@@ -282,7 +282,7 @@ Result<ReadPlan> Plan(const Layout& layout, uint64_t offset, uint64_t length) {
     const Segment& s = *it;
     uint64_t a = std::max(offset, s.offset) - s.offset;
     uint64_t b = std::min(end, s.offset + s.length) - s.offset;
-    if (a < b) RETURN_IF_ERROR(PlanSegment(s, a, b, s.offset + a - offset, offset, plan));
+    if (a < b) RETURN_IF_ERROR(PlanSegment(s, a, b, s.offset + a - offset, plan));
   }
   plan.copies = MergeCopies(std::move(plan.copies));
   RETURN_IF_ERROR(CheckCoverage(plan, offset, end));
