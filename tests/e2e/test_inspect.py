@@ -844,6 +844,34 @@ def test_exit_code_read_error(ck, sharded, work):
     assert out.get("problem") and "stats" not in out, out
 
 
+def test_inspect_says_when_it_cannot_read_the_tensor(ck, sharded, work, mount_factory):
+    """A tensor whose header is sound but whose bytes fail to read: the
+    source is a ckptfs mount of a root with a hole in model.position_ids,
+    whose consolidated/ holds the tensor (its header comes from the
+    metadata) and answers a read of its bytes with EIO. inspect prints what
+    it knows, says it could not read the statistics and why, and exits with
+    the read-error code."""
+    root = copy_ckpt(sharded, work / "inspect-unreadable")
+    set_saved_offsets(str(root / SHARD2), "model.position_ids", [3, 0])
+    with mount_factory(str(root)) as m:
+        src = m.p("consolidated")
+        p = ck("inspect", src, "model.position_ids", "--json")
+        assert p.returncode == EXIT_READ_ERROR, describe(p)
+        out = json.loads(p.stdout)
+        assert "stats" not in out and "problem" not in out, out
+        assert re.search(r"model\.safetensors: read at \d+: Input/output error", out["stats_error"]), out
+        with safetensors.safe_open(os.path.join(src, "model.safetensors"), "np") as f:
+            assert out["shape"] == list(f.get_slice("model.position_ids").get_shape()), out
+        p = ck("inspect", src, "model.position_ids")
+        assert p.returncode == EXIT_READ_ERROR, describe(p)
+        assert "statistics: cannot read the tensor: " in p.stdout, describe(p)
+        # A tensor clear of the hole, from the same file, has its statistics.
+        p = ck("inspect", src, "model.norm.weight", "--json")
+        assert p.returncode == EXIT_OK, describe(p)
+        want = sharded["expected"]["model.norm.weight"].double()
+        assert math.isclose(json.loads(p.stdout)["stats"]["mean"], want.mean().item(), rel_tol=1e-6), p.stdout
+
+
 def test_help(ck):
     for sub in SUBCOMMANDS:
         p = ck(sub, "--help")
