@@ -37,12 +37,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (bench/common.py: the mount, cache and client helpers)
 
 
-def daemon_cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def parse_config(text: str) -> tuple[str, str, list[str]]:
     name, _, rest = text.partition("=")
     if not name or not rest:
@@ -56,9 +50,9 @@ def one_pass(mount: common.Mounted, rels: list[str], pattern: str) -> tuple[floa
     how = common.make_cold(paths)
     if how != "drop_caches":
         raise SystemExit("bench_ab needs root to drop the page cache (cold passes)")
-    cpu0 = daemon_cpu_seconds(mount.proc.pid)
+    cpu0 = common.process_cpu(mount.proc.pid)
     wall, n = timed_read(paths, pattern)
-    return wall, daemon_cpu_seconds(mount.proc.pid) - cpu0, n
+    return wall, common.process_cpu(mount.proc.pid) - cpu0, n
 
 
 def timed_read(paths: list[str], pattern: str) -> tuple[float, int]:

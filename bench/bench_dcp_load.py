@@ -330,7 +330,7 @@ class Run:
             self.last_split = (t1 - t0 - m.seconds, secs - (t1 - t0))
             self.rss[row] = max(self.rss.get(row, 0), common.vm_field(m.proc.pid, "VmHWM") or 0)
             self.start_s[row] = min(self.start_s.get(row, m.seconds), m.seconds)
-            cpu = daemon_cpu(m.proc.pid)
+            cpu = common.process_cpu(m.proc.pid)
             self.cpu[row] = min(self.cpu.get(row, cpu), cpu)
             if want is not None and isinstance(r, dict):
                 check(row, r, want)
@@ -341,13 +341,6 @@ class Run:
         if got:
             self.fetched[row] = got[-1]
         return secs, None
-
-
-def daemon_cpu(pid: int) -> float:
-    """CPU seconds (user + system) process `pid` has used."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def cpu_busy(window: float) -> float:

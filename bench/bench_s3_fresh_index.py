@@ -60,15 +60,15 @@ def one_load(binary: str, root: str, work: Path, n: int, kind: str, stored: Path
     common.drop_caches()
     t0 = time.monotonic()
     m.start()
-    out = {"start": time.monotonic() - t0, "start_cpu": dcp_bench.daemon_cpu(m.proc.pid)}
+    out = {"start": time.monotonic() - t0, "start_cpu": common.process_cpu(m.proc.pid)}
     try:
         if kind == "fresh+sleep":
             time.sleep(1.0)
-        idle_cpu = dcp_bench.daemon_cpu(m.proc.pid)
+        idle_cpu = common.process_cpu(m.proc.pid)
         t1 = time.monotonic()
         r = dcp_bench.touch(dcp_bench.load_folder(os.path.join(m.mnt, "consolidated")))
         out["load"] = time.monotonic() - t1
-        out["load_cpu"] = dcp_bench.daemon_cpu(m.proc.pid) - idle_cpu
+        out["load_cpu"] = common.process_cpu(m.proc.pid) - idle_cpu
         del r
     finally:
         m.stop()

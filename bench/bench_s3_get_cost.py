@@ -6,8 +6,8 @@ read to the indexed ETag) adds to it.
 A fresh SeaweedFS (tools/s3_server.py) holds one random object uploaded in
 8 MiB parts, as the benchmarks' checkpoints are. For each row, --gets
 ranged GETs at the same random offsets, one at a time, each checked
-against the uploaded bytes; the row's wall time and the CPU seconds every
-`weed` process used meanwhile (from /proc), best of --passes. Rows:
+against the uploaded bytes; the row's wall time and the CPU seconds the
+server's `weed` process used meanwhile (from /proc), best of --passes. Rows:
 
   4 KiB            a GET the size of two items' framing (the indexer's
                    torch.save head and tail, indexer/torch_zip.h)
@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+import common  # noqa: E402  (bench/common.py)
 import s3_server  # noqa: E402  (tools/s3_server.py: SeaweedFS)
 from boto3.s3.transfer import TransferConfig  # noqa: E402
 
@@ -43,31 +44,17 @@ ROWS = [("4 KiB", 4 << 10, False), ("4 KiB, If-Match", 4 << 10, True),
         ("64 KiB", 64 << 10, False), ("4 MiB", 4 << 20, False)]
 
 
-def weed_cpu() -> float:
-    """CPU seconds (user + system) of every running `weed` process."""
-    ticks = 0
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if Path(f"/proc/{pid}/comm").read_text().strip() != "weed":
-                continue
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            ticks += int(fields[11]) + int(fields[12])
-        except OSError:
-            continue
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
-def one_row(client, data: bytes, etag: str, offsets: list[int], size: int, if_match: bool) -> tuple[float, float]:
+def one_row(server, data: bytes, etag: str, offsets: list[int], size: int, if_match: bool) -> tuple[float, float]:
     """(wall seconds, server CPU seconds) of one GET per offset."""
     extra = {"IfMatch": etag} if if_match else {}
-    cpu0, t0 = weed_cpu(), time.monotonic()
+    cpu0, t0 = common.process_cpu(server.proc.pid), time.monotonic()
     for off in offsets:
         off = min(off, len(data) - size)
-        body = client.get_object(Bucket=s3_server.BUCKET, Key=KEY, Range=f"bytes={off}-{off + size - 1}",
-                                 **extra)["Body"].read()
+        body = server.client.get_object(Bucket=s3_server.BUCKET, Key=KEY,
+                                        Range=f"bytes={off}-{off + size - 1}", **extra)["Body"].read()
         if body != data[off:off + size]:
             raise RuntimeError(f"GET of {size} bytes at {off}: wrong bytes")
-    return time.monotonic() - t0, weed_cpu() - cpu0
+    return time.monotonic() - t0, common.process_cpu(server.proc.pid) - cpu0
 
 
 def main() -> int:
@@ -94,7 +81,7 @@ def main() -> int:
         best: dict[str, tuple[float, float]] = {}
         for p in range(args.passes):
             for name, size, if_match in ROWS:
-                wall, cpu = one_row(server.client, data, etag, offsets, size, if_match)
+                wall, cpu = one_row(server, data, etag, offsets, size, if_match)
                 print(f"pass {p + 1}  {name:<16} wall {wall:.3f} s  server CPU {cpu:.3f} s", flush=True)
                 old = best.get(name)
                 best[name] = (min(wall, old[0]), min(cpu, old[1])) if old else (wall, cpu)

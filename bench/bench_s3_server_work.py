@@ -50,13 +50,6 @@ import common  # noqa: E402
 import s3_server  # noqa: E402
 
 
-def server_cpu(pid: int) -> float:
-    """CPU seconds (user + system) the server process has used."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def count_requests(trace: str) -> dict:
     """The requests the server read, by kind (see the module's doc)."""
     text = Path(trace).read_text(errors="replace")
@@ -85,9 +78,9 @@ def traced(server: s3_server.Server, load) -> dict:
 def timed(server: s3_server.Server, load) -> tuple[float, float]:
     """(wall seconds, server CPU seconds) of one cold load()."""
     common.drop_caches()
-    cpu0, t0 = server_cpu(server.proc.pid), time.monotonic()
+    cpu0, t0 = common.process_cpu(server.proc.pid), time.monotonic()
     load()
-    return time.monotonic() - t0, server_cpu(server.proc.pid) - cpu0
+    return time.monotonic() - t0, common.process_cpu(server.proc.pid) - cpu0
 
 
 def ckptfs_load(binary: str, work: str):

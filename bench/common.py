@@ -299,6 +299,13 @@ def proc_io(pid: int, field: str) -> int:
     return 0
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) process `pid` has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def vm_field(pid: int, field: str) -> int | None:
     try:
         with open(f"/proc/{pid}/status") as f:
