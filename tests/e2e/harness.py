@@ -283,6 +283,18 @@ def evict(path: str) -> None:
         os.close(fd)
 
 
+def read_ahead_bytes(path: str) -> int:
+    """The kernel's read-ahead window for files on the block device holding
+    `path` (its queue's read_ahead_kb; a partition's is its disk's)."""
+    st = os.stat(path)
+    dev = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    for queue in (os.path.join(dev, "queue"), os.path.join(dev, "..", "queue")):
+        if os.path.exists(os.path.join(queue, "read_ahead_kb")):
+            with open(os.path.join(queue, "read_ahead_kb")) as f:
+                return int(f.read()) << 10
+    raise RuntimeError(f"{path}: no block device queue under {dev} to read read_ahead_kb from")
+
+
 _libc = ctypes.CDLL(None, use_errno=True)
 
 

@@ -2,10 +2,10 @@
 """A DCP step of a small Llama saved by 2 gloo ranks, for the read-order
 tests (test_read_order.py): q/k/v/gate/up/embed/lm_head split on dim 0,
 o_proj/down_proj on dim 1 (tensor-parallel style), norms replicated, in
-float32 (~17 MiB of tensors), with config.json beside it so that
-consolidated/ loads with transformers.
+float32 (~17 MiB of tensors; `larger=True`: ~88 MiB), with config.json
+beside it so that consolidated/ loads with transformers.
 
-    write_step(out_dir) -> {name: full tensor}
+    write_step(out_dir, larger=False) -> {name: full tensor}
 
 The model is made from a seed in every process, so the expected tensors
 (full_state) never come from what was saved.
@@ -22,19 +22,21 @@ from harness import end_rank, spawn_ranks
 CONFIG = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
               num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=64,
               rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+# Files many times the kernel's read-ahead window, for the page-cache checks.
+LARGER = dict(CONFIG, vocab_size=8192, hidden_size=512, intermediate_size=1536)
 
 
-def _model():
+def _model(larger: bool = False):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     torch.manual_seed(11)
-    config = LlamaConfig(**CONFIG)
+    config = LlamaConfig(**(LARGER if larger else CONFIG))
     config.dtype = "float32"
     return LlamaForCausalLM._from_config(config, dtype=torch.float32), config
 
 
-def full_state() -> dict:
-    model, _ = _model()
+def full_state(larger: bool = False) -> dict:
+    model, _ = _model(larger)
     return {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
 
 
@@ -58,19 +60,19 @@ def _worker(rank: int, world_size: int, init_file: str, job: dict) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
     mesh = init_device_mesh("cpu", (world_size,))
     kinds = {"S0": Shard(0), "S1": Shard(1), "R": Replicate()}
-    sd = {k: distribute_tensor(v, mesh, [kinds[placement(k)]]) for k, v in full_state().items()}
+    sd = {k: distribute_tensor(v, mesh, [kinds[placement(k)]]) for k, v in full_state(job["larger"]).items()}
     dcp.save({"model": sd}, storage_writer=dcp.FileSystemWriter(job["out_dir"]))
     dist.barrier()
     dist.destroy_process_group()
     end_rank()
 
 
-def write_step(out_dir: str) -> dict:
-    spawn_ranks(__file__, 2, {"out_dir": out_dir}, name="order_gen")
-    _, config = _model()
+def write_step(out_dir: str, larger: bool = False) -> dict:
+    spawn_ranks(__file__, 2, {"out_dir": out_dir, "larger": larger}, name="order_gen")
+    _, config = _model(larger)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config.to_dict(), f)
-    return full_state()
+    return full_state(larger)
 
 
 if __name__ == "__main__":
