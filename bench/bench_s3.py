@@ -144,7 +144,7 @@ class Bench:
             n = client(os.path.join(m.mnt, "consolidated"))
             secs = time.monotonic() - t0
             self.rss.append(common.vm_field(m.proc.pid, "VmHWM") or 0)
-            self.last_cpu = daemon_cpu(m.proc.pid)
+            self.last_cpu = common.process_cpu(m.proc.pid)
             return secs, n
         finally:
             m.stop()
@@ -176,16 +176,6 @@ class Bench:
             consolidate(dl, out)
             return common.from_pretrained_pass(out)
         return self.timed(go)
-
-
-def daemon_cpu(pid: int) -> float | None:
-    """User + system CPU seconds of process `pid` so far."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def fetched(log_file: str, start: int) -> str | None:
