@@ -6,6 +6,7 @@
 // a row here and a file that defines it (cli/commands.h says what the file
 // provides). Exit codes: cli/cli.h, docs/CLI.md.
 #include <cstdio>
+#include <string>
 #include <exception>
 #include <utility>
 #include <vector>
@@ -26,7 +27,7 @@ Examples:
   ckptfs cat    /ckpts/step_100 model/consolidated/model.safetensors.index.json
   ckptfs export /ckpts/step_100 model/consolidated /tmp/hf   # materialise a view
   ckptfs mount  s3://bucket/run1 /mnt/run1      # object storage (AWS_* variables, ~/.aws)
-  ckptfs mount  s3://bucket/run1 /mnt/run1 --cache /var/cache/ckptfs --max-cache-size 50G
+  ckptfs mount  s3://bucket/run1 /mnt/run1 --cache ~/.cache/ckptfs-blocks --max-cache-size 50G
 
 Docs: docs/CLI.md (flags, exit codes), docs/SEMANTICS.md (what the mount serves).
 )";
@@ -35,10 +36,28 @@ Handler DefineVersion(CLI::App*, Common&) {
   return [] { return std::printf("%s\n", kVersion), int(kExitOk); };
 }
 
-// `ckptfs help`: the program's own --help.
+// `ckptfs help [COMMAND]`: the program's --help, or COMMAND's. (CLI11's
+// App::help() would print the page of the parsed subcommand, `help` itself.)
 Handler DefineHelp(CLI::App* cmd, Common&) {
+  auto command = std::make_shared<std::string>();
+  cmd->add_option("COMMAND", *command, "The subcommand whose --help to print");
   const CLI::App* app = cmd->get_parent();
-  return [app] { return std::printf("%s", app->help().c_str()), int(kExitOk); };
+  return [app, command] {
+    const CLI::App* page = app;
+    std::string name = app->get_name();
+    if (!command->empty()) {
+      page = nullptr;
+      for (const CLI::App* sub : app->get_subcommands({}))
+        if (sub->get_name() == *command) page = sub;
+      if (!page) {
+        Error("help: no command '" + *command + "' (`ckptfs --help` lists them)");
+        return int(kExitUsage);
+      }
+      name += " " + *command;
+    }
+    std::printf("%s", page->get_formatter()->make_help(page, name, CLI::AppFormatMode::Normal).c_str());
+    return int(kExitOk);
+  };
 }
 
 // Every subcommand, in the order `ckptfs --help` lists them.
@@ -54,6 +73,18 @@ const Command kCommands[] = {
     {"version", "Print the version", DefineVersion},
     {"help", "Print this help", DefineHelp},
 };
+
+bool IsCommand(const std::string& name) {
+  for (const Command& row : kCommands)
+    if (name == row.name) return true;
+  return false;
+}
+
+std::string CommandNames() {
+  std::string out;
+  for (const Command& row : kCommands) out += (out.empty() ? "" : ", ") + std::string(row.name);
+  return out;
+}
 
 // The flags every subcommand shares, checked and completed once parsed.
 int ResolveCommon(Common& c) {
@@ -76,6 +107,11 @@ int Main(int argc, char** argv) {
   for (const Command& row : kCommands) {
     CLI::App* cmd = app.add_subcommand(row.name, row.summary);
     handlers.emplace_back(cmd, row.define(cmd, common));
+  }
+  if (argc > 1 && argv[1][0] != '-' && !IsCommand(argv[1])) {
+    Error("no command '" + std::string(argv[1]) + "'; the commands are " + CommandNames() +
+          " (`ckptfs --help` says what each does)");
+    return kExitUsage;
   }
   try {
     app.parse(argc, argv);
