@@ -243,20 +243,47 @@ void PrintInspect(const TensorMeta& t, const Checkpoint& owner, const json& out)
 
 }  // namespace
 
-int RunInspect(VirtualFs& fs, const std::string& name, bool as_json) {
-  std::shared_ptr<const TensorMeta> t;
+namespace {
+
+// One tensor of a loaded checkpoint.
+struct TensorMatch {
+  std::shared_ptr<const TensorMeta> tensor;
   const Checkpoint* owner = nullptr;
   SourceReader* reader = nullptr;
-  std::vector<std::string> names;
+};
+
+// The tensors `name` names: its fqn in any checkpoint, or CKPT/FQN with
+// CKPT a checkpoint's directory under the root (`.` for the root itself). `names` gets every fqn
+// (unique), for suggestions.
+std::vector<TensorMatch> FindTensor(VirtualFs& fs, const std::string& name, std::vector<std::string>& names) {
+  std::vector<TensorMatch> exact, qualified;
+  std::set<std::string> seen;
   for (const LoadedCheckpoint& loaded : fs.LoadAll())
     for (const auto& x : loaded.ckpt->tensors) {
-      names.push_back(x->fqn);
-      if (x->fqn == name) t = x, owner = loaded.ckpt, reader = loaded.reader;
+      if (seen.insert(x->fqn).second) names.push_back(x->fqn);
+      if (x->fqn == name) exact.push_back({x, loaded.ckpt, loaded.reader});
+      else if (name == Where(*loaded.ckpt) + "/" + x->fqn) qualified.push_back({x, loaded.ckpt, loaded.reader});
     }
-  if (!t) {
+  return exact.empty() ? qualified : exact;
+}
+
+}  // namespace
+
+int RunInspect(VirtualFs& fs, const std::string& name, bool as_json) {
+  std::vector<std::string> names;
+  const std::vector<TensorMatch> found = FindTensor(fs, name, names);
+  if (found.empty()) {
     Error("no tensor named '" + name + "'" + NearestNames(name, names) + " (list them with `ckptfs ls ROOT`)");
     return kExitNoSource;
   }
+  if (found.size() > 1) {
+    std::string where;
+    for (const TensorMatch& m : found) where += (where.empty() ? "" : ", ") + Where(*m.owner);
+    Error("'" + name + "' is a tensor of " + std::to_string(found.size()) + " checkpoints (" + where +
+          "): name one as CHECKPOINT/" + name + ", e.g. `" + Where(*found[0].owner) + "/" + name + "`");
+    return kExitUsage;
+  }
+  const auto& [t, owner, reader] = found[0];
   json out = DescribeTensor(*t, *owner);
   int rc = kExitOk;
   if (HasRealValue(t->dtype) && t->problem.empty()) {
@@ -597,10 +624,15 @@ Handler DefineInspect(CLI::App* cmd, Common& c) {
   };
   auto f = std::make_shared<Flags>();
   cmd->add_option("ROOT", c.root, "Checkpoint directory")->required();
-  cmd->add_option("NAME", f->name, "Tensor name (fqn), as `ckptfs ls` prints it")->required();
+  cmd->add_option("NAME", f->name,
+                  "Tensor name (fqn), as `ckptfs ls` prints it; CHECKPOINT/NAME when several checkpoints under "
+                  "ROOT hold it (CHECKPOINT as in ls's checkpoint column)")
+      ->required();
   cmd->add_flag("--json", f->json, "Print JSON");
   AddCommon(cmd, c, true);
-  cmd->footer("\nExample:\n  ckptfs inspect /ckpts/step_100 model.embed_tokens.weight\n");
+  cmd->footer(
+      "\nExamples:\n  ckptfs inspect /ckpts/step_100 model.embed_tokens.weight\n"
+      "  ckptfs inspect /ckpts/run1 step_200/model.embed_tokens.weight   # a root of several checkpoints\n");
   return [f, &c] {
     int rc = kExitOk;
     auto fs = OpenFs(c, &rc);
