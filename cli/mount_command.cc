@@ -14,6 +14,8 @@
 #include "fs/mount.h"
 #include "indexer/index_store.h"
 #include "indexer/scan.h"
+#include "source/posix_source.h"
+#include "source/s3_config.h"
 
 namespace ckptfs {
 namespace {
@@ -194,6 +196,12 @@ int RunMount(const MountFlags& f, Common& c) {
     Error(mountpoint.status().message());
     return kExitMountFailed;
   }
+  // A local root that is not there fails before a log file is made for it.
+  if (!IsS3Url(c.root))
+    if (auto root = PosixSource::OpenRoot(c.root); !root.ok()) {
+      Error(root.status().message());
+      return kExitNoSource;
+    }
   int rc = kExitOk;
   auto log = OpenMountLog(f, c, &rc);
   if (!log) return rc;

@@ -388,7 +388,8 @@ bool InsideRoot(const std::string& root, const std::string& rel) {
 Result<std::shared_ptr<PosixSource>> PosixSource::OpenRoot(const std::string& root) {
   char real[PATH_MAX];
   if (!::realpath(root.c_str(), real))
-    return Status::IOError(root + ": not a directory (" + std::strerror(errno) + ")");
+    return Status::IOError(root + (errno == ENOENT ? ": not a directory: it does not exist"
+                                                   : ": not a directory (" + std::string(std::strerror(errno)) + ")"));
   struct stat st;
   if (::stat(real, &st) != 0 || !S_ISDIR(st.st_mode)) return Status::InvalidArgument(root + ": not a directory");
   return std::make_shared<PosixSource>(real);
