@@ -879,3 +879,61 @@ def test_help(ck):
         assert "Example" in p.stdout, f"`ckptfs {sub} --help` has no example" + describe(p)
     p = ck("--help")
     assert p.returncode == EXIT_OK and "Example" in p.stdout, describe(p)
+    # `ckptfs help` is the program's page (every subcommand listed), and
+    # `ckptfs help SUB` is SUB's own --help.
+    top = ck("help")
+    assert top.returncode == EXIT_OK and top.stdout == ck("--help").stdout, describe(top)
+    assert all(re.search(rf"^  {sub} ", top.stdout, re.M) for sub in SUBCOMMANDS), describe(top)
+    for sub in SUBCOMMANDS:
+        p = ck("help", sub)
+        assert p.returncode == EXIT_OK and p.stdout == ck(sub, "--help").stdout, describe(p)
+    p = ck("help", "frobnicate")
+    assert p.returncode == EXIT_USAGE and "no command 'frobnicate'" in p.stderr, describe(p)
+    # An unknown command is named, with the commands there are.
+    p = ck("frobnicate", "/x")
+    assert p.returncode == EXIT_USAGE, describe(p)
+    assert "no command 'frobnicate'" in p.stderr and all(sub in p.stderr for sub in SUBCOMMANDS), describe(p)
+
+
+def test_missing_root_is_said_to_not_exist_and_a_mount_leaves_no_log(ck, work):
+    missing = work / "no-such-root"
+    p = ck("ls", missing)
+    assert p.returncode == EXIT_NO_SOURCE and f"{missing}: not a directory: it does not exist" in p.stderr, describe(p)
+    mnt = work / "mnt-missing-root"
+    mnt.mkdir()
+    logs = work / "logs-missing-root"
+    p = ck("mount", missing, mnt, "--index", logs / "idx")
+    assert p.returncode == EXIT_NO_SOURCE and "it does not exist" in p.stderr, describe(p)
+    assert "logging to" not in p.stderr and not logs.exists(), describe(p)
+
+
+def test_inspect_names_the_checkpoint_when_several_hold_the_tensor(ck, sharded, work):
+    """A root of two checkpoints with the same tensor names: a bare name is
+    refused with both checkpoints listed, CHECKPOINT/NAME picks one."""
+    root = work / "two-ckpts"
+    copy_ckpt(sharded, root / "ema")
+    copy_ckpt(sharded, root / "model")
+    fqn = "extra.wide"
+    # The ema copy's values differ, so a pick of the wrong one shows.
+    ema = sharded["expected"][fqn].double().numpy() * 0 + 7.0
+    for shard in (SHARD1, SHARD2):
+        path = root / "ema" / shard
+        with safetensors.safe_open(str(path), "pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            meta = f.metadata()
+        if fqn in tensors:
+            tensors[fqn] = torch.full_like(tensors[fqn], 7.0)
+            safetensors.torch.save_file(tensors, str(path), metadata=meta)
+    p = ck("inspect", root, fqn)
+    assert p.returncode == EXIT_USAGE, describe(p)
+    assert "2 checkpoints (ema, model)" in p.stderr and f"ema/{fqn}" in p.stderr, describe(p)
+    want = {"ema": ema, "model": sharded["expected"][fqn].double().numpy()}
+    for name, a in want.items():
+        p = ck("inspect", root, f"{name}/{fqn}", "--json")
+        assert p.returncode == EXIT_OK, describe(p)
+        out = json.loads(p.stdout)
+        assert out["checkpoint"] == name and out["name"] == fqn, out
+        assert out["stats"]["min"] == a.min() and out["stats"]["max"] == a.max(), (name, out["stats"])
+    # A misspelt name is suggested once, not once per checkpoint.
+    p = ck("inspect", root, "extra.wid")
+    assert p.returncode == EXIT_NO_SOURCE and p.stderr.count(f"'{fqn}'") == 1, describe(p)

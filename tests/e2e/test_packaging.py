@@ -380,6 +380,18 @@ def test_man_page_documents_every_flag(installed):
         assert re.search(rf"^       {re.escape(term)}(\s|$)", page.split("\nCOMMANDS\n")[0], re.M), term
 
 
+def test_man_page_names_every_fstab_option():
+    """The man page's fstab paragraph lists every option the mount helper
+    turns into a flag (no install needed: both are sources)."""
+    helper = (REPO / "packaging/mount.ckptfs").read_text()
+    options = re.findall(r"^    (\w+)(?:=\*)?\) (?:set --|index=)", helper, re.M)
+    assert {"allow_other", "max_file_size", "index", "verify_checksums", "no_watch"} <= set(options), options
+    page = (REPO / "packaging/ckptfs.1.in").read_text()
+    paragraph = re.search(r"^Options: (.*?)are ignored", page, re.M | re.S).group(1)
+    listed = set(re.findall(r"\b(\w+)(?:=\w+)?[,;( ]", paragraph))
+    assert set(options) <= listed, f"not in the man page: {sorted(set(options) - listed)}"
+
+
 # ---------------------------------------------------------------------------
 # mounting inside the root
 # ---------------------------------------------------------------------------
