@@ -28,11 +28,11 @@ void AddS3(CLI::App* cmd, Common& c) {
 }  // namespace
 
 void AddCommon(CLI::App* cmd, Common& c, bool view_flags) {
-  cmd->add_option("--index", c.index, "Index location (default: $CKPTFS_INDEX_DIR or ~/.cache/ckptfs/<name>-<hash>)");
+  cmd->add_option("--index", c.index, "Index location (default: under $CKPTFS_INDEX_DIR, else $XDG_CACHE_HOME/ckptfs, else ~/.cache/ckptfs, else /tmp/ckptfs-<uid>: <name>-<hash>)");
   AddS3(cmd, c);
   if (view_flags) {
     cmd->add_option("--max-file-size", c.max_file_size,
-                    "Split consolidated/ into files of at most this size when the checkpoint has no file mapping (default 5GB; units B, KB, MB, GB, KiB, MiB, GiB; K, M, G are binary)");
+                    "Split consolidated/ into files of at most this many tensor bytes each (as HF's max_shard_size; each file's header comes on top) when the checkpoint has no file mapping (default 5GB; units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB; K, M, G, T are binary)");
     cmd->add_flag("--reindex", c.reindex, "Rebuild the index before opening");
     cmd->add_option("--names", c.names,
                     "JSON {fqn: name}: exactly which tensors consolidated/ and mesh/ hold, under which names "
