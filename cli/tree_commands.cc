@@ -19,6 +19,7 @@
 #include "cli/commands.h"
 #include "cli/progress.h"
 #include "core/views.h"
+#include "indexer/format_reader.h"
 #include "source/source.h"
 
 namespace ckptfs {
@@ -162,7 +163,11 @@ int RunLs(const LsFlags& f, const Common& c) {
   auto fs = OpenFs(c, &rc);
   if (!fs) return rc;
   if (!f.mesh_spec.empty()) return RunMeshListing(*fs, f.mesh_spec);
-  return RunTensorTable(fs->LoadAll(), f.pattern, f.json);
+  const std::vector<LoadedCheckpoint> all = fs->LoadAll();
+  if (all.empty())
+    std::fprintf(stderr, "ckptfs: no checkpoint under %s (looked for %s)\n", AbsRoot(c.root).c_str(),
+                 DescribeRecognised().c_str());
+  return RunTensorTable(all, f.pattern, f.json);
 }
 
 }  // namespace

@@ -907,6 +907,15 @@ def test_missing_root_is_said_to_not_exist_and_a_mount_leaves_no_log(ck, work):
     assert "logging to" not in p.stderr and not logs.exists(), describe(p)
 
 
+def test_ls_of_a_root_without_checkpoints_says_so(ck, work):
+    root = work / "no-checkpoints"
+    root.mkdir()
+    (root / "notes.txt").write_text("not a checkpoint\n")
+    p = ck("ls", root, "--json")
+    assert p.returncode == EXIT_OK and json.loads(p.stdout) == [], describe(p)
+    assert f"no checkpoint under {root} (looked for " in p.stderr and ".distcp" in p.stderr, describe(p)
+
+
 def test_inspect_names_the_checkpoint_when_several_hold_the_tensor(ck, sharded, work):
     """A root of two checkpoints with the same tensor names: a bare name is
     refused with both checkpoints listed, CHECKPOINT/NAME picks one."""
