@@ -86,6 +86,16 @@ std::string CommandNames() {
   return out;
 }
 
+// A command line CLI11 refused: what it said, and which --help to read.
+int UsageError(const CLI::App& app, const std::string& what) {
+  std::string sub;
+  for (const CLI::App* cmd : app.get_subcommands())
+    if (cmd->parsed()) sub = cmd->get_name();
+  if (sub.empty()) Error(what + " (`ckptfs --help` lists the commands)");
+  else Error(sub + ": " + what + " (`ckptfs " + sub + " --help` lists its arguments and flags)");
+  return kExitUsage;
+}
+
 // The flags every subcommand shares, checked and completed once parsed.
 int ResolveCommon(Common& c) {
   auto size = ParseSize(c.max_file_size);
@@ -116,8 +126,8 @@ int Main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    int rc = app.exit(e);
-    return rc == 0 ? kExitOk : kExitUsage;
+    if (e.get_exit_code() == 0) return app.exit(e), kExitOk;  // --help, --version
+    return UsageError(app, e.what());
   }
   if (int rc = ResolveCommon(common); rc != kExitOk) return rc;
   for (const auto& [cmd, run] : handlers)

@@ -893,6 +893,10 @@ def test_help(ck):
     p = ck("frobnicate", "/x")
     assert p.returncode == EXIT_USAGE, describe(p)
     assert "no command 'frobnicate'" in p.stderr and all(sub in p.stderr for sub in SUBCOMMANDS), describe(p)
+    # A flag or argument CLI11 refuses names the subcommand whose --help to read.
+    p = ck("ls", "/x", "--bogus")
+    assert p.returncode == EXIT_USAGE and "ckptfs: error: ls: " in p.stderr and "--bogus" in p.stderr, describe(p)
+    assert "`ckptfs ls --help`" in p.stderr, describe(p)
 
 
 def test_missing_root_is_said_to_not_exist_and_a_mount_leaves_no_log(ck, work):
