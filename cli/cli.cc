@@ -88,6 +88,25 @@ std::string IndexPath(const Common& c) {
   return c.index.empty() ? DefaultIndexPath(StoreKey(c)) : c.index;
 }
 
+int CheckS3FlagsFitRoot(const Common& c) {
+  if (c.root.empty() || IsS3Url(c.root)) return kExitOk;
+  const S3Flags d;
+  std::string given;
+  auto note = [&given](bool set, const char* flag) {
+    if (set) given += (given.empty() ? "" : ", ") + std::string(flag);
+  };
+  note(!c.s3.endpoint_url.empty(), "--endpoint-url");
+  note(!c.s3.region.empty(), "--region");
+  note(c.s3.no_sign_request, "--no-sign-request");
+  note(c.s3.force_path_style, "--force-path-style");
+  note(c.s3.max_threads != d.max_threads, "--max-threads");
+  note(c.part_size != Common{}.part_size, "--part-size");
+  note(c.s3.request_timeout_s != d.request_timeout_s, "--request-timeout-s");
+  if (given.empty()) return kExitOk;
+  Error(given + ": for s3:// roots; " + c.root + " is read from the local filesystem: drop them");
+  return kExitUsage;
+}
+
 int ResolveCacheFlags(Common& c) {
   if (c.cache_dir.empty()) {
     if (c.max_cache_size.empty()) return kExitOk;

@@ -61,6 +61,10 @@ std::optional<uint64_t> ParseSize(const std::string& s);
 // directory an s3:// root), fills max_cache_bytes and makes cache_dir
 // absolute (a background mount runs in /). Returns an exit code.
 int ResolveCacheFlags(Common& c);
+// Refuses the flags of s3:// roots (--endpoint-url, --part-size, ...) on a
+// local root, where they would do nothing, as ResolveCacheFlags refuses
+// --cache. Returns an exit code.
+int CheckS3FlagsFitRoot(const Common& c);
 std::string AbsRoot(const std::string& root);
 
 // The source of c.root: a local directory, or an s3:// root (reached once

@@ -104,6 +104,7 @@ int ResolveCommon(Common& c) {
     return kExitUsage;
   }
   c.max_file_bytes = *size;
+  if (int rc = CheckS3FlagsFitRoot(c); rc != kExitOk) return rc;
   return ResolveCacheFlags(c);
 }
 

@@ -911,6 +911,17 @@ def test_missing_root_is_said_to_not_exist_and_a_mount_leaves_no_log(ck, work):
     assert "logging to" not in p.stderr and not logs.exists(), describe(p)
 
 
+def test_s3_flags_on_a_local_root_are_refused(ck, sharded, work):
+    """As --cache is: a flag that would do nothing is named, not ignored."""
+    root = copy_ckpt(sharded, work / "local-s3-flags")
+    for args in (("--part-size", "1K"), ("--max-threads", "0"), ("--endpoint-url", "http://127.0.0.1:1"),
+                 ("--request-timeout-s", "5"), ("--no-sign-request",)):
+        p = ck("ls", root, *args)
+        assert p.returncode == EXIT_USAGE, describe(p)
+        assert f"{args[0]}: for s3:// roots; {root} is read from the local filesystem" in p.stderr, describe(p)
+    assert ck("ls", root).returncode == EXIT_OK
+
+
 def test_ls_of_a_root_without_checkpoints_says_so(ck, work):
     root = work / "no-checkpoints"
     root.mkdir()
