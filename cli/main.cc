@@ -29,7 +29,8 @@ Examples:
   ckptfs mount  s3://bucket/run1 /mnt/run1      # object storage (AWS_* variables, ~/.aws)
   ckptfs mount  s3://bucket/run1 /mnt/run1 --cache ~/.cache/ckptfs-blocks --max-cache-size 50G
 
-Docs: docs/CLI.md (flags, exit codes), docs/SEMANTICS.md (what the mount serves).
+Docs: CLI.md (flags, exit codes), SEMANTICS.md (what the mount serves): docs/ in the source,
+/usr/share/doc/ckptfs/ when installed; `man ckptfs`.
 )";
 
 Handler DefineVersion(CLI::App*, Common&) {
@@ -100,7 +101,7 @@ int UsageError(const CLI::App& app, const std::string& what) {
 int ResolveCommon(Common& c) {
   auto size = ParseSize(c.max_file_size);
   if (!size) {
-    Error("--max-file-size: cannot read '" + c.max_file_size + "' as a size (try 5GB or 512MiB)");
+    Error("--max-file-size: cannot read '" + c.max_file_size + "' as a size above zero (try 5GB or 512MiB)");
     return kExitUsage;
   }
   c.max_file_bytes = *size;
@@ -117,6 +118,7 @@ int Main(int argc, char** argv) {
   std::vector<std::pair<const CLI::App*, Handler>> handlers;
   for (const Command& row : kCommands) {
     CLI::App* cmd = app.add_subcommand(row.name, row.summary);
+    cmd->footer("");  // not the program's examples: each command says its own
     handlers.emplace_back(cmd, row.define(cmd, common));
   }
   if (argc > 1 && argv[1][0] != '-' && !IsCommand(argv[1])) {

@@ -133,6 +133,8 @@ endif()
 set(SYNOPSIS "\\&${USAGE}")
 set(GLOBAL_OPTIONS "${TOP_LISTS}")
 set(EXAMPLES "${TOP_FOOTER}")
+# The section is titled EXAMPLES already: drop --help's own heading line.
+string(REPLACE "\\&Examples:\n" "" EXAMPLES "${EXAMPLES}")
 
 set(COMMANDS "")
 foreach(name IN LISTS TOP_NAMES)
