@@ -26,17 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from typing import Any
 
 import torch.distributed as dist
 
 from ckptfs import _writer
+from ckptfs._names import is_hf_shard, is_rank_file, shard_rank
 
-# The rank files a save of this writer uploads (torch's names: DCP's, and
-# the HF layout's sharded safetensors).
-RANK_FILE = re.compile(r"(__\d+_\d+\.distcp|shard-\d+-model-\d+-of-\d+\.safetensors)$")
-HF_SHARD = re.compile(r"shard-(\d+)-model-\d+-of-\d+\.safetensors$")
 _log = logging.getLogger("ckptfs")
 # Per-item room for torch.save framing when estimating a file's size for
 # its part size (the framing is a few hundred bytes to a few KiB).
@@ -89,14 +85,20 @@ class S3Target:
         self.client.delete(self.key(commit_record))
         self.client.delete(self.key(metadata))
         if hf:
-            shards = [k for k, _, _ in self.client.list(self.key("")) if HF_SHARD.search(k)]
-            for key in sorted(shards, key=lambda k: int(HF_SHARD.search(k).group(1))):
-                self.client.delete(key)
+            shards = [n for n in self.names() if is_hf_shard(n)]
+            for name in sorted(shards, key=shard_rank):
+                self.client.delete(self.key(name))
         self.abort_rank_uploads()
 
+    def names(self) -> list[str]:
+        """The names of the objects right under the step (not in its folders)."""
+        at = len(self.key(""))
+        return [n for n in (k[at:] for k, _, _ in self.client.list(self.key(""))) if "/" not in n]
+
     def abort_rank_uploads(self) -> None:
+        at = len(self.key(""))
         for key, upload_id in self.client.list_multipart_uploads(self.key("")):
-            if RANK_FILE.search(key) and "/" not in key[len(self.key("")):]:
+            if is_rank_file(key[at:]):  # a whole name right under the step: no "/" in it
                 self.client.abort_multipart_upload(key, upload_id)
 
     def put(self, name: str, data: bytes) -> None:
@@ -279,7 +281,7 @@ def complete_shards(target: S3Target, results: list, commit, record: str) -> dic
     again, every one still open aborted, and the error raised (torch hands it to every rank): no step is left that a
     mount or HuggingFaceStorageReader would take for one."""
     uploads = {wr.upload[0]: wr.upload[1:] for rl in results for wr in rl if getattr(wr, "upload", ())}
-    names = sorted(uploads, key=lambda n: int(HF_SHARD.search(n).group(1)), reverse=True)
+    names = sorted(uploads, key=shard_rank, reverse=True)
     completed: list[str] = []
     try:
         for name in names:
@@ -297,7 +299,7 @@ def complete_shards(target: S3Target, results: list, commit, record: str) -> dic
                 target.client.abort_multipart_upload(key, upload_id)
             except Exception:
                 pass
-        for name in sorted(completed, key=lambda n: int(HF_SHARD.search(n).group(1))):  # rank 1's first
+        for name in sorted(completed, key=shard_rank):  # rank 1's first
             target.discard(name)
         raise
 

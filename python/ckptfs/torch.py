@@ -89,7 +89,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._hf_utils import (
-    CUSTOM_METADATA_KEY, DCP_VERSION_KEY, FORMAT_KEY, FORMAT_VALUE, HF_DCP_VERSION, SAVED_OFFSETS_KEY, SUFFIX,
+    CUSTOM_METADATA_KEY, DCP_VERSION_KEY, FORMAT_KEY, FORMAT_VALUE, HF_DCP_VERSION, SAVED_OFFSETS_KEY,
     _gen_file_name)
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import _split_by_size_and_type, _StorageInfo, _StoragePrefix
@@ -102,6 +102,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from ckptfs import _snapshot, _writer
+from ckptfs._names import HF_TMP_SUFFIX, is_hf_shard, other_layout_files
 
 __all__ = ["StorageWriter"]
 
@@ -111,8 +112,6 @@ COMMIT_RECORD = "commit.sst"
 DCP_VERSION = "1.0.0"  # what torch's FileSystemWriter writes
 LAYOUTS = ("dcp", "hf")
 FORMATS = {"dcp": "dcp", "hf": "sharded-safetensors"}  # the index's name for each (indexer/readers)
-HF_SHARDS = "shard-*-model-*-of-*" + SUFFIX  # torch's names of sharded safetensors (_hf_utils)
-HF_TMP_SUFFIX = ".tmp"  # a shard file until the coordinator publishes it
 _URL_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")  # RFC 3986's scheme, then "//"
 
 
@@ -462,6 +461,8 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         _check_dtypes(plan, self.layout)  # before anything is removed or written
         if self.layout == "hf":
             _check_hf_plan(plan)
+        if (dist.get_rank() if dist.is_initialized() else 0) == 0:
+            self._refuse_other_layout()
         if self._s3 is None:
             self.path.mkdir(parents=True, exist_ok=True)
         return plan
@@ -650,6 +651,23 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
             os.replace(self.path / (name + HF_TMP_SUFFIX), self.path / name)
         _writer.sync_dir(str(self.path))
 
+    def _refuse_other_layout(self) -> None:
+        """A step holding a save of the other layout is refused, before
+        anything is removed or written: the new files would sit beside the
+        old ones, and a reader (ckptfs's index, or stock loaders) could take
+        the old for the new. Its files are not ours to delete."""
+        if self._s3 is not None:
+            names = self._s3.names()
+        else:
+            names = os.listdir(self.path) if self.path.is_dir() else []
+        found = other_layout_files(names, self.layout)
+        if found:
+            other = "hf" if self.layout == "dcp" else "dcp"
+            shown = ", ".join(found[:3]) + (f" and {len(found) - 3} more" if len(found) > 3 else "")
+            raise ValueError(f"ckptfs StorageWriter: {self.path} holds a layout={other!r} save ({shown}); a "
+                             f"layout={self.layout!r} save would leave it beside the new files. Save into a new "
+                             "step, or remove those files first")
+
     def _uncommit(self) -> None:
         if self._s3 is not None:
             self._s3.uncommit(f"{COMMIT_DIR}/{COMMIT_RECORD}", METADATA, hf=self.layout == "hf")
@@ -658,12 +676,12 @@ class StorageWriter(_TorchStorageWriter, AsyncStager):
         removed = _remove(self.path / COMMIT_DIR / COMMIT_RECORD)
         removed |= _remove(self.path / METADATA)
         if self.layout == "hf":  # an earlier save's shards (perhaps of more ranks) and leftovers
-            for pattern in (HF_SHARDS, HF_SHARDS + HF_TMP_SUFFIX):
-                # Rank 1's first, as published last (_publish_shards): a crash
-                # in between leaves a step missing rank 1, never rank 1's
-                # shard beside a partial set that reads as a smaller step.
-                for f in sorted(self.path.glob(pattern)):
-                    removed |= _remove(f)
+            # Rank 1's first, as published last (_publish_shards): a crash
+            # in between leaves a step missing rank 1, never rank 1's
+            # shard beside a partial set that reads as a smaller step.
+            for name in sorted(os.listdir(self.path)):
+                if is_hf_shard(name, tmp=True):
+                    removed |= _remove(self.path / name)
         if removed:
             if (self.path / COMMIT_DIR).is_dir():
                 _writer.sync_dir(str(self.path / COMMIT_DIR))
