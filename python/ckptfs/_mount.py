@@ -273,7 +273,8 @@ class Mount:
     def __init__(self, src: str, mnt: str | None = None, *, wait: float | None = None,
                  log_file: str | None = None, **options):
         binary = ckptfs_binary()  # before anything is made that would need removing
-        self.src = os.path.abspath(src)
+        # An s3:// root goes to the CLI as it is (its flags: endpoint_url=..., region=...).
+        self.src = src if os.fspath(src).startswith("s3://") else os.path.abspath(src)
         made = mnt is None
         if not made:
             _check_mountpoint(os.path.abspath(mnt))
@@ -361,7 +362,8 @@ def _implicit_stop(daemon: _Daemon) -> None:
 
 
 def mount(src: str, mnt: str | None = None, **options) -> Mount:
-    """Mounts checkpoint root ``src`` on ``mnt`` (created when missing; a
+    """Mounts checkpoint root ``src`` (a directory, or ``s3://BUCKET/PREFIX``
+    as ``ckptfs mount`` takes it) on ``mnt`` (created when missing; a
     fresh temp dir when None) with ``ckptfs mount``; keyword options become
     flags (``max_file_size="1GB"`` -> ``--max-file-size 1GB``,
     ``reindex=True`` -> ``--reindex``), ``log_file`` names the daemon's log

@@ -179,6 +179,25 @@ def test_a_failed_start_raises_with_the_clis_message_and_leaves_nothing(tmp_path
     assert not is_mounted(mnt) and _daemons(mnt) == []
 
 
+def test_an_s3_root_is_mounted_as_the_cli_mounts_it(s3_env, tmp_path):
+    """ckptfs.mount("s3://...") passes the URL on (it was made a local path,
+    ".../s3:/bucket/..."): the step saved there by stock dcp.save reads back
+    through consolidated/ as safetensors reads it."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    from s3_server import BUCKET
+    import ckptfs
+    from ckptfs.torch import StorageWriter
+    g = torch.Generator().manual_seed(5)
+    sd = {"a.weight": torch.randn(40, 24, generator=g), "b.bias": torch.randn(24, generator=g).bfloat16()}
+    dcp.save(sd, storage_writer=StorageWriter(f"s3://{BUCKET}/pymount/step_1"), no_dist=True)
+    with ckptfs.mount(f"s3://{BUCKET}/pymount", str(tmp_path / "mnt"), index=str(tmp_path / "idx")) as m:
+        got = load_file(os.path.join(m.path, "step_1", "consolidated", "model.safetensors"))
+    assert got.keys() == sd.keys()
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in sd.items())
+
+
 def test_mounting_onto_a_file_says_what_to_do(many_tensors, tmp_path):
     import ckptfs
     target = tmp_path / "a-file"
