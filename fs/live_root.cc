@@ -39,9 +39,11 @@ void LiveRoot::Log(const std::string& line) const {
 std::vector<std::string> LiveRoot::Walk(const std::set<std::string>& served) {
   std::vector<std::string> out;
   std::deque<std::string> pending{""};
+  std::set<std::string> seen;  // bind mounts can loop
   while (!pending.empty()) {
     std::string rel = pending.front();
     pending.pop_front();
+    if (!seen.insert(fs_->tree().source()->DirKey(rel)).second) continue;
     if (watcher_ && fs_->tree().watchable()) (void)watcher_->Watch(rel.empty() ? fs_->root() : fs_->root() + "/" + rel);
     if (served.count(rel)) continue;  // its files are the reader's business
     out.push_back(rel);

@@ -93,29 +93,46 @@ std::string MissingCommitPoint(const DirListing& d) {
 
 namespace {
 
+// Walks the directories of `source` depth-first, in name order, each once
+// (bind mounts can loop): `visit` gets each listing and returns the
+// subdirectories not to enter (those its checkpoint claims). A root that
+// cannot be listed, or an error from `visit`, ends the walk with it.
+Status WalkDirs(const Source& source,
+                const std::function<Result<std::vector<std::string>>(const DirListing&)>& visit) {
+  std::vector<std::string> pending{""};
+  std::set<std::string> seen;
+  while (!pending.empty()) {
+    std::string rel = pending.back();
+    pending.pop_back();
+    auto listing = ListDir(source, rel);
+    if (!listing.ok()) {
+      if (rel.empty()) return listing.status();
+      continue;
+    }
+    if (!seen.insert(source.DirKey(rel)).second) continue;
+    ASSIGN_OR_RETURN(std::vector<std::string> claimed, visit(*listing));
+    for (auto it = listing->dirs.rbegin(); it != listing->dirs.rend(); ++it)
+      if (std::find(claimed.begin(), claimed.end(), *it) == claimed.end()) pending.push_back(JoinRel(rel, *it));
+  }
+  return Status::OK();
+}
+
 // Walks `root` by file names alone, as ScanSource walks it: `visit` gets each
 // directory with the reader that recognises it (null when none does), and
 // the walk goes on into its subdirectories except those that reader claims.
 void WalkByNames(const Source& source,
                  const std::function<void(const DirListing&, const FormatReader*)>& visit) {
   auto readers = AllReaders();
-  std::vector<std::string> pending{""};
-  while (!pending.empty()) {
-    std::string rel = pending.back();
-    pending.pop_back();
-    auto listing = ListDir(source, rel);
-    if (!listing.ok()) continue;
+  (void)WalkDirs(source, [&](const DirListing& listing) -> Result<std::vector<std::string>> {
     const FormatReader* reader = nullptr;
     for (const auto& r : readers)
-      if (r->Recognise(*listing)) {
+      if (r->Recognise(listing)) {
         reader = r.get();
         break;
       }
-    visit(*listing, reader);
-    std::vector<std::string> claimed = reader ? reader->ClaimedSubdirs(*listing) : std::vector<std::string>{};
-    for (const std::string& d : listing->dirs)
-      if (std::find(claimed.begin(), claimed.end(), d) == claimed.end()) pending.push_back(JoinRel(rel, d));
-  }
+    visit(listing, reader);
+    return reader ? reader->ClaimedSubdirs(listing) : std::vector<std::string>{};
+  });
 }
 
 }  // namespace
@@ -229,27 +246,15 @@ Result<Catalog> ScanSource(const Source& source, const ScanOptions& options) {
   Catalog catalog;
   catalog.root = source.root();
   auto readers = AllReaders();
-  std::vector<std::string> pending{""};
-  std::set<std::string> seen;  // bind mounts can loop
   size_t done = 0;
-  while (!pending.empty()) {
-    std::string rel = pending.back();
-    pending.pop_back();
-    auto listing = ListDir(source, rel);
-    if (!listing.ok()) {
-      if (rel.empty()) return listing.status();
-      continue;
-    }
-    if (!seen.insert(source.DirKey(rel)).second) continue;
+  RETURN_IF_ERROR(WalkDirs(source, [&](const DirListing& listing) -> Result<std::vector<std::string>> {
     std::vector<std::string> claimed;
-    ASSIGN_OR_RETURN(std::optional<Checkpoint> ckpt, ReadCheckpoint(source, *listing, readers, options, &claimed));
+    ASSIGN_OR_RETURN(std::optional<Checkpoint> ckpt, ReadCheckpoint(source, listing, readers, options, &claimed));
     if (ckpt) catalog.checkpoints.push_back(std::move(*ckpt));
-    for (auto it = listing->dirs.rbegin(); it != listing->dirs.rend(); ++it)
-      if (std::find(claimed.begin(), claimed.end(), *it) == claimed.end())
-        pending.push_back(JoinRel(rel, *it));
     ++done;
     if (options.progress) options.progress(done, catalog.checkpoints.size());
-  }
+    return claimed;
+  }));
   std::sort(catalog.checkpoints.begin(), catalog.checkpoints.end(),
             [](const Checkpoint& a, const Checkpoint& b) { return a.dir < b.dir; });
   catalog.indexed_at_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(

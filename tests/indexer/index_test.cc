@@ -202,3 +202,48 @@ TEST_F(IndexTest, TruncatedShardMarksOnlyItsChunksUnavailable) {
 
 }  // namespace
 }  // namespace ckptfs
+
+namespace ckptfs {
+namespace {
+
+// A directory that holds itself (a bind mount of a root under the root):
+// every path lists one subdirectory, `loop`, and names the same directory.
+// After 100 listings it answers NotFound, so that a walk without a guard
+// ends (and fails the test) instead of running forever.
+class LoopingSource : public Source {
+ public:
+  const std::string& root() const override { return root_; }
+  Result<SourceListing> List(const std::string& rel) const override {
+    if (++lists > 100) return Status::NotFound(rel);
+    SourceListing l;
+    l.dirs = {"loop"};
+    l.files = {"notes.txt"};
+    return l;
+  }
+  std::string DirKey(const std::string&) const override { return "the one directory"; }
+  Result<SourceFile> Identify(const std::string& rel) const override { return Status::NotFound(rel); }
+  Result<std::unique_ptr<SourceObject>> Open(const std::string& rel) const override { return Status::NotFound(rel); }
+  std::string DescribeChange(const SourceFile&, const SourceFile&) const override { return ""; }
+  bool Contains(const std::string&) const override { return true; }
+  std::optional<int64_t> ChangeTimeNs(const std::string&) const override { return 0; }
+  std::optional<int64_t> ModifyTimeNs(const std::string&) const override { return 0; }
+
+  mutable int lists = 0;
+
+ private:
+  std::string root_ = "loop://root";
+};
+
+TEST(WalkLoops, ADirectoryThatHoldsItselfIsWalkedOnce) {
+  LoopingSource by_names;
+  EXPECT_TRUE(FindCheckpointDirs(by_names).empty());
+  EXPECT_LE(by_names.lists, 2) << "FindCheckpointDirs walked into the loop";
+  LoopingSource scanned;
+  auto catalog = ScanSource(scanned);
+  ASSERT_TRUE(catalog.ok()) << catalog.status().ToString();
+  EXPECT_TRUE(catalog->checkpoints.empty());
+  EXPECT_LE(scanned.lists, 2) << "ScanSource walked into the loop";
+}
+
+}  // namespace
+}  // namespace ckptfs
