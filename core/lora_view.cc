@@ -27,10 +27,6 @@ struct ModuleParts {
   bool embedding = false;
 };
 
-bool EndsWith(const std::string& s, const std::string& tail) {
-  return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
-}
-
 // Files of `base` first, unchanged; then those of `adapter`, shifted.
 std::shared_ptr<const TensorMeta> Shifted(const TensorMeta& t, FileId by) {
   auto out = std::make_shared<TensorMeta>(t);
@@ -64,7 +60,7 @@ Status Classify(const std::vector<std::shared_ptr<const TensorMeta>>& tensors,
     const std::string name = t->fqn.substr(std::string(kPeftPrefix).size());
     bool matched = false;
     for (const Suffix& s : suffixes) {
-      if (!EndsWith(name, s.text)) continue;
+      if (!name.ends_with(s.text)) continue;
       ModuleParts& m = (*modules)[name.substr(0, name.size() - std::string(s.text).size())];
       m.*(s.part) = t;
       m.embedding = m.embedding || s.embedding;
@@ -256,7 +252,7 @@ std::optional<ParamTarget> SplitTarget(const std::string& owner, const SplitNami
 // is a target or ends in "." + one.
 bool Targeted(const std::string& name, const LoraConfig& config) {
   for (const std::string& t : config.target_parameters)
-    if (name == t || EndsWith(name, "." + t)) return true;
+    if (name == t || name.ends_with("." + t)) return true;
   return false;
 }
 

@@ -12,6 +12,7 @@
 #include <shared_mutex>
 
 #include "core/views.h"
+#include "source/posix_io.h"
 #include "source/posix_source.h"
 
 namespace ckptfs {
@@ -44,9 +45,7 @@ VirtualFs::VirtualFs(FsOptions options, std::unique_ptr<SourceTree> tree, Checkp
              [this](int i, FsNode* dir) { return views_.Build(i, dir); }),
       views_(options_, *tree_, nodes_, ckpts_),
       files_(options_, *tree_, nodes_, ckpts_, views_, *compute_) {
-  mounted_at_ns_ = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                       std::chrono::system_clock::now().time_since_epoch())
-                       .count();
+  mounted_at_ns_ = WallClockNs();
 }
 
 VirtualFs::~VirtualFs() = default;

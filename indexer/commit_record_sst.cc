@@ -18,12 +18,12 @@
 #include "indexer/commit_record.h"
 #include "indexer/index_store.h"
 #include "indexer/store_internal.h"
+#include "source/posix_io.h"
 
 namespace ckptfs {
 namespace {
 
 using store_internal::FromRocks;
-using store_internal::NowNs;
 using store_internal::StoreOptions;
 
 // Every row of an SST file, its block checksums verified. Deletions are
@@ -120,7 +120,7 @@ Status WriteCommitRecord(const std::string& abs_root, const Checkpoint& ckpt, co
   if (abs_root.empty() || (abs_root[0] != '/' && abs_root.rfind("s3://", 0) != 0))
     return Status::InvalidArgument("commit record: the source root must be an absolute path or an s3:// URL, not '" +
                                    abs_root + "'");
-  ASSIGN_OR_RETURN(std::vector<rows::Row> all, rows::EncodeCheckpoint(ckpt, rows::kSourceWriter, NowNs()));
+  ASSIGN_OR_RETURN(std::vector<rows::Row> all, rows::EncodeCheckpoint(ckpt, rows::kSourceWriter, WallClockNs()));
   std::sort(all.begin(), all.end(), [](const rows::Row& a, const rows::Row& b) { return a.key < b.key; });
   rocksdb::SstFileWriter writer(rocksdb::EnvOptions(), StoreOptions());
   RETURN_IF_ERROR(FromRocks(writer.Open(sst_path), "create commit record " + sst_path));

@@ -11,12 +11,12 @@
 #include <rocksdb/write_batch.h>
 
 #include "indexer/store_internal.h"
+#include "source/posix_io.h"
 
 namespace ckptfs {
 namespace {
 
 using store_internal::FromRocks;
-using store_internal::NowNs;
 
 // Positions `it` at the checkpoint row of `dir` and decodes it; NotFound
 // when the checkpoint has none.
@@ -111,7 +111,7 @@ Status Store::Flush() {
 }
 
 Status Store::Commit(const Checkpoint& ckpt) {
-  ASSIGN_OR_RETURN(std::vector<rows::Row> rows, rows::EncodeCheckpoint(ckpt, rows::kSourceScan, NowNs()));
+  ASSIGN_OR_RETURN(std::vector<rows::Row> rows, rows::EncodeCheckpoint(ckpt, rows::kSourceScan, WallClockNs()));
   std::unique_lock lock(mu_);
   return WriteRows(rows, ckpt.dir, /*replace=*/true);
 }
@@ -122,7 +122,7 @@ Status Store::Remove(const std::string& dir) {
 }
 
 Status Store::WriteRowsWithoutCheckpointRowForTesting(const Checkpoint& ckpt) {
-  ASSIGN_OR_RETURN(std::vector<rows::Row> rows, rows::EncodeCheckpoint(ckpt, rows::kSourceScan, NowNs()));
+  ASSIGN_OR_RETURN(std::vector<rows::Row> rows, rows::EncodeCheckpoint(ckpt, rows::kSourceScan, WallClockNs()));
   rows.pop_back();  // the checkpoint row
   std::unique_lock lock(mu_);
   return WriteRows(rows, ckpt.dir, /*replace=*/true);

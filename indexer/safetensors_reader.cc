@@ -28,10 +28,6 @@ namespace {
 
 using nlohmann::json;
 
-bool EndsWith(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 Result<SafetensorsHeader> ReadHeader(const FileTable& files, FileId id, uint64_t size) {
   if (size < 8) return DecodeHeaderLength(std::string_view(), size).status();
   ASSIGN_OR_RETURN(std::unique_ptr<SourceObject> in, files.Open(id));
@@ -236,7 +232,7 @@ class SafetensorsReader : public FormatReader {
 
   bool Recognise(const DirListing& dir) const override {
     return std::any_of(dir.files.begin(), dir.files.end(),
-                       [](const std::string& f) { return EndsWith(f, ".safetensors"); });
+                       [](const std::string& f) { return f.ends_with(".safetensors"); });
   }
 
   Status Read(const DirListing& dir, FileTable& files, Checkpoint& out) const override {
@@ -247,7 +243,7 @@ class SafetensorsReader : public FormatReader {
       names = IndexedFiles(files.source(), dir, "model.safetensors.index.json", out, &weight_map);
     } else {
       for (const auto& f : dir.files)
-        if (EndsWith(f, ".safetensors")) names.push_back(f);
+        if (f.ends_with(".safetensors")) names.push_back(f);
     }
     SafetensorsScan scan;
     std::vector<Pending> pending = Register(dir, files, names, out);

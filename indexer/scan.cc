@@ -12,6 +12,7 @@
 #include "indexer/format_reader.h"
 #include "indexer/readers.h"
 #include "source/file_table.h"
+#include "source/posix_io.h"
 #include "source/posix_source.h"
 
 namespace ckptfs {
@@ -257,9 +258,7 @@ Result<Catalog> ScanSource(const Source& source, const ScanOptions& options) {
   }));
   std::sort(catalog.checkpoints.begin(), catalog.checkpoints.end(),
             [](const Checkpoint& a, const Checkpoint& b) { return a.dir < b.dir; });
-  catalog.indexed_at_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                              std::chrono::system_clock::now().time_since_epoch())
-                              .count();
+  catalog.indexed_at_ns = WallClockNs();
   return catalog;
 }
 

@@ -23,7 +23,5 @@ namespace ckptfs::store_internal {
 Status FromRocks(const rocksdb::Status& s, const std::string& what);
 // The options of every database, SST writer and SST reader of a store.
 rocksdb::Options StoreOptions();
-// Wall-clock time, the `committed_at_ns` of a checkpoint row.
-int64_t NowNs();
 
 }  // namespace ckptfs::store_internal

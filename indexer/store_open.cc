@@ -24,6 +24,7 @@
 
 #include "indexer/index_store.h"
 #include "indexer/store_internal.h"
+#include "source/posix_io.h"
 
 namespace ckptfs {
 namespace store_internal {
@@ -47,10 +48,6 @@ Status FromRocks(const rocksdb::Status& s, const std::string& what) {
   return Status::IOError(what + ": " + s.ToString());
 }
 
-int64_t NowNs() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::system_clock::now().time_since_epoch())
-      .count();
-}
 
 rocksdb::Options StoreOptions() {
   rocksdb::Options o;

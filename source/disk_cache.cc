@@ -127,11 +127,6 @@ bool WriteAll(int fd, const char* p, uint64_t n) {
   return true;
 }
 
-int64_t NowNs() {
-  timespec ts;
-  ::clock_gettime(CLOCK_REALTIME, &ts);
-  return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
-}
 
 // The first entry of `dir` other than . and .., or "".
 std::string FirstEntry(const std::string& dir) {
@@ -412,7 +407,7 @@ std::vector<DiskCache::Entry> DiskCache::Scan(uint64_t* total) {
   *total = 0;
   DIR* d = ::opendir(blocks_.c_str());
   if (!d) return entries;
-  const int64_t now = NowNs();
+  const int64_t now = WallClockNs();
   // A block being written counts as a full one (its writer reserved that much).
   const uint64_t in_flight = RoundUp(kFixedHeader + kMaxIdentity + block_size_, kAllocUnit);
   while (dirent* e = ::readdir(d)) {

@@ -1,5 +1,7 @@
 #include "source/posix_io.h"
 
+#include <ctime>
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -46,6 +48,12 @@ Result<std::string> ReadWholeFile(const std::string& path) {
   std::string out(st.st_size, '\0');
   RETURN_IF_ERROR(PreadFull(fd.get(), out.data(), out.size(), 0, path));
   return out;
+}
+
+int64_t WallClockNs() {
+  timespec ts;
+  ::clock_gettime(CLOCK_REALTIME, &ts);
+  return int64_t(ts.tv_sec) * 1'000'000'000 + ts.tv_nsec;
 }
 
 }  // namespace ckptfs

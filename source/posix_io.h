@@ -19,6 +19,10 @@ Result<std::string> ReadFileRange(const std::string& path, uint64_t offset, uint
 // Reads a whole (small) file.
 Result<std::string> ReadWholeFile(const std::string& path);
 
+// The wall clock (CLOCK_REALTIME) in nanoseconds since the epoch: what the
+// index, the disk cache and the mount stamp their records with.
+int64_t WallClockNs();
+
 // Closes the fd on scope exit.
 class ScopedFd {
  public:

@@ -17,7 +17,6 @@
 #include "core/coverage.h"
 #include "core/crc32c.h"
 #include "indexer/commit_record.h"
-#include "indexer/index_store.h"
 #include "indexer/torch_zip.h"
 #include "source/posix_source.h"
 #include "writer/stager.h"
@@ -25,15 +24,13 @@
 namespace ckptfs {
 namespace {
 
-std::string Join(const std::string& a, const std::string& b) { return a.empty() ? b : a + "/" + b; }
-
 class FileIds {
  public:
   FileIds(const Source& source, std::string dir) : source_(source), dir_(std::move(dir)) {}
   // The indexer's own identity (POSIX: size, mtime, ctime, inode; S3: size
   // and ETag), so the store sees exactly what a scan would have recorded.
   Result<FileId> Get(const std::string& name) {
-    const std::string rel = Join(dir_, name);
+    const std::string rel = JoinRel(dir_, name);
     auto it = ids_.find(rel);
     if (it != ids_.end()) return it->second;
     ASSIGN_OR_RETURN(SourceFile f, source_.Identify(rel));
@@ -148,7 +145,7 @@ Result<Checkpoint> BuildCommitRows(const Source& source, const WrittenCheckpoint
 }
 
 Status WriteCommitRecordFile(const std::string& abs_root, const Checkpoint& ckpt) {
-  const std::string dir = Join(Join(abs_root, ckpt.dir), ".ckptfs");
+  const std::string dir = JoinRel(JoinRel(abs_root, ckpt.dir), ".ckptfs");
   if (::mkdir(dir.c_str(), 0755) != 0 && errno != EEXIST) return Status::IOError("mkdir " + dir + ": " + std::strerror(errno));
   const std::string tmp = dir + "/commit.sst.tmp", final_path = dir + "/commit.sst";
   ::unlink(tmp.c_str());  // a crashed save's leftover
@@ -179,7 +176,7 @@ Status PutCommitRecord(const S3Client& client, const Checkpoint& ckpt) {
   }
   ::unlink(tmp.c_str());
   RETURN_IF_ERROR(st);
-  const std::string key = client.config().location.prefix + Join(ckpt.dir, ".ckptfs/commit.sst");
+  const std::string key = client.config().location.prefix + JoinRel(ckpt.dir, ".ckptfs/commit.sst");
   return client.Put(key, S3Body{{{bytes.data(), bytes.size()}}});
 }
 
