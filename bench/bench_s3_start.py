@@ -7,7 +7,7 @@ A local S3 server (SeaweedFS, tools/s3_server.py) holds a DCP step saved by
 4 gloo ranks with stock dcp.save (bench/bench_dcp_load.py's state; default
 0.1 GiB: what is measured here grows with the number of items and files,
 not with the bytes). Between ckptfs and the server, the tests' proxy
-(tests/e2e/s3_fault_proxy.py) holds each request --latency-ms before
+(tools/s3_fault_proxy.py) holds each request --latency-ms before
 passing it on and records every request line. Rows, per latency and build:
 
   index          `ckptfs index s3://...` into a fresh index
@@ -51,7 +51,6 @@ from pathlib import Path
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.join(HERE, "..", "tools"))
-sys.path.insert(2, os.path.join(HERE, "..", "tests", "e2e"))
 import bench_dcp_load  # noqa: E402  (the DCP step, saved by 4 gloo ranks)
 import common  # noqa: E402  (Mounted)
 import s3_server  # noqa: E402  (SeaweedFS)

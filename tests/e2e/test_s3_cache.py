@@ -1,6 +1,6 @@
 """`--cache DIR --max-cache-size SIZE` on s3:// roots, against a real S3
 server (SeaweedFS, tools/s3_server.py) behind a proxy that counts ranged GETs
-(s3_fault_proxy.py, no faults): bytes fetched once are read from the local
+(tools/s3_fault_proxy.py, no faults): bytes fetched once are read from the local
 directory by later mounts and commands; a corrupt or truncated cache block
 is fetched again, never served; the directory stays under its bound. What
 is served is judged by safetensors against the arrays that were saved.

@@ -1,4 +1,4 @@
-"""Reads of an `s3://` mount through a proxy (s3_fault_proxy.py) that stalls
+"""Reads of an `s3://` mount through a proxy (tools/s3_fault_proxy.py) that stalls
 a share of the ranged GETs: headers sent and then no body, half a body and
 then nothing, or no answer at all, the connection held open each time. A
 stalled GET is abandoned after its 2 s window and sent again on a new

@@ -1,4 +1,4 @@
-"""StorageWriter("s3://...") through the fault proxy (s3_fault_proxy.py)
+"""StorageWriter("s3://...") through the fault proxy (tools/s3_fault_proxy.py)
 and with ranks that die: 2 gloo ranks (CPU), real SeaweedFS.
 
 - 503 SlowDown and dropped connections on the uploads are retried: the

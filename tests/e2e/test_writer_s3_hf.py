@@ -8,7 +8,7 @@ files, boto3 (objects, open multipart uploads, bytes), stock dcp.load with
 HuggingFaceStorageReader over the downloaded shards, safetensors'
 safe_open and a CRC32C written in the test.
 
-Through the fault proxy (s3_fault_proxy.py): a fault that never clears on
+Through the fault proxy (tools/s3_fault_proxy.py): a fault that never clears on
 the uploads of rank 2's shard, on the completion of rank 1's shard (the
 coordinator has completed rank 2's by then) and on the commit record's PUT
 each fail the save on both ranks and leave no shard, no record and no open
