@@ -640,17 +640,63 @@ Result<std::string> CheckMountpoint(const std::string& mountpoint, bool allow_no
   return std::string(real);
 }
 
-Status MountAndServe(std::unique_ptr<VirtualFs> fs, const std::string& mountpoint,
-                     const MountOptions& options) {
-  g_log = options.log;
-  // default_permissions: the kernel checks each caller against the modes
-  // we report, which is what keeps --allow-other from widening access.
-  std::vector<std::string> argv_s = {
+namespace {
+
+// libfuse's command line for the session. default_permissions: the kernel
+// checks each caller against the modes we report, which is what keeps
+// --allow-other from widening access.
+std::vector<std::string> FuseArgs(const MountOptions& options) {
+  std::vector<std::string> argv = {
       "ckptfs", "-o",
       "ro,default_permissions,fsname=" + EscapeOption(options.fsname.empty() ? "ckptfs" : options.fsname) +
           ",subtype=ckptfs"};
-  if (options.allow_other) argv_s.push_back("-oallow_other");
-  if (options.debug) argv_s.push_back("-d");
+  if (options.allow_other) argv.push_back("-oallow_other");
+  if (options.debug) argv.push_back("-d");
+  return argv;
+}
+
+// Serves the mounted session until it is unmounted or signalled: wires the
+// kernel's page store and invalidations into `fs`, watches the sources,
+// reports what was fetched, and unwires them all before it returns the
+// loop's status.
+int ServeSession(struct fuse_session* se, VirtualFs* fs, const MountOptions& options) {
+  // Shared with the push threads, which may outlive this scope: stopped
+  // before the session goes.
+  auto store = std::make_shared<PageStore>(se);
+  fs->set_store([store](uint64_t ino, uint64_t offset, const PageBytes& bytes, const std::function<bool()>& valid) {
+    store->Store(ino, offset, bytes, valid);
+  });
+  Invalidator invalidator(se, store->order());
+  fs->set_invalidate([&invalidator](uint64_t ino) { invalidator.Push(ino); });
+  fs->set_invalidate_entry(
+      [&invalidator](uint64_t parent, const std::string& name) { invalidator.PushEntry(parent, name); });
+  Watching watching;
+  if (options.watch) StartWatcher(fs, options, &watching);
+  FetchReporter reporter(fs, store.get(), options.report);
+  struct fuse_loop_config* cfg = fuse_loop_cfg_create();
+  fuse_loop_cfg_set_max_threads(cfg, options.max_threads);
+  fuse_loop_cfg_set_clone_fd(cfg, 0);
+  int rc;
+  {
+    LoopWaker waker(se);
+    rc = fuse_session_loop_mt(se, cfg);
+  }
+  fuse_loop_cfg_destroy(cfg);
+  reporter.Report();
+  watching.watcher.reset();
+  fs->set_invalidate({});
+  fs->set_invalidate_entry({});
+  fs->set_store({});
+  store->Stop();
+  return rc;
+}
+
+}  // namespace
+
+Status MountAndServe(std::unique_ptr<VirtualFs> fs, const std::string& mountpoint,
+                     const MountOptions& options) {
+  g_log = options.log;
+  std::vector<std::string> argv_s = FuseArgs(options);
   std::vector<char*> argv;
   for (auto& s : argv_s) argv.push_back(s.data());
   struct fuse_args args = FUSE_ARGS_INIT(int(argv.size()), argv.data());
@@ -671,36 +717,7 @@ Status MountAndServe(std::unique_ptr<VirtualFs> fs, const std::string& mountpoin
   if (std::string why = TuneReadahead(mountpoint); !why.empty())
     LogLine("readahead stays at the kernel default (128 KiB): " + why);
   if (options.mounted) options.mounted();
-  int rc;
-  {
-    // Shared with the push threads, which may outlive this scope: stopped
-    // before the session goes.
-    auto store = std::make_shared<PageStore>(se);
-    fs->set_store([store](uint64_t ino, uint64_t offset, const PageBytes& bytes, const std::function<bool()>& valid) {
-      store->Store(ino, offset, bytes, valid);
-    });
-    Invalidator invalidator(se, store->order());
-    fs->set_invalidate([&invalidator](uint64_t ino) { invalidator.Push(ino); });
-    fs->set_invalidate_entry(
-        [&invalidator](uint64_t parent, const std::string& name) { invalidator.PushEntry(parent, name); });
-    Watching watching;
-    if (options.watch) StartWatcher(fs.get(), options, &watching);
-    FetchReporter reporter(fs.get(), store.get(), options.report);
-    struct fuse_loop_config* cfg = fuse_loop_cfg_create();
-    fuse_loop_cfg_set_max_threads(cfg, options.max_threads);
-    fuse_loop_cfg_set_clone_fd(cfg, 0);
-    {
-      LoopWaker waker(se);
-      rc = fuse_session_loop_mt(se, cfg);
-    }
-    fuse_loop_cfg_destroy(cfg);
-    reporter.Report();
-    watching.watcher.reset();
-    fs->set_invalidate({});
-    fs->set_invalidate_entry({});
-    fs->set_store({});
-    store->Stop();
-  }
+  const int rc = ServeSession(se, fs.get(), options);
   fuse_session_unmount(se);
   fuse_remove_signal_handlers(se);
   fuse_session_destroy(se);
