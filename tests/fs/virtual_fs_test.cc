@@ -21,6 +21,7 @@
 #include "fs/source_tree.h"
 #include "indexer/scan.h"
 #include "source/posix_source.h"
+#include "tests/listing_only_source.h"
 
 namespace ckptfs {
 namespace {
@@ -561,7 +562,7 @@ namespace {
 
 // A source whose listing takes longer than the tree keeps listings (as one
 // of 10^5 keys does over 100 ListObjectsV2 pages), counting its listings.
-class SlowListing : public Source {
+class SlowListing : public ListingOnlySource {
  public:
   explicit SlowListing(size_t files) {
     for (size_t i = 0; i < files; ++i) {
@@ -579,12 +580,6 @@ class SlowListing : public Source {
     std::this_thread::sleep_for(std::chrono::milliseconds(1200));
     return listing_;
   }
-  Result<SourceFile> Identify(const std::string& rel) const override { return Status::NotFound(rel); }
-  Result<std::unique_ptr<SourceObject>> Open(const std::string& rel) const override { return Status::NotFound(rel); }
-  std::string DescribeChange(const SourceFile&, const SourceFile&) const override { return ""; }
-  bool Contains(const std::string&) const override { return true; }
-  std::optional<int64_t> ChangeTimeNs(const std::string&) const override { return 0; }
-  std::optional<int64_t> ModifyTimeNs(const std::string&) const override { return 0; }
 
   mutable std::atomic<int> lists{0};
 

@@ -16,6 +16,7 @@
 #include "indexer/scan.h"
 #include "indexer/source_check.h"
 #include "source/posix_source.h"
+#include "tests/listing_only_source.h"
 #include "tests/indexer/test_dirs.h"
 
 namespace ckptfs {
@@ -210,7 +211,7 @@ namespace {
 // every path lists one subdirectory, `loop`, and names the same directory.
 // After 100 listings it answers NotFound, so that a walk without a guard
 // ends (and fails the test) instead of running forever.
-class LoopingSource : public Source {
+class LoopingSource : public ListingOnlySource {
  public:
   const std::string& root() const override { return root_; }
   Result<SourceListing> List(const std::string& rel) const override {
@@ -221,12 +222,6 @@ class LoopingSource : public Source {
     return l;
   }
   std::string DirKey(const std::string&) const override { return "the one directory"; }
-  Result<SourceFile> Identify(const std::string& rel) const override { return Status::NotFound(rel); }
-  Result<std::unique_ptr<SourceObject>> Open(const std::string& rel) const override { return Status::NotFound(rel); }
-  std::string DescribeChange(const SourceFile&, const SourceFile&) const override { return ""; }
-  bool Contains(const std::string&) const override { return true; }
-  std::optional<int64_t> ChangeTimeNs(const std::string&) const override { return 0; }
-  std::optional<int64_t> ModifyTimeNs(const std::string&) const override { return 0; }
 
   mutable int lists = 0;
 
