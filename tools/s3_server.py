@@ -23,6 +23,7 @@ import http.client
 import json
 import os
 import shutil
+import random
 import socket
 import subprocess
 import threading
@@ -46,15 +47,31 @@ LISTER_KEY = "AKIDCKPTFSLISTER"
 LISTER_SECRET = "lister-secret"
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = open("/proc/sys/net/ipv4/ip_local_port_range").read().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def _free_ports(n: int) -> list[int]:
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
+    """`n` ports free now, below the kernel's ephemeral range: a port that
+    bind(0) hands out is one the kernel also gives outgoing connections
+    (weed's own among them), which can take it before weed listens on it."""
+    lo, _ = _ephemeral_range()
+    rng = random.Random()
+    ports: list[int] = []
+    while len(ports) < n:
+        port = rng.randrange(10000, max(10001 + n, lo))
+        if port in ports:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
     return ports
 
 
@@ -81,6 +98,10 @@ def client_for(endpoint: str, *, max_attempts: int | None = 1, pool: int = 10):
     return client
 
 
+class _PortTaken(Exception):
+    """weed could not listen on a port chosen for it."""
+
+
 class Server:
     """A running SeaweedFS with bucket BUCKET; ``stop()`` ends it."""
 
@@ -105,6 +126,21 @@ class Server:
             # Unsigned requests: reading and listing PUBLIC_BUCKET only.
             "name": "anonymous",
             "actions": ["Read:" + PUBLIC_BUCKET, "List:" + PUBLIC_BUCKET]}]}))
+        for attempt in range(3):
+            try:
+                # A retry starts over in a fresh directory: nothing of the failed start is read.
+                data = d if attempt == 0 else d / f"retry-{attempt}"
+                data.mkdir(exist_ok=True)
+                self._start(weed, data, config, volumes, client_options)
+                return
+            except _PortTaken:
+                if attempt == 2:
+                    raise RuntimeError("SeaweedFS did not start: a port was taken three times: " +
+                                       self._log_path.read_text()[-2000:])
+
+    def _start(self, weed: str, d: Path, config: Path, volumes: int, client_options: dict) -> None:
+        """One start on fresh ports; _PortTaken when one was taken before
+        weed listened on it."""
         (master, master_g, volume, volume_g, filer, filer_g, s3, s3_g) = _free_ports(8)
         # -logdir: glog's files (the default is /tmp) stay with the server's data.
         args = [weed, f"-logdir={d}", "server", f"-dir={d}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
@@ -134,6 +170,8 @@ class Server:
             except Exception:
                 if time.monotonic() > deadline or self.proc.poll() is not None:
                     self.stop()
+                    if "address already in use" in self._log_path.read_text():
+                        raise _PortTaken()
                     raise RuntimeError("SeaweedFS did not start: " + self._log_path.read_text()[-2000:])
                 time.sleep(0.5)
 
