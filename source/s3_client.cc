@@ -406,6 +406,25 @@ S3Client::Response S3Client::Perform(const Request& r, int64_t timeout_ms, int64
 
 namespace {
 
+// What is wrong with the range a ranged GET was answered with, or "".
+// A 206 must name the range asked (Content-Range: bytes FIRST-LAST/SIZE):
+// one answered with another range of the same length would otherwise be
+// served as the bytes asked for. A 200 is the whole object, right only for
+// a range from byte 0 (its length is checked as the body's).
+std::string WrongRange(const S3Client::Response& resp, const S3Client::Request& r) {
+  const std::string asked = "bytes " + std::to_string(r.offset) + "-" + std::to_string(r.offset + r.len - 1);
+  if (resp.http == 200)
+    return r.offset == 0 ? "" : "the whole object (HTTP 200, Range ignored) for " + asked;
+  if (resp.http != 206) return "";
+  const auto it = resp.headers.find("content-range");
+  if (it == resp.headers.end()) return "HTTP 206 without Content-Range for " + asked;
+  unsigned long long first = 0, last = 0;
+  const bool parsed = std::sscanf(it->second.c_str(), "bytes %llu-%llu/", &first, &last) == 2;
+  if (!parsed || first != r.offset || last != r.offset + r.len - 1)
+    return "wrong range (the server sent Content-Range '" + it->second + "' for " + asked + ")";
+  return "";
+}
+
 // Why a response should be tried again, or "" when it should not.
 std::string RetryCause(const S3Client::Response& resp, const S3Client::Request& r) {
   const bool ranged = r.ranged;
@@ -447,6 +466,10 @@ std::string RetryCause(const S3Client::Response& resp, const S3Client::Request& 
     return "HTTP 200 with error " + XmlFirst(resp.body, "Code");
   if (ranged && (resp.http == 206 || resp.http == 200) && resp.received != want && !resp.overflow)
     return "short body (" + std::to_string(resp.received) + " of " + std::to_string(want) + " bytes)";
+  if (ranged && resp.received == want && !resp.overflow) {
+    std::string wrong = WrongRange(resp, r);
+    if (!wrong.empty()) return wrong;
+  }
   // A page cut short but consistent with its Content-Length would
   // silently drop keys.
   if (r.listing && resp.http == 200 && resp.body.find("</ListBucketResult>") == std::string::npos)
@@ -638,7 +661,8 @@ Status S3Client::Get(const std::string& key, const std::string& etag, uint64_t o
   r.len = len;
   r.dst = dst;
   Response resp = PerformWithRetries(r, kMaxAttempts);
-  if (resp.curl == CURLE_OK && (resp.http == 206 || resp.http == 200) && resp.received == len && !resp.overflow) {
+  if (resp.curl == CURLE_OK && (resp.http == 206 || resp.http == 200) && resp.received == len && !resp.overflow &&
+      WrongRange(resp, r).empty()) {
     gets_.fetch_add(1, std::memory_order_relaxed);
     get_bytes_.fetch_add(len, std::memory_order_relaxed);
     return CheckEtag(r, resp);

@@ -12,6 +12,9 @@ injects the failures object storage shows:
 - ``trickle``: status and headers, then one byte of the body every half
   second (never slow enough for a check of bytes per second to call it a
   stall);
+- ``shift``: a ranged GET answered 206 with another range of the same
+  length, named honestly in Content-Range (a cache or gateway that mixes
+  up ranges); needs ``fetch``, which reads the other range upstream;
 - ``forbidden`` (from a script only): 403 AccessDenied, as a bucket policy
   that denies some objects answers;
 - ``drop`` (from a script only): the request read, never forwarded, and the
@@ -40,7 +43,8 @@ objects and only the reads of bytes fail.
 ``unconditional(key, range) -> (etag, content_range, body) | None`` makes
 the proxy a server that ignores If-Match: a ranged GET the server refused
 with 412 is answered 206 with what it returns (the test fetches the range
-of the current version with its own client).
+of the current version with its own client). ``fetch(key, range)`` has the
+same form and serves ``shift``: it is asked for the shifted range.
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ import socket
 import threading
 import urllib.parse
 
-KINDS = ("slowdown", "reset", "truncate", "stall_headers", "stall_silent", "trickle", "stall_body")
+KINDS = ("slowdown", "reset", "truncate", "stall_headers", "stall_silent", "trickle", "stall_body", "shift")
 STALLS = ("stall_headers", "stall_silent", "stall_body")
 
 FORBIDDEN = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>AccessDenied</Code>"
@@ -170,11 +174,13 @@ class FaultProxy(LocalListener):
                  p_stall_headers=0.0, p_stall_silent=0.0, stall_s: float = 60, ranged_only=False,
                  p_stall_body=0.0, stall_once=False,
                  script: dict[str, list[str]] | None = None, unconditional=None, strip_etag=False,
-                 bucket_region: str | None = None, latency_s: float = 0.0):
+                 bucket_region: str | None = None, latency_s: float = 0.0, p_shift=0.0, fetch=None):
         self.upstream_port = upstream_port
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
-        self.set_faults(p_slowdown, p_reset, p_truncate, p_stall_headers, p_stall_silent, p_stall_body=p_stall_body)
+        self.set_faults(p_slowdown, p_reset, p_truncate, p_stall_headers, p_stall_silent, p_stall_body=p_stall_body,
+                        p_shift=p_shift)
+        self.fetch = fetch
         self.stall_s = stall_s
         self.stall_once = stall_once
         self.stalled: set[tuple[bytes, str | None]] = set()  # (request line, Range) stalled so far
@@ -200,10 +206,10 @@ class FaultProxy(LocalListener):
         self._listen()
 
     def set_faults(self, p_slowdown=0.0, p_reset=0.0, p_truncate=0.0, p_stall_headers=0.0, p_stall_silent=0.0,
-                   p_trickle=0.0, p_stall_body=0.0):
+                   p_trickle=0.0, p_stall_body=0.0, p_shift=0.0):
         with self.lock:
             self.p = dict(zip(KINDS, (p_slowdown, p_reset, p_truncate, p_stall_headers, p_stall_silent, p_trickle,
-                                      p_stall_body)))
+                                      p_stall_body, p_shift)))
 
     def release(self) -> None:
         """Held requests, and any later ones scripted to be held, go on."""
@@ -232,7 +238,7 @@ class FaultProxy(LocalListener):
                     if x < acc:
                         kind = k
                         break
-            if kind in ("reset", "truncate", "stall_headers", "trickle", "stall_body") and not has_body:
+            if kind in ("reset", "truncate", "stall_headers", "trickle", "stall_body", "shift") and not has_body:
                 kind = "passed"
             if kind in STALLS and self.stall_once and seen:
                 kind = "passed"
@@ -347,7 +353,10 @@ class FaultProxy(LocalListener):
                 self.counts[kind] -= 1
                 self.counts["passed"] += 1
             kind = "passed"
-        if kind == "passed":
+        if kind == "shift":
+            status, rbody = self._shifted(line, head, status, rbody)
+            length = b"\r\nContent-Length: " + str(len(rbody)).encode()
+        if kind in ("passed", "shift"):
             conn.sendall(status + length + b"\r\n\r\n" + rbody)
             return True
         if kind == "stall_headers":
@@ -382,6 +391,25 @@ class FaultProxy(LocalListener):
             if region != self.bucket_region:
                 self.redirected += 1
         return region == self.bucket_region
+
+    def _shifted(self, line: bytes, head: bytes, status: bytes, body: bytes) -> tuple[bytes, bytes]:
+        """The answer to a ranged GET as for the range 4 KiB later (or
+        earlier, at the object's end), with that range's bytes and an
+        honest Content-Range; unchanged when no such range fits."""
+        content_range = _header(status, b"content-range") or ""
+        first, _, rest = content_range.removeprefix("bytes ").partition("-")
+        last, _, size = rest.partition("/")
+        if not (status.startswith(b"HTTP/1.1 206") and first.isdigit() and last.isdigit() and size.isdigit()):
+            return status, body
+        first, last, size = int(first), int(last), int(size)
+        shift = 4096 if last + 4096 < size else -4096
+        if first + shift < 0:
+            return status, body
+        path = urllib.parse.unquote(line.split(b" ")[1].split(b"?")[0].decode())
+        key = path.lstrip("/").partition("/")[2]  # path style: /BUCKET/KEY
+        etag, shifted_range, data = self.fetch(key, f"bytes={first + shift}-{last + shift}")
+        return (f"HTTP/1.1 206 Partial Content\r\nETag: {etag}\r\nContent-Range: {shifted_range}\r\n"
+                "Content-Type: application/octet-stream").encode(), data
 
     def _ignore_if_match(self, line: bytes, head: bytes, status: bytes, body: bytes) -> tuple[bytes, bytes]:
         path = urllib.parse.unquote(line.split(b" ")[1].split(b"?")[0].decode())

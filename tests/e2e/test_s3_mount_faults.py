@@ -3,9 +3,11 @@ faults (503 SlowDown, resets, bodies cut short), while two of its three
 copies of a checkpoint are overwritten: every read is exact or an EIO the
 log explains. Against a real S3 server (SeaweedFS, tools/s3_server.py).
 
+Also: ranged GETs answered with another range than the one asked.
+
 A file of its own, apart from test_s3_mount.py (whose helpers it uses), so
-that the side-by-side pass runs this one test (about a minute on 2 cores)
-beside the rest of that file rather than after it on the same worker.
+that the side-by-side pass runs these tests (about two minutes on 2 cores)
+beside the rest of that file rather than after them on the same worker.
 """
 
 from __future__ import annotations
@@ -159,3 +161,57 @@ def test_1e5_random_range_reads_through_faults_and_an_overwrite_are_exact_or_exp
     for line in log.splitlines():
         if "main/consolidated/model.safetensors: read of" in line:
             assert re.search(r"GET faults/main/\S+ bytes \[\d+, \d+\).*after \d+ attempts", line), line
+
+
+def test_a_ranged_get_answered_with_another_range_is_never_served(s3_server, s3_env, main_ckpt, mount_factory):
+    """A gateway that answers 206 with another range of the same length
+    (named honestly in Content-Range) for 30 % of ranged GETs: the client
+    checks Content-Range against the range it asked, so every read is exact
+    (the GET is asked again) or an EIO whose log line names the wrong range;
+    never the other range's bytes."""
+    import random
+
+    from s3_fault_proxy import FaultProxy
+
+    client = s3_server["client"]
+    upload_tree(client, main_ckpt["out_dir"], "shift/ckpt/")
+    with mount_factory(f"s3://{BUCKET}/shift") as clean:
+        ref = _reference_consolidated(clean, "ckpt", main_ckpt["expected"])
+
+    def fetch(key: str, rng: str):
+        got = client.get_object(Bucket=BUCKET, Key=key, Range=rng)
+        return got["ETag"], got["ContentRange"], got["Body"].read()
+
+    proxy = FaultProxy(s3_server["port"], seed=7, p_slowdown=0, p_reset=0, p_truncate=0, p_shift=0.3,
+                       ranged_only=True, fetch=fetch)
+    rng = random.Random(11)
+    exact, wrong, eio = 0, [], 0
+    try:
+        with mount_factory(f"s3://{BUCKET}/shift", "--endpoint-url", f"http://127.0.0.1:{proxy.port}",
+                           "--readahead-mib", "0") as m:
+            fd = os.open(m.p("ckpt", "consolidated", "model.safetensors"), os.O_RDONLY | os.O_DIRECT)
+            for _ in range(300):
+                off, n = rng.randrange(0, len(ref)), rng.choice([4096, 65536, 1 << 20])
+                try:
+                    got = os.pread(fd, n, off)
+                except OSError as e:
+                    assert e.errno == errno.EIO, e
+                    eio += 1
+                    continue
+                if got == ref[off:off + n]:
+                    exact += 1
+                else:
+                    wrong.append((off, n))
+            os.close(fd)
+    finally:
+        proxy.close()
+    print(f"300 reads: {exact} exact, {eio} EIO, {len(wrong)} wrong; proxy {proxy.counts}")
+    assert wrong == [], wrong[:5]
+    assert proxy.counts["shift"] >= 50, proxy.counts
+    # Asked again, a GET gets its own range: 8 attempts at 30 % leave a
+    # read failing about once in 10^4.
+    assert exact >= 295, (exact, eio)
+    log = Path(m.log_path).read_text(errors="replace")
+    for line in log.splitlines():
+        if "consolidated/model.safetensors: read of" in line:
+            assert "wrong range (the server sent Content-Range 'bytes " in line, line
