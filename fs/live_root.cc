@@ -7,6 +7,10 @@
 namespace ckptfs {
 namespace {
 
+// What waits for the next pass, not for a change: no directory has this
+// signature.
+constexpr char kReadAgain[] = "\n";
+
 // The names, sizes and mtimes of a directory's entries: what changes when a
 // file is added, renamed into place, grown or rewritten.
 std::string Signature(const SourceTree& tree, const std::string& rel) {
@@ -66,7 +70,12 @@ void LiveRoot::Offer(const std::string& rel, bool replacing) {
   else if (!*found) why = "";  // not a checkpoint at all
   else if (!(*found)->incomplete.empty()) why = (*found)->incomplete;
   else if (!(*found)->problems.empty()) why = (*found)->problems.front();
-  if (!found.ok() || !*found || !why.empty()) {
+  if (!found.ok()) {  // its sources could not be read: tried again on the next pass
+    if (waiting_.count(rel) == 0) Log(JoinRel(rel, "") + ": not served yet (looked at again on each rescan): " + why);
+    waiting_[rel] = kReadAgain;
+    return;
+  }
+  if (!*found || !why.empty()) {
     if (!why.empty() && waiting_.count(rel) == 0)
       Log(JoinRel(rel, "") + ": not served yet (looked at again when its files change): " + why);
     waiting_[rel] = sig;

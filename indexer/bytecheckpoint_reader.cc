@@ -208,7 +208,7 @@ class ByteCheckpointReader : public FormatReader {
       const std::string meta_rel = sub + "/.metadata";
       if (!files.source().Identify(meta_rel).ok()) continue;
       Status st = ReadPart(part, sub, files, out, all, flat);
-      if (!st.ok()) AddProblem(out, st.message(), true);
+      if (!st.ok()) AddReadProblem(out, files, "", st, true);
     }
     FinishTensors(all, out);
     AddSidecarFiles(dir, files, out);
@@ -254,7 +254,7 @@ class ByteCheckpointReader : public FormatReader {
           continue;
         }
         auto chunk = ItemChunk(si->second, tm->second, sub, t, box, files, who);
-        if (!chunk.ok()) AddProblem(out, chunk.status().message(), false);
+        if (!chunk.ok()) AddReadProblem(out, files, "", chunk.status(), false);
         else if (pieces) AddFlatPieces(*chunk, box, t.dtype, *pieces, part, prefix, suffix, all);
         else Target(all, part, fqn, t).chunks.push_back(std::move(*chunk));
       }

@@ -131,7 +131,7 @@ void AddChunk(TensorMeta& t, Chunk c, const std::map<std::string, Shape>& reform
 void LoadMetadataFile(const std::string& rel, FileTable& files, DcpPlan& plan, Checkpoint& out) {
   auto id = files.Add(rel);
   auto text = id.ok() ? files.ReadWhole(*id) : Result<std::string>(id.status());
-  if (!text.ok()) return AddProblem(out, rel + ": " + text.status().message(), true);
+  if (!text.ok()) return AddReadProblem(out, files, rel, text.status(), true);
   auto doc = Unpickle(*text);
   if (!doc.ok()) return AddProblem(out, rel + ": " + doc.status().message(), true);
   // Globals off the allowlist stay inert either way; classes of the
@@ -317,7 +317,7 @@ void AddTensorChunk(const DirListing& dir, FileTable& files, const DcpPlan& plan
   const StorageInfo& si = *found;
   const std::string rel = JoinRel(dir.rel, si.relative_path);
   auto id = files.Add(rel);
-  if (!id.ok()) return AddProblem(out, who + ": " + id.status().message(), true);
+  if (!id.ok()) return AddReadProblem(out, files, who, id.status(), true);
   Chunk c(box, {*id, si.offset, si.length}, t.dtype);
   const auto& obj = ObjectOf(rel, *id, files, objects);
   auto window = framed.find(rel);
@@ -326,9 +326,10 @@ void AddTensorChunk(const DirListing& dir, FileTable& files, const DcpPlan& plan
   Result<TorchArchive> archive =
       !obj.ok() ? Result<TorchArchive>(obj.status().WithContext(item))
                 : ReadItem(si, window != framed.end() ? *window->second : **obj, *id, files, item, data_file);
-  if (!archive.ok())
+  if (!archive.ok()) {
+    if (IsReadFailure(archive.status())) files.NoteReadFailure(archive.status().WithContext(who));
     c.set_unavailable(archive.status().message());
-  else
+  } else
     PlaceChunk(*archive, rel, data_file, t, c);
   if (!c.unavailable().empty()) AddProblem(out, who + ": " + c.unavailable(), false);
   AddChunk(t, std::move(c), plan.saved_shape, out);
@@ -340,7 +341,7 @@ void AddByteItems(const DirListing& dir, FileTable& files, const std::map<std::s
   for (const auto& [key, si] : items) {
     auto id = files.Add(JoinRel(dir.rel, si.relative_path));
     if (!id.ok()) {
-      AddProblem(out, "item '" + key + "': " + id.status().message(), false);
+      AddReadProblem(out, files, "item '" + key + "'", id.status(), false);
       continue;
     }
     if (si.offset + si.length > files.at(*id).size) {
@@ -354,7 +355,7 @@ void AddByteItems(const DirListing& dir, FileTable& files, const std::map<std::s
     auto in = files.Open(*id);
     auto decoded = in.ok() ? Decode(si, **in, "item '" + key + "'") : Result<std::string>(in.status());
     if (!decoded.ok()) {
-      AddProblem(out, decoded.status().message(), false);
+      AddReadProblem(out, files, "", decoded.status(), false);
       continue;
     }
     FileId d = files.AddDerived(*id, si.offset, si.length, TransformName(si.transforms[0]), decoded->size());

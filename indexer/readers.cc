@@ -82,6 +82,22 @@ void AddProblem(Checkpoint& out, const std::string& message, bool incomplete) {
   if (incomplete && out.incomplete.empty()) out.incomplete = message;
 }
 
+bool IsReadFailure(const Status& st) {
+  switch (st.code()) {
+    case Status::Code::kIOError:
+    case Status::Code::kStale:
+    case Status::Code::kPermissionDenied: return true;
+    default: return false;
+  }
+}
+
+void AddReadProblem(Checkpoint& out, FileTable& files, const std::string& context, const Status& st,
+                    bool incomplete) {
+  const Status where = context.empty() ? st : st.WithContext(context);
+  if (IsReadFailure(st)) files.NoteReadFailure(where);
+  else AddProblem(out, where.message(), incomplete);
+}
+
 std::vector<uint64_t> NormalizeStrides(const std::vector<uint64_t>& shape, const std::vector<uint64_t>& strides) {
   auto rm = RowMajorStrides(shape);
   for (size_t d = 0; d < shape.size(); ++d)
@@ -89,9 +105,13 @@ std::vector<uint64_t> NormalizeStrides(const std::vector<uint64_t>& shape, const
   return {};
 }
 
-std::vector<std::string> IndexedFiles(const Source& source, const DirListing& dir, const std::string& index_name,
+std::vector<std::string> IndexedFiles(FileTable& files, const DirListing& dir, const std::string& index_name,
                                       Checkpoint& out, std::map<std::string, std::string>* weight_map) {
-  auto text = source.ReadWhole(JoinRel(dir.rel, index_name));
+  auto text = files.source().ReadWhole(JoinRel(dir.rel, index_name));
+  if (!text.ok() && IsReadFailure(text.status())) {
+    files.NoteReadFailure(text.status());
+    return {};
+  }
   auto j = text.ok() ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
   if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
     AddProblem(out, JoinRel(dir.rel, index_name) + ": no weight_map object", true);
@@ -126,7 +146,9 @@ void AddSidecarFiles(const DirListing& dir, FileTable& files, Checkpoint& out) {
   if (dir.has_file("modules.json")) modules = ModuleFolders(files.source(), JoinRel(dir.rel, "modules.json"));
   for (const std::string& name : dir.files) {
     if (name[0] == '.' || IsWeightOrShardIndex(name) || out.sidecars.count(name)) continue;
-    if (auto id = files.Add(JoinRel(dir.rel, name)); id.ok()) out.sidecars[name] = *id;
+    auto id = files.Add(JoinRel(dir.rel, name));
+    if (id.ok()) out.sidecars[name] = *id;
+    else if (IsReadFailure(id.status())) files.NoteReadFailure(id.status());
   }
   for (const std::string& name : dir.dirs) {
     if (name[0] == '.') continue;

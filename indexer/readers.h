@@ -26,6 +26,18 @@ void AddSidecarFiles(const DirListing& dir, FileTable& files, Checkpoint& out);
 // untrustworthy (views fail) when nothing has yet.
 void AddProblem(Checkpoint& out, const std::string& message, bool incomplete);
 
+// Whether `st` says a source could not be read now (I/O, a server's
+// failure after its retries, a change while indexing, a refusal) rather
+// than something about the checkpoint's bytes: retried later, it may read.
+bool IsReadFailure(const Status& st);
+
+// A failed read of the checkpoint's sources, with `context`: a read
+// failure (IsReadFailure) goes to `files` (FileTable::NoteReadFailure) and
+// fails this indexing of the checkpoint, so that it is never stored as a
+// lasting problem; any other failure is a problem, as AddProblem records.
+void AddReadProblem(Checkpoint& out, FileTable& files, const std::string& context, const Status& st,
+                    bool incomplete);
+
 // Strides matching the row-major layout of `shape` (ignoring dims of length
 // 1, whose stride never matters) come back empty, so the planner can merge
 // rows into long runs; others are kept.
@@ -35,7 +47,7 @@ std::vector<uint64_t> NormalizeStrides(const std::vector<uint64_t>& shape, const
 // `pytorch_model.bin.index.json`) maps tensors to; fills *weight_map when
 // given. A missing or malformed weight_map is recorded on `out` as making the
 // checkpoint incomplete.
-std::vector<std::string> IndexedFiles(const Source& source, const DirListing& dir, const std::string& index_name,
+std::vector<std::string> IndexedFiles(FileTable& files, const DirListing& dir, const std::string& index_name,
                                       Checkpoint& out, std::map<std::string, std::string>* weight_map = nullptr);
 
 // Drops replicated chunks, runs the coverage check (recording each tensor's

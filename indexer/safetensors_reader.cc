@@ -137,7 +137,7 @@ std::vector<Pending> Register(const DirListing& dir, FileTable& files, const std
     }
     auto id = files.Add(rel);
     if (!id.ok()) {
-      AddProblem(out, id.status().message(), true);
+      AddReadProblem(out, files, "", id.status(), true);
       continue;
     }
     pending.push_back({name, *id, std::nullopt});
@@ -159,7 +159,7 @@ void ReadFile(const DirListing& dir, FileTable& files, const Pending& p,
   const std::string rel = JoinRel(dir.rel, p.name);
   const SourceFile& sf = files.at(p.id);
   const Result<SafetensorsHeader>& header = *p.header;
-  if (!header.ok()) return AddProblem(out, rel + ": " + header.status().message(), true);
+  if (!header.ok()) return AddReadProblem(out, files, rel, header.status(), true);
   Status size_ok = CheckSafetensorsFileSize(*header, sf.size);
   if (!size_ok.ok()) AddProblem(out, rel + ": " + size_ok.message(), false);
   auto info = ReadShardingInfo(*header);
@@ -212,7 +212,7 @@ void AddSidecars(const DirListing& dir, FileTable& files, Checkpoint& out) {
   if (!files.source().Identify(mapping).ok()) return;
   auto text = files.source().ReadWhole(mapping);
   Status st = text.ok() ? ParseFileIndexMapping(*text, mapping, out) : text.status();
-  if (!st.ok()) AddProblem(out, st.message(), false);
+  if (!st.ok()) AddReadProblem(out, files, "", st, false);
   // The mapping is the one record of which tensors were saved: a tensor it
   // names that no shard holds means a shard file is missing. A set, not a
   // search of the tensor list per name: NeMo maps every tensor.
@@ -240,7 +240,7 @@ class SafetensorsReader : public FormatReader {
     std::vector<std::string> names;
     std::map<std::string, std::string> weight_map;
     if (dir.has_file("model.safetensors.index.json")) {
-      names = IndexedFiles(files.source(), dir, "model.safetensors.index.json", out, &weight_map);
+      names = IndexedFiles(files, dir, "model.safetensors.index.json", out, &weight_map);
     } else {
       for (const auto& f : dir.files)
         if (f.ends_with(".safetensors")) names.push_back(f);

@@ -53,6 +53,12 @@ Result<std::optional<Checkpoint>> ReadCheckpoint(const Source& source, const Dir
     for (const auto& [name, f] : listing.known) listed.emplace(JoinRel(listing.rel, name), f);
     FileTable files(source, std::move(listed));
     RETURN_IF_ERROR(r->Read(listing, files, ckpt));
+    // A source that could not be read now says nothing about the
+    // checkpoint: stored as its problem, it would outlast the failure.
+    if (Status failed = files.read_failure(); !failed.ok())
+      return failed.WithContext((listing.rel.empty() ? "." : listing.rel) +
+                                ": not indexed (a source could not be read; nothing of it was stored, so the next "
+                                "index or mount tries again)");
     ckpt.files = files.Take();
     if (claimed) *claimed = r->ClaimedSubdirs(listing);
     if (!options.file_index_mapping.empty()) RETURN_IF_ERROR(LoadFileIndexMapping(options.file_index_mapping, ckpt));

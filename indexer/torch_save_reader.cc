@@ -41,7 +41,7 @@ class TorchSaveReader : public FormatReader {
     out.format = "torch-save";
     std::vector<std::string> names;
     if (dir.has_file("pytorch_model.bin.index.json")) {
-      names = IndexedFiles(files.source(), dir, "pytorch_model.bin.index.json", out);
+      names = IndexedFiles(files, dir, "pytorch_model.bin.index.json", out);
     } else {
       for (const auto& f : dir.files)
         if (IsHfShard(f) || IsGeneric(f)) names.push_back(f);
@@ -57,13 +57,13 @@ class TorchSaveReader : public FormatReader {
       }
       auto id = files.Add(rel);
       if (!id.ok()) {
-        problem(id.status().message(), true);
+        AddReadProblem(out, files, "", id.status(), true);
         continue;
       }
       auto in = files.Open(*id);
       auto archive = in.ok() ? ReadTorchArchive(**in, 0, files.at(*id).size, rel) : Result<TorchArchive>(in.status());
       if (!archive.ok()) {
-        problem(rel + ": " + archive.status().message(), true);
+        AddReadProblem(out, files, rel, archive.status(), true);
         continue;
       }
       if (archive->pickle->has_unknown_globals()) {

@@ -35,4 +35,14 @@ FileId FileTable::AddDerived(FileId base, uint64_t offset, uint64_t length, cons
   return id;
 }
 
+void FileTable::NoteReadFailure(const Status& st) {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  if (read_failure_.ok()) read_failure_ = st;
+}
+
+Status FileTable::read_failure() const {
+  std::lock_guard<std::mutex> lock(failure_mu_);
+  return read_failure_;
+}
+
 }  // namespace ckptfs

@@ -4,6 +4,7 @@
 
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -38,11 +39,20 @@ class FileTable {
   Result<std::string> ReadWhole(FileId id) const { return source_.ReadWholeIndexed(files_.at(id)); }
   std::vector<SourceFile> Take() { return std::move(files_); }
 
+  // A source of the checkpoint could not be read now (the indexer's
+  // IsReadFailure: I/O, a change while indexing, a refusal): the first such
+  // failure is kept, and the indexing of the checkpoint fails with it
+  // instead of storing it as a problem of the checkpoint's bytes.
+  void NoteReadFailure(const Status& st);
+  Status read_failure() const;
+
  private:
   const Source& source_;
   std::map<std::string, SourceFile> listed_;
   std::vector<SourceFile> files_;
   std::map<std::string, FileId> by_path_;
+  mutable std::mutex failure_mu_;  // readers read headers side by side
+  Status read_failure_;
 };
 
 }  // namespace ckptfs

@@ -251,6 +251,71 @@ def test_indexed_objects_are_read_by_their_etag_without_a_head_and_a_replacement
         proxy.close()
 
 
+def _consolidated_in_child(mount_dir: str, expected: dict, tmp_path: Path) -> None:
+    """consolidated/ of a mount read by safetensors in a child process (a
+    proxy of this process serves the mount: its threads need this
+    interpreter, which a page fault on the mapped file would hold), and
+    compared tensor by tensor with `expected`."""
+    out = tmp_path / "loaded.pt"
+    code = ("import sys, torch\n"
+            "from safetensors.torch import load_file\n"
+            "torch.save(load_file(sys.argv[1]), sys.argv[2])\n")
+    child = subprocess.run([sys.executable, "-c", code, os.path.join(mount_dir, "model.safetensors"), str(out)],
+                           capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    got = torch.load(out)
+    assert set(got) == set(expected), sorted(got)
+    for k, t in expected.items():
+        assert torch.equal(got[k], t), k
+
+
+def test_a_shard_the_server_fails_while_indexing_is_not_stored_as_a_problem_and_is_served_once_it_reads(
+        s3_server, s3_env, dcp_step, mount_factory, ckptfs, tmp_path):
+    """Every GET of one shard answered 503 SlowDown while `ckptfs index` runs:
+    the index fails, naming the step, the shard and the cause, and stores
+    nothing of the step (a transient failure is no property of the
+    checkpoint); once the server answers, a mount over that index serves the
+    step's exact tensors. Live: a step uploaded while its shard fails is not
+    served, and is served on a later rescan once the shard reads, though none
+    of its files changed."""
+    from s3_fault_proxy import FaultProxy
+
+    client = s3_server["client"]
+    keys = upload_tree(client, dcp_step["out_dir"], "flaky/step-1/")
+    shard = sorted(k for k in keys if k.endswith(".distcp"))[0]
+    url = f"s3://{BUCKET}/flaky"
+    proxy = FaultProxy(s3_server["port"], seed=5, p_slowdown=0, p_reset=0, p_truncate=0)
+    via = ("--endpoint-url", f"http://127.0.0.1:{proxy.port}")
+    try:
+        proxy.set_script({shard: ["slowdown"] * 1000})
+        r = ckptfs("index", *via, "--request-timeout-s", "5", url)
+        err = r.stderr.decode()
+        assert r.returncode == 3, err  # neither indexed nor indexed with problems (5)
+        assert "step-1: not indexed (a source could not be read" in err and shard in err and "HTTP 503" in err, err
+        proxy.set_script({})
+        with mount_factory(url, *via, "--rescan-ms", "300") as m:
+            _consolidated_in_child(m.p("step-1", "consolidated"), dcp_step["expected"], tmp_path)
+            second = shard.replace("step-1", "step-2")
+            proxy.set_script({second: ["slowdown"] * 1000})
+            local = Path(dcp_step["out_dir"])
+            files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != ".metadata")
+            for p in files + [local / ".metadata"]:  # the commit point last
+                client.upload_file(str(p), BUCKET, f"flaky/step-2/{p.relative_to(local)}")
+            deadline = time.monotonic() + 120
+            while "step-2/: not served yet (looked at again on each rescan)" not in m.log():
+                assert time.monotonic() < deadline, m.log()[-2000:]
+                time.sleep(0.2)
+            assert second in m.log() and not os.path.exists(m.p("step-2", "consolidated")), m.log()[-2000:]
+            proxy.set_script({})
+            deadline = time.monotonic() + 120
+            while not os.path.exists(m.p("step-2", "consolidated")):
+                assert time.monotonic() < deadline, m.log()[-2000:]
+                time.sleep(0.2)
+            _consolidated_in_child(m.p("step-2", "consolidated"), dcp_step["expected"], tmp_path)
+    finally:
+        proxy.close()
+
+
 def test_a_step_uploaded_to_a_mounted_prefix_appears_and_a_deleted_one_vanishes(
         s3_server, s3_env, dcp_step, mount_factory):
     client = s3_server["client"]
