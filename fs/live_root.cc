@@ -26,10 +26,13 @@ std::string Signature(const SourceTree& tree, const std::string& rel) {
   return sig;
 }
 
-// Not a directory any more (deleted, or replaced by a file or a link).
-bool IsDir(const SourceTree& tree, const std::string& dir) {
+// Whether `dir` is a directory now: kNo once deleted (or replaced by a
+// file or a link), kUnknown while it cannot be looked at (an outage).
+enum class DirNow { kYes, kNo, kUnknown };
+DirNow IsDir(const SourceTree& tree, const std::string& dir) {
   auto st = tree.Lstat(dir);
-  return st.ok() && S_ISDIR(st->st_mode);
+  if (!st.ok()) return st.status().err() == ENOENT || st.status().err() == ENOTDIR ? DirNow::kNo : DirNow::kUnknown;
+  return S_ISDIR(st->st_mode) ? DirNow::kYes : DirNow::kNo;
 }
 
 }  // namespace
@@ -98,7 +101,11 @@ void LiveRoot::Offer(const std::string& rel, bool replacing) {
 }
 
 std::string LiveRoot::Gone(const std::string& dir) {
-  if (!IsDir(fs_->tree(), dir)) return "its directory is gone";
+  switch (IsDir(fs_->tree(), dir)) {
+    case DirNow::kNo: return "its directory is gone";
+    case DirNow::kUnknown: return "";  // kept until it can be looked at
+    case DirNow::kYes: break;
+  }
   // An emptied directory, or one whose .metadata or shards were deleted
   // while subdirectories stayed (a cleanup that deletes files; an object
   // store that keeps listing emptied prefixes), has no commit point left.

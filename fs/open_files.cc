@@ -217,8 +217,11 @@ size_t OpenFiles::RecheckSources() {
       for (const auto& ms : s->merged)
         if (Status st = ms->stale ? Status::OK() : ms->reader->Recheck(); !st.ok()) merged_changed.push_back({ms, st});
     }
-    for (const auto& [ms, st] : merged_changed) MarkMergedStale(ms, i, st.message());
-    if (!changed_now.ok()) {
+    // Only a change counts: a source that cannot be looked at now (an
+    // outage) is looked at again on the next pass.
+    for (const auto& [ms, st] : merged_changed)
+      if (st.code() == Status::Code::kStale) MarkMergedStale(ms, i, st.message());
+    if (changed_now.code() == Status::Code::kStale) {
       InvalidateCheckpoint(i, changed_now.message());
       ++changed;
     }

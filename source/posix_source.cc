@@ -363,7 +363,9 @@ SourceFile IdentityOf(const struct stat& st, bool inode_stable) {
 
 Result<SourceFile> StatSource(const std::string& abs) {
   struct stat st;
-  if (::stat(abs.c_str(), &st) != 0) return Status::IOError(abs + ": " + std::strerror(errno));
+  if (::stat(abs.c_str(), &st) != 0)
+    return errno == ENOENT || errno == ENOTDIR ? Status::NotFound(abs + ": " + std::strerror(errno))
+                                               : Status::IOError(abs + ": " + std::strerror(errno));
   if (!S_ISREG(st.st_mode)) return Status::InvalidArgument(abs + ": not a regular file");
   return IdentityOf(st, InodeStable(st.st_dev, [&](struct statfs* fs) { return ::statfs(abs.c_str(), fs); }));
 }
@@ -433,7 +435,9 @@ Result<SourceFile> PosixSource::Identify(const std::string& rel) const { return 
 Result<std::unique_ptr<SourceObject>> PosixSource::Open(const std::string& rel) const {
   const std::string abs = Abs(rel);
   int fd = ::open(abs.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::IOError(abs + ": " + std::strerror(errno));
+  if (fd < 0)
+    return errno == ENOENT || errno == ENOTDIR ? Status::NotFound(abs + ": " + std::strerror(errno))
+                                               : Status::IOError(abs + ": " + std::strerror(errno));
   return std::unique_ptr<SourceObject>(std::make_unique<PosixObject>(fd, abs));
 }
 

@@ -669,6 +669,11 @@ Status S3Client::Get(const std::string& key, const std::string& etag, uint64_t o
   }
   if (resp.curl == CURLE_OK && resp.http == 416)
     return Status::Corruption(r.What() + ": unexpected end of object (HTTP 416)");
+  // Reads are of objects listed or indexed at `etag`: one the server no
+  // longer has was deleted since, as a local file would be.
+  if (resp.curl == CURLE_OK && resp.http == 404 && XmlFirst(resp.body, "Code") != "NoSuchBucket")
+    return Status::Stale(r.What() + " (s3://" + config_.location.bucket + "): gone since indexing (HTTP 404 " +
+                         XmlFirst(resp.body, "Code") + "); run `ckptfs index` again");
   return Explain(r, resp);
 }
 

@@ -60,7 +60,8 @@ class S3Client {
   Result<S3ObjectInfo> Head(const std::string& key) const;
 
   // Bytes [offset, offset + len) of `key` into dst, with If-Match: `etag`
-  // (none when empty).
+  // (none when empty). An object the server no longer has is Stale: it was
+  // listed, so it was deleted since.
   Status Get(const std::string& key, const std::string& etag, uint64_t offset, uint64_t len, char* dst) const;
 
   // --- Uploads (the writer's side). Each is retried as a GET is (below);

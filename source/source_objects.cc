@@ -3,6 +3,19 @@
 #include "source/identities_now.h"
 
 namespace ckptfs {
+namespace {
+
+// A file whose identity cannot be told now: gone when the source says it
+// is not there ("" then, with *gone set); any other failure (an outage, a
+// server's error) is no change and is returned as it is, so that the file
+// is looked at again next time rather than marked changed for good.
+Status Unidentified(const Status& st, std::string* gone) {
+  if (st.code() != Status::Code::kNotFound) return st;
+  *gone = "gone (" + st.message() + ")";
+  return Status::OK();
+}
+
+}  // namespace
 
 SourceObjects::SourceObjects(std::shared_ptr<const Source> source, const std::vector<SourceFile>* files)
     : source_(std::move(source)), files_(files), objects_(files->size()), stale_(files->size()) {}
@@ -15,7 +28,11 @@ Result<const SourceObject*> SourceObjects::Get(FileId id) {
     if (objects_[id]) return objects_[id].get();
   }
   auto opened = source_->OpenIndexed((*files_)[id]);
-  if (!opened.ok()) return opened.status();
+  if (!opened.ok()) {
+    std::string gone;
+    RETURN_IF_ERROR(Unidentified(opened.status(), &gone));
+    return MarkStale(id, gone);
+  }
   std::unique_ptr<SourceObject> obj = std::move(opened).value();
   RETURN_IF_ERROR(CheckUnchanged(id, *obj));
   std::lock_guard<std::mutex> lock(mu_);
@@ -40,7 +57,8 @@ Status SourceObjects::CheckUnchanged(FileId id, const SourceObject& obj) {
   // source's.
   if (what.empty() && !source_->ReadsArePinned()) {
     auto by_path = source_->Identify(f.path);
-    what = by_path.ok() ? source_->DescribeChange(f, *by_path) : "gone (" + by_path.status().message() + ")";
+    if (by_path.ok()) what = source_->DescribeChange(f, *by_path);
+    else RETURN_IF_ERROR(Unidentified(by_path.status(), &what));
   }
   return what.empty() ? Status::OK() : MarkStale(id, what);
 }
@@ -55,7 +73,9 @@ Status SourceObjects::Recheck() {
       if (!stale_[id].empty()) return Status::Stale(stale_[id]);
     }
     auto now = identities.Of(f.path);
-    std::string what = now.ok() ? source_->DescribeChange(f, *now) : "gone (" + now.status().message() + ")";
+    std::string what;
+    if (now.ok()) what = source_->DescribeChange(f, *now);
+    else RETURN_IF_ERROR(Unidentified(now.status(), &what));
     if (!what.empty()) return MarkStale(id, what);
   }
   return Status::OK();

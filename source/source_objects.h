@@ -27,13 +27,15 @@ class SourceObjects {
   // kept; Stale once the file was seen changed.
   Result<const SourceObject*> Get(FileId id);
   // Compares the file's identity now (open object and path) with the
-  // indexed one; a change is recorded and returned as Stale.
+  // indexed one; a change (a deletion included) is recorded and returned
+  // as Stale; a failure to look (an outage) is returned, not recorded.
   Status CheckUnchanged(FileId id, const SourceObject& obj);
   // Get, then CheckUnchanged: after a read of `id`.
   Status Check(FileId id);
   // Identifies every (non-derived) source by path now (IdentitiesNow: a
   // listing per directory where listings tell); Stale naming the first one
-  // that changed since indexing, else OK.
+  // that changed since indexing, else OK; a failure to look is returned as
+  // it is, not recorded (the caller looks again later).
   Status Recheck();
   // True once any source was seen changed.
   bool any_stale() const { return any_stale_.load(); }

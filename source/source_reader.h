@@ -148,7 +148,8 @@ class SourceReader {
   Status CheckSources(const std::vector<FileId>& ids);
 
   // Identifies every (non-derived) source by path now; Stale naming the first
-  // one that changed since indexing (it then fails every read), else OK.
+  // one that changed since indexing (it then fails every read), else OK;
+  // any other error: the sources could not be looked at now.
   Status Recheck();
 
  private:

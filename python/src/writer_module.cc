@@ -27,6 +27,9 @@ namespace {
     case Status::Code::kIOError:
       PyErr_SetString(PyExc_OSError, s.ToString().c_str());
       throw py::error_already_set();
+    case Status::Code::kNotFound:  // a file the save wrote is not there
+      PyErr_SetString(PyExc_FileNotFoundError, s.ToString().c_str());
+      throw py::error_already_set();
     case Status::Code::kInvalidArgument: throw py::value_error(s.ToString());
     case Status::Code::kNotSupported: throw py::type_error(s.ToString());
     default: throw std::runtime_error(s.ToString());

@@ -316,6 +316,48 @@ def test_a_shard_the_server_fails_while_indexing_is_not_stored_as_a_problem_and_
         proxy.close()
 
 
+def test_an_object_deleted_while_mounted_reads_eio_and_an_outage_changes_nothing(
+        s3_server, s3_env, dcp_step, mount_factory, tmp_path):
+    """While mounted: the server failing every request (503) for a few
+    rescans is no change of the sources: nothing is marked changed, and
+    once it answers, the step reads exact again. A shard deleted is one:
+    the next read of it fails with EIO (not ENOENT: the file is there, its
+    source is gone) and the log says the object is gone since indexing."""
+    from s3_fault_proxy import FaultProxy
+
+    client = s3_server["client"]
+    keys = upload_tree(client, dcp_step["out_dir"], "outage/step-1/")
+    shard = sorted(k for k in keys if k.endswith(".distcp"))[0]
+    proxy = FaultProxy(s3_server["port"], seed=6, p_slowdown=0, p_reset=0, p_truncate=0)
+    try:
+        with mount_factory(f"s3://{BUCKET}/outage", "--endpoint-url", f"http://127.0.0.1:{proxy.port}",
+                           "--rescan-ms", "200", "--request-timeout-s", "2") as m:
+            cons = m.p("step-1", "consolidated")
+            _consolidated_in_child(cons, dcp_step["expected"], tmp_path)
+            proxy.set_faults(p_slowdown=1.0)
+            seen = len(proxy.requests)
+            deadline = time.monotonic() + 60
+            while len(proxy.requests) < seen + 20:  # several rescans' listings and HEADs, all refused
+                assert time.monotonic() < deadline, proxy.counts
+                time.sleep(0.2)
+            proxy.set_faults()
+            time.sleep(1)
+            _consolidated_in_child(cons, dcp_step["expected"], tmp_path)
+            log = m.log()
+            assert proxy.counts["slowdown"] >= 20, proxy.counts
+            assert "changed since indexing" not in log and "gone" not in log, log[-2000:]
+    finally:
+        proxy.close()
+    # No rescan: the read itself meets the deletion.
+    with mount_factory(f"s3://{BUCKET}/outage", "--rescan-ms", "0") as m:
+        client.delete_object(Bucket=BUCKET, Key=shard)
+        with pytest.raises(OSError) as e:
+            with open(m.p("step-1", "consolidated", "model.safetensors"), "rb") as f:
+                f.read()
+        assert e.value.errno == errno.EIO, e.value
+        assert f"GET {shard}" in m.log() and "gone since indexing (HTTP 404" in m.log(), m.log()[-2000:]
+
+
 def test_a_step_uploaded_to_a_mounted_prefix_appears_and_a_deleted_one_vanishes(
         s3_server, s3_env, dcp_step, mount_factory):
     client = s3_server["client"]

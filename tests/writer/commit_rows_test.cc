@@ -72,10 +72,10 @@ TEST(CommitRows, AHoleRefusesTheCommit) {
   EXPECT_NE(rows.status().message().find("model.w"), std::string::npos) << rows.status().message();
 }
 
-TEST(CommitRows, AMissingFileIsAnIOError) {
+TEST(CommitRows, AMissingFileIsNotFound) {
   WrittenCheckpoint w = TwoRankSave();
   w.chunks[0].file = "__7_0.distcp";
-  EXPECT_EQ(BuildCommitRows(MakeRoot(), w).status().code(), Status::Code::kIOError);
+  EXPECT_EQ(BuildCommitRows(MakeRoot(), w).status().code(), Status::Code::kNotFound);
 }
 
 TEST(CommitRows, UnindexableDTypesAreProblemsNotRows) {
