@@ -128,6 +128,15 @@ std::vector<std::string> IndexedFiles(FileTable& files, const DirListing& dir, c
 
 void FinishTensors(std::map<std::string, TensorMeta>& tensors, Checkpoint& out) {
   for (auto& [fqn, t] : tensors) {
+    // No view can hold a tensor of more than 2^64 bytes (a .npy header or a
+    // safetensors entry would promise bytes that are not there): left out,
+    // and the checkpoint is incomplete without it.
+    const std::optional<uint64_t> numel = CheckedNumel(t.shape);
+    if (!numel || !ByteSize(t.dtype, *numel)) {
+      AddProblem(out, "tensor '" + fqn + "' " + ShapeToString(t.shape) + " " + std::string(DTypeName(t.dtype)) +
+                          ": its size overflows 64 bits; left out of every view", true);
+      continue;
+    }
     DropReplicas(t);
     for (const std::string& p : CheckCoverage(t)) t.problem += (t.problem.empty() ? "" : "; ") + p;
     if (!t.problem.empty()) out.problems.push_back(t.problem);

@@ -51,7 +51,9 @@ std::vector<std::string> IndexedFiles(FileTable& files, const DirListing& dir, c
                                       Checkpoint& out, std::map<std::string, std::string>* weight_map = nullptr);
 
 // Drops replicated chunks, runs the coverage check (recording each tensor's
-// problem on it and on `out`), and moves the tensors into out.tensors.
+// problem on it and on `out`), and moves the tensors into out.tensors; a
+// tensor whose byte size overflows 64 bits is left out instead, and `out`
+// is incomplete.
 void FinishTensors(std::map<std::string, TensorMeta>& tensors, Checkpoint& out);
 
 // Reads {fqn: 1-based file index} (NeMo's fqn_to_file_index_mapping.json, or

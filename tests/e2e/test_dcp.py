@@ -598,6 +598,47 @@ def test_hostile_pickle_never_runs(suite, variant):
     assert not problems, "\n".join(problems)
 
 
+def test_a_tensor_whose_size_overflows_64_bits_is_left_out_and_the_rest_exact(suite):
+    """A .metadata declaring one tensor of 2**62 x 4 elements (more than
+    2**64 bytes): `index` exits 5 naming it; the mount shows no .npy of it
+    (a header would promise bytes that are not there), refuses
+    consolidated/ with EIO (a model without that tensor is incomplete), and
+    serves every other tensor exactly as torch reads it."""
+    import pickle
+    import shutil
+
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+
+    name = "w_sfpr1_t1"
+    info, oracle, ck = suite["infos"][name], suite["oracle"](name), suite["ck"]
+    root = os.path.join(suite["base"], "overflow", name)
+    shutil.copytree(info["out_dir"], root)
+    meta_path = os.path.join(root, ".metadata")
+    with open(meta_path, "rb") as f:
+        meta = pickle.load(f)
+    victim = sorted(k for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata))[0]
+    t = meta.state_dict_metadata[victim]
+    t.size = torch.Size([2**62, 4])
+    t.chunks = [ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([2**62, 4]))]
+    with open(meta_path, "wb") as f:
+        pickle.dump(meta, f)
+
+    p = ck("index", root)
+    assert p.returncode == EXIT_PROBLEMS, describe(p)
+    assert f"tensor '{victim}'" in p.stderr and "overflows 64 bits" in p.stderr, describe(p)
+    mnt = suite["mounts"].get(root)
+    files = set(listdir_or_fail(os.path.join(mnt, "tensors"), name, mnt))
+    want = {dcp_gen.escape_name(k) + ".npy": k for k in info["tensors"] if k != victim}
+    assert files == set(want), (sorted(set(want) - files)[:5], sorted(files - set(want))[:5])
+    for fn, k in sorted(want.items()):
+        with open(os.path.join(mnt, "tensors", fn), "rb") as f:
+            assert_npy_equal(load_npy(f.read(), fn, mmap=False), oracle[k], f"overflow copy: tensors/{fn}")
+    with pytest.raises(OSError) as e:
+        with open(os.path.join(mnt, "consolidated", "model.safetensors"), "rb") as f:
+            f.read(8)
+    assert e.value.errno == errno.EIO, e.value
+
+
 # ---------------------------------------------------------------------------
 # mesh/ views work on every input format (issue: "Works on every input format
 # the index supports")
