@@ -183,10 +183,18 @@ std::shared_ptr<const Source> RootSource(const Common& c, int* exit_code) {
   return source;
 }
 
+// The first problems of each checkpoint (a corrupt save can have one per
+// chunk, thousands): `check` lists them all.
 static void PrintProblems(const Catalog& catalog) {
-  for (const Checkpoint& ck : catalog.checkpoints)
-    for (const std::string& p : ck.problems)
-      std::fprintf(stderr, "ckptfs: problem in %s: %s\n", ck.dir.empty() ? "." : ck.dir.c_str(), p.c_str());
+  constexpr size_t kShown = 20;
+  for (const Checkpoint& ck : catalog.checkpoints) {
+    const char* dir = ck.dir.empty() ? "." : ck.dir.c_str();
+    for (size_t i = 0; i < ck.problems.size() && i < kShown; ++i)
+      std::fprintf(stderr, "ckptfs: problem in %s: %s\n", dir, ck.problems[i].c_str());
+    if (ck.problems.size() > kShown)
+      std::fprintf(stderr, "ckptfs: ... and %zu more problem(s) in %s; `ckptfs check %s` lists them all\n",
+                   ck.problems.size() - kShown, dir, catalog.root.c_str());
+  }
 }
 
 size_t CountProblems(const Catalog& catalog) {

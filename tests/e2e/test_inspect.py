@@ -531,6 +531,31 @@ def test_check_overlap(ck, sharded, work):
     assert "overlap" in p.stdout, describe(p)
 
 
+def test_index_shows_the_first_problems_of_a_checkpoint_and_check_lists_them_all(ck, work):
+    """A checkpoint with dozens of problems (an HF index naming 27 missing
+    shards): `index` prints the first 20 and says how many more and which
+    command lists them; `check` prints them all."""
+    root = work / "many-problems"
+    root.mkdir()
+    safetensors.numpy.save_file({"present": np.arange(4, dtype=np.float32)}, str(root / "model-present.safetensors"))
+    weight_map = {"present": "model-present.safetensors"}
+    weight_map.update({f"w{i:02d}": f"model-missing-{i:02d}.safetensors" for i in range(27)})
+    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    p = ck("index", root)
+    assert p.returncode == EXIT_PROBLEMS, describe(p)
+    shown = [line for line in p.stderr.splitlines() if line.startswith("ckptfs: problem in ")]
+    assert len(shown) == 20 and all("missing" in line for line in shown), describe(p)
+    total = int(re.search(r"ckptfs: (\d+) problem\(s\)", p.stderr).group(1))
+    assert total >= 27, describe(p)
+    assert f"ckptfs: ... and {total - 20} more problem(s) in .; `ckptfs check {root}` lists them all" in p.stderr, \
+        describe(p)
+    p = ck("check", root)
+    assert p.returncode == EXIT_PROBLEMS, describe(p)
+    assert len(check_lines(p)) == total, describe(p)
+    listed = [line for line in check_lines(p) if "listed in model.safetensors.index.json but missing" in line]
+    assert len(listed) == 27, describe(p)
+
+
 def test_check_changed_after_indexing(ck, sharded, work):
     root = copy_ckpt(sharded, work / "check-stale")
     p = ck("index", root)
