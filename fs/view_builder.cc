@@ -1,5 +1,6 @@
 #include "fs/view_builder.h"
 
+#include <climits>
 #include <cstdio>
 #include <mutex>
 #include <optional>
@@ -15,6 +16,8 @@
 
 namespace ckptfs {
 namespace {
+
+constexpr uint64_t kNoFile = UINT64_MAX;  // the size of a tensor left out of tensors/
 
 // A view directory's files, built outside the node table's lock.
 struct PendingDir {
@@ -276,12 +279,20 @@ FsError ViewBuilder::FillNpy(FsNode* npy_dir) {
   // Sizes first, nodes after: layouts made and freed between the nodes would
   // leave the heap fragmented (pages that neither hold much nor go back).
   const auto& tensors = served->ckpt.tensors;
-  std::vector<uint64_t> sizes;
+  const std::string where = JoinRel(served->ckpt.dir, ViewDirName(ViewKind::kTensors));
+  std::vector<uint64_t> sizes;  // kNoFile: a tensor with no file here
   sizes.reserve(tensors.size());
   for (const auto& t : tensors) {
+    if (const size_t n = EscapeFileName(t->fqn).size() + 4; n > NAME_MAX) {
+      options_.Log(where + ": no file for tensor '" + t->fqn.substr(0, 64) + "...': its file name would be " +
+                   std::to_string(n) + " bytes, over the " + std::to_string(NAME_MAX) +
+                   " a name may have (consolidated/ serves it)");
+      sizes.push_back(kNoFile);
+      continue;
+    }
     auto f = NpyFile(t);
     if (!f.ok()) {
-      options_.Log(JoinRel(served->ckpt.dir, ViewDirName(ViewKind::kTensors)) + ": no files: " + f.status().message());
+      options_.Log(where + ": no files: " + f.status().message());
       sizes.clear();
       break;
     }
@@ -290,6 +301,7 @@ FsError ViewBuilder::FillNpy(FsNode* npy_dir) {
   std::unique_lock lock(nodes_.mu());
   npy_dir->is_npy = false;
   for (size_t i = 0; i < sizes.size(); ++i) {
+    if (sizes[i] == kNoFile) continue;
     FsNode* n = nodes_.AddVirtual(npy_dir, EscapeFileName(tensors[i]->fqn) + ".npy", /*is_dir=*/false, npy_dir->ckpt);
     n->size = sizes[i];
     n->npy = int(i);

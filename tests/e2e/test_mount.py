@@ -772,3 +772,31 @@ def test_source_changed_while_mounted_is_eio(copy_ckpt, main_ckpt, mount_factory
         finally:
             os.close(fd)
         assert "consolidated/model.safetensors" in m.log()
+
+
+def test_a_tensor_name_too_long_for_a_file_name_is_left_out_of_tensors_and_served_by_consolidated(
+        mount_factory, tmp_path):
+    """A tensor whose name makes a file name of more than 255 bytes (the
+    most a name may have): tensors/ lists every other tensor (not EIO for the
+    whole directory) and the log says which tensor has no file and why;
+    consolidated/ serves both tensors exactly."""
+    import numpy as np
+    from safetensors.numpy import load, save_file
+
+    long_name = "model." + "very_long_module_name." * 14 + "weight"
+    assert len(long_name) + len(".npy") > 255
+    want = {long_name: np.arange(6, dtype=np.float32).reshape(2, 3), "short.weight": np.ones(4, dtype=np.float32)}
+    root = tmp_path / "longname"
+    root.mkdir()
+    save_file(want, str(root / "model.safetensors"))
+    with mount_factory(str(root)) as m:
+        assert os.listdir(m.p("tensors")) == ["short.weight.npy"]
+        np.testing.assert_array_equal(np.load(m.p("tensors", "short.weight.npy")), want["short.weight"])
+        with open(m.p("consolidated", "model.safetensors"), "rb") as f:
+            got = load(f.read())
+        assert set(got) == set(want)
+        for k, v in want.items():
+            np.testing.assert_array_equal(got[k], v)
+        log = m.log()
+    assert f"tensors: no file for tensor '{long_name[:64]}...': its file name would be {len(long_name) + 4} bytes" \
+        in log, log[-2000:]
