@@ -5,10 +5,10 @@
 namespace ckptfs {
 namespace {
 
-// A file whose identity cannot be told now: gone when the source says it
-// is not there ("" then, with *gone set); any other failure (an outage, a
-// server's error) is no change and is returned as it is, so that the file
-// is looked at again next time rather than marked changed for good.
+// A file whose identity cannot be told now. When the source says it is not
+// there, it is gone: OK, with *gone saying so. Any other failure (an
+// outage, a server's error) is no change and is returned as it is, so that
+// the file is looked at again next time rather than marked changed for good.
 Status Unidentified(const Status& st, std::string* gone) {
   if (st.code() != Status::Code::kNotFound) return st;
   *gone = "gone (" + st.message() + ")";
