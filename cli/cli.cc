@@ -223,7 +223,7 @@ static std::unique_ptr<Store> OpenStore(const Common& c, Store::Access access, i
 
 static bool CheckRootIsDir(const Common& c, int* exit_code) { return RootSource(c, exit_code) != nullptr; }
 
-int BuildIndex(const Common& c, bool quiet) {
+int BuildIndex(const Common& c, bool quiet, size_t* unread) {
   auto t0 = std::chrono::steady_clock::now();
   int rc = kExitOk;
   // The store before the scan: a busy or refused index fails at once, not
@@ -270,6 +270,13 @@ int BuildIndex(const Common& c, bool quiet) {
                  "mount shows checkpoints saved later as they commit)\n",
                  catalog->root.c_str(), DescribeRecognised().c_str());
   PrintProblems(*catalog);
+  for (const std::string& u : catalog->unread) std::fprintf(stderr, "ckptfs: warning: %s\n", u.c_str());
+  if (unread) *unread = catalog->unread.size();
+  if (!catalog->unread.empty()) {
+    std::fprintf(stderr, "ckptfs: %zu checkpoint(s) not indexed: their files could not be read now; run again once "
+                 "they can\n", catalog->unread.size());
+    return kExitNoSource;
+  }
   if (size_t n = CountProblems(*catalog)) {
     std::fprintf(stderr, "ckptfs: %zu problem(s); the affected tensors read as EIO. Fix the source and re-run `ckptfs index`.\n", n);
     return kExitProblems;
@@ -300,8 +307,12 @@ static std::unique_ptr<Store> OpenOrBuild(const Common& c, int* exit_code) {
   options.reindex = c.reindex;
   options.note = Notice;
   options.build = [&] {
-    build_rc = BuildIndex(c, /*quiet=*/true);
-    if (build_rc == kExitOk || build_rc == kExitProblems) return Status::OK();
+    size_t unread = 0;
+    build_rc = BuildIndex(c, /*quiet=*/true, &unread);
+    // Built without the checkpoints that could not be read (said above): a
+    // live mount serves them once they read, a later command indexes them.
+    if (build_rc == kExitOk || build_rc == kExitProblems || (build_rc == kExitNoSource && unread))
+      return Status::OK();
     build_failed = build_rc == kExitIndexBusy ? Status::Busy("the index is being written by another process")
                                               : Status::IOError("the index could not be built");
     return build_failed;

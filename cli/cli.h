@@ -76,8 +76,10 @@ std::string IndexPath(const Common& c);
 size_t CountProblems(const Catalog& catalog);
 
 // Scans the source and commits each checkpoint found into the index (and
-// removes those no longer found). Returns an exit code.
-int BuildIndex(const Common& c, bool quiet);
+// removes those no longer found). Returns an exit code: kExitNoSource when
+// some checkpoint could not be read now (the others are committed; their
+// count goes to *unread when given).
+int BuildIndex(const Common& c, bool quiet, size_t* unread = nullptr);
 
 // Prints every row of the index as one JSON object per line, values decoded
 // (`ckptfs index --dump`). Returns an exit code.

@@ -188,6 +188,10 @@ std::vector<ByteMeta> BytesOutsideChunks(const Checkpoint& ckpt, FileId file, ui
 struct Catalog {
   std::string root;                  // absolute path of the source root
   std::vector<Checkpoint> checkpoints;
+  // Checkpoints left out because their files could not be read now (an
+  // outage, a server failing past its retries), each saying which and why:
+  // not stored, so the next scan reads them again.
+  std::vector<std::string> unread;
   int64_t indexed_at_ns = 0;
 };
 

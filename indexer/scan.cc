@@ -41,10 +41,13 @@ Result<DirListing> ListDir(const Source& source, const std::string& rel) {
 }
 
 // Offers `listing` to the readers; the first that recognises it reads the
-// checkpoint. nullopt when none does.
+// checkpoint. nullopt when none does, or (with `unread`) when its files
+// could not be read now: *unread then says why; without `unread` that is
+// the error.
 Result<std::optional<Checkpoint>> ReadCheckpoint(const Source& source, const DirListing& listing,
                                                  const std::vector<std::unique_ptr<FormatReader>>& readers,
-                                                 const ScanOptions& options, std::vector<std::string>* claimed) {
+                                                 const ScanOptions& options, std::vector<std::string>* claimed,
+                                                 std::string* unread = nullptr) {
   for (const auto& r : readers) {
     if (!r->Recognise(listing)) continue;
     Checkpoint ckpt;
@@ -53,14 +56,18 @@ Result<std::optional<Checkpoint>> ReadCheckpoint(const Source& source, const Dir
     for (const auto& [name, f] : listing.known) listed.emplace(JoinRel(listing.rel, name), f);
     FileTable files(source, std::move(listed));
     RETURN_IF_ERROR(r->Read(listing, files, ckpt));
+    if (claimed) *claimed = r->ClaimedSubdirs(listing);
     // A source that could not be read now says nothing about the
     // checkpoint: stored as its problem, it would outlast the failure.
-    if (Status failed = files.read_failure(); !failed.ok())
-      return failed.WithContext((listing.rel.empty() ? "." : listing.rel) +
-                                ": not indexed (a source could not be read; nothing of it was stored, so the next "
-                                "index or mount tries again)");
+    if (Status failed = files.read_failure(); !failed.ok()) {
+      failed = failed.WithContext((listing.rel.empty() ? "." : listing.rel) +
+                                  ": not indexed (a source could not be read; nothing of it was stored, so the next "
+                                  "index or mount tries again)");
+      if (!unread) return failed;
+      *unread = failed.message();
+      return std::optional<Checkpoint>();
+    }
     ckpt.files = files.Take();
-    if (claimed) *claimed = r->ClaimedSubdirs(listing);
     if (!options.file_index_mapping.empty()) RETURN_IF_ERROR(LoadFileIndexMapping(options.file_index_mapping, ckpt));
     // Looked for only where the listing shows its directory (a link to
     // one included, which UseCommitRecord refuses, saying why).
@@ -256,8 +263,11 @@ Result<Catalog> ScanSource(const Source& source, const ScanOptions& options) {
   size_t done = 0;
   RETURN_IF_ERROR(WalkDirs(source, [&](const DirListing& listing) -> Result<std::vector<std::string>> {
     std::vector<std::string> claimed;
-    ASSIGN_OR_RETURN(std::optional<Checkpoint> ckpt, ReadCheckpoint(source, listing, readers, options, &claimed));
+    std::string unread;
+    ASSIGN_OR_RETURN(std::optional<Checkpoint> ckpt,
+                     ReadCheckpoint(source, listing, readers, options, &claimed, &unread));
     if (ckpt) catalog.checkpoints.push_back(std::move(*ckpt));
+    if (!unread.empty()) catalog.unread.push_back(std::move(unread));
     ++done;
     if (options.progress) options.progress(done, catalog.checkpoints.size());
     return claimed;

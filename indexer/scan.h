@@ -24,7 +24,9 @@ struct ScanOptions {
 };
 
 // Fails only when the root cannot be read at all; problems inside
-// checkpoints are recorded on them. Catalog::root is source.root().
+// checkpoints are recorded on them, and checkpoints whose files could not be
+// read now are left out, named in Catalog::unread. Catalog::root is
+// source.root().
 Result<Catalog> ScanSource(const Source& source, const ScanOptions& options = {});
 // The same for the local directory `root` (resolved first).
 Result<Catalog> ScanSource(const std::string& root, const ScanOptions& options = {});
@@ -80,7 +82,8 @@ bool CommitPointIsNewest(const Source& source, const std::string& rel);
 std::optional<std::string> CheckpointMark(const Source& source, const std::string& rel);
 
 // Reads directory `rel` of the source alone, as the scan would: a
-// checkpoint, or nullopt when no reader recognises it.
+// checkpoint, or nullopt when no reader recognises it; an error when its
+// files could not be read now.
 Result<std::optional<Checkpoint>> ScanCheckpointDir(const Source& source, const std::string& rel,
                                                     const ScanOptions& options = {});
 

@@ -272,12 +272,12 @@ def _consolidated_in_child(mount_dir: str, expected: dict, tmp_path: Path) -> No
 def test_a_shard_the_server_fails_while_indexing_is_not_stored_as_a_problem_and_is_served_once_it_reads(
         s3_server, s3_env, dcp_step, mount_factory, ckptfs, tmp_path):
     """Every GET of one shard answered 503 SlowDown while `ckptfs index` runs:
-    the index fails, naming the step, the shard and the cause, and stores
+    the index exits 3, naming the step, the shard and the cause, and stores
     nothing of the step (a transient failure is no property of the
-    checkpoint); once the server answers, a mount over that index serves the
-    step's exact tensors. Live: a step uploaded while its shard fails is not
-    served, and is served on a later rescan once the shard reads, though none
-    of its files changed."""
+    checkpoint). A mount started while the shard still fails comes up
+    without the step, and serves its exact tensors on a later rescan once
+    the shard reads, though none of its files changed; so does a step
+    uploaded while its shard fails."""
     from s3_fault_proxy import FaultProxy
 
     client = s3_server["client"]
@@ -292,8 +292,13 @@ def test_a_shard_the_server_fails_while_indexing_is_not_stored_as_a_problem_and_
         err = r.stderr.decode()
         assert r.returncode == 3, err  # neither indexed nor indexed with problems (5)
         assert "step-1: not indexed (a source could not be read" in err and shard in err and "HTTP 503" in err, err
-        proxy.set_script({})
-        with mount_factory(url, *via, "--rescan-ms", "300") as m:
+        with mount_factory(url, *via, "--request-timeout-s", "5", "--rescan-ms", "300") as m:
+            assert not os.path.exists(m.p("step-1", "consolidated")), m.log()[-2000:]
+            proxy.set_script({})
+            deadline = time.monotonic() + 120
+            while not os.path.exists(m.p("step-1", "consolidated")):
+                assert time.monotonic() < deadline, m.log()[-2000:]
+                time.sleep(0.2)
             _consolidated_in_child(m.p("step-1", "consolidated"), dcp_step["expected"], tmp_path)
             second = shard.replace("step-1", "step-2")
             proxy.set_script({second: ["slowdown"] * 1000})
