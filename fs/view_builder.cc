@@ -19,6 +19,15 @@ namespace {
 
 constexpr uint64_t kNoFile = UINT64_MAX;  // the size of a tensor left out of tensors/
 
+// Why an item (a tensor, a non-tensor item) named `item` gets no file named
+// `file`: a name of more than NAME_MAX bytes no lookup can ask for, and
+// listed it fails the whole directory's readdir. "" when it fits.
+std::string NameTooLong(const std::string& item, const std::string& file) {
+  if (file.size() <= NAME_MAX) return "";
+  return "no file for '" + item.substr(0, 64) + "...': its file name would be " + std::to_string(file.size()) +
+         " bytes, over the " + std::to_string(NAME_MAX) + " a name may have";
+}
+
 // A view directory's files, built outside the node table's lock.
 struct PendingDir {
   std::string name;
@@ -67,7 +76,14 @@ Status ViewBuilder::Build(int i, FsNode* dir) {
     mergeable = why.empty();
   }
   pending.push_back({ViewDirName(ViewKind::kTensors), {}, false, true});
-  if (auto items = BytesView(ckpt); !items.empty()) pending.push_back({ViewDirName(ViewKind::kBytes), std::move(items)});
+  if (auto items = BytesView(ckpt); !items.empty()) {
+    std::erase_if(items, [&](const ViewFile& f) {
+      const std::string why = NameTooLong(f.name.substr(0, f.name.size() - 3), f.name);  // less ".pt"
+      if (!why.empty()) options_.Log(JoinRel(ckpt.dir, ViewDirName(ViewKind::kBytes)) + ": " + why);
+      return !why.empty();
+    });
+    pending.push_back({ViewDirName(ViewKind::kBytes), std::move(items)});
+  }
   if (auto rules = RulesFor(ckpt); rules.ok()) {
     Layout text;
     text.AddLiteral(MeshReadme(*rules));
@@ -283,10 +299,8 @@ FsError ViewBuilder::FillNpy(FsNode* npy_dir) {
   std::vector<uint64_t> sizes;  // kNoFile: a tensor with no file here
   sizes.reserve(tensors.size());
   for (const auto& t : tensors) {
-    if (const size_t n = EscapeFileName(t->fqn).size() + 4; n > NAME_MAX) {
-      options_.Log(where + ": no file for tensor '" + t->fqn.substr(0, 64) + "...': its file name would be " +
-                   std::to_string(n) + " bytes, over the " + std::to_string(NAME_MAX) +
-                   " a name may have (consolidated/ serves it)");
+    if (std::string why = NameTooLong(t->fqn, EscapeFileName(t->fqn) + ".npy"); !why.empty()) {
+      options_.Log(where + ": " + why + " (consolidated/ serves the tensor)");
       sizes.push_back(kNoFile);
       continue;
     }

@@ -798,5 +798,27 @@ def test_a_tensor_name_too_long_for_a_file_name_is_left_out_of_tensors_and_serve
         for k, v in want.items():
             np.testing.assert_array_equal(got[k], v)
         log = m.log()
-    assert f"tensors: no file for tensor '{long_name[:64]}...': its file name would be {len(long_name) + 4} bytes" \
+    assert f"tensors: no file for '{long_name[:64]}...': its file name would be {len(long_name) + 4} bytes" \
+        in log, log[-2000:]
+
+
+def test_a_non_tensor_item_whose_key_is_too_long_for_a_file_name_is_left_out_of_bytes(mount_factory, tmp_path):
+    """A DCP step (dcp.save from one process) with two non-tensor items, one
+    under a key that makes a file name of more than 255 bytes: bytes/ lists
+    the other, which torch.load reads back as saved, and the log names the
+    one left out; the tensor is served as saved."""
+    import torch.distributed.checkpoint as dcp
+
+    long_key = "trainer." + "very_long_state_name." * 13 + "step"
+    assert len(long_key) + len(".pt") > 255
+    weight = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    step = tmp_path / "step"
+    dcp.save({"w": weight, "epoch": 7, long_key: 11}, checkpoint_id=str(step))
+    with mount_factory(str(tmp_path)) as m:
+        assert os.listdir(m.p("step", "bytes")) == ["epoch.pt"], m.log()[-2000:]
+        assert torch.load(m.p("step", "bytes", "epoch.pt"), weights_only=False) == 7
+        import numpy as np
+        np.testing.assert_array_equal(np.load(m.p("step", "tensors", "w.npy")), weight.numpy())
+        log = m.log()
+    assert f"step/bytes: no file for '{long_key[:64]}...': its file name would be {len(long_key) + 3} bytes" \
         in log, log[-2000:]
