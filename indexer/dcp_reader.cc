@@ -327,7 +327,7 @@ void AddTensorChunk(const DirListing& dir, FileTable& files, const DcpPlan& plan
       !obj.ok() ? Result<TorchArchive>(obj.status().WithContext(item))
                 : ReadItem(si, window != framed.end() ? *window->second : **obj, *id, files, item, data_file);
   if (!archive.ok()) {
-    if (IsReadFailure(archive.status())) files.NoteReadFailure(archive.status().WithContext(who));
+    NoteReadFailure(files, archive.status().WithContext(who));
     c.set_unavailable(archive.status().message());
   } else
     PlaceChunk(*archive, rel, data_file, t, c);

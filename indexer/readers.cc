@@ -82,11 +82,11 @@ void AddProblem(Checkpoint& out, const std::string& message, bool incomplete) {
   if (incomplete && out.incomplete.empty()) out.incomplete = message;
 }
 
-bool IsReadFailure(const Status& st) {
+bool NoteReadFailure(FileTable& files, const Status& st) {
   switch (st.code()) {
     case Status::Code::kIOError:
     case Status::Code::kStale:
-    case Status::Code::kPermissionDenied: return true;
+    case Status::Code::kPermissionDenied: files.NoteReadFailure(st); return true;
     default: return false;
   }
 }
@@ -94,8 +94,7 @@ bool IsReadFailure(const Status& st) {
 void AddReadProblem(Checkpoint& out, FileTable& files, const std::string& context, const Status& st,
                     bool incomplete) {
   const Status where = context.empty() ? st : st.WithContext(context);
-  if (IsReadFailure(st)) files.NoteReadFailure(where);
-  else AddProblem(out, where.message(), incomplete);
+  if (!NoteReadFailure(files, where)) AddProblem(out, where.message(), incomplete);
 }
 
 std::vector<uint64_t> NormalizeStrides(const std::vector<uint64_t>& shape, const std::vector<uint64_t>& strides) {
@@ -108,10 +107,7 @@ std::vector<uint64_t> NormalizeStrides(const std::vector<uint64_t>& shape, const
 std::vector<std::string> IndexedFiles(FileTable& files, const DirListing& dir, const std::string& index_name,
                                       Checkpoint& out, std::map<std::string, std::string>* weight_map) {
   auto text = files.source().ReadWhole(JoinRel(dir.rel, index_name));
-  if (!text.ok() && IsReadFailure(text.status())) {
-    files.NoteReadFailure(text.status());
-    return {};
-  }
+  if (!text.ok() && NoteReadFailure(files, text.status())) return {};
   auto j = text.ok() ? nlohmann::json::parse(*text, nullptr, false) : nlohmann::json();
   if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
     AddProblem(out, JoinRel(dir.rel, index_name) + ": no weight_map object", true);
@@ -157,7 +153,7 @@ void AddSidecarFiles(const DirListing& dir, FileTable& files, Checkpoint& out) {
     if (name[0] == '.' || IsWeightOrShardIndex(name) || out.sidecars.count(name)) continue;
     auto id = files.Add(JoinRel(dir.rel, name));
     if (id.ok()) out.sidecars[name] = *id;
-    else if (IsReadFailure(id.status())) files.NoteReadFailure(id.status());
+    else NoteReadFailure(files, id.status());
   }
   for (const std::string& name : dir.dirs) {
     if (name[0] == '.') continue;

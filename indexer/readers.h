@@ -26,13 +26,15 @@ void AddSidecarFiles(const DirListing& dir, FileTable& files, Checkpoint& out);
 // untrustworthy (views fail) when nothing has yet.
 void AddProblem(Checkpoint& out, const std::string& message, bool incomplete);
 
-// Whether `st` says a source could not be read now (I/O, a server's
-// failure after its retries, a change while indexing, a refusal) rather
-// than something about the checkpoint's bytes: retried later, it may read.
-bool IsReadFailure(const Status& st);
+// True, and kept on `files` (FileTable::NoteReadFailure: it fails this
+// indexing of the checkpoint), when `st` says a source could not be read
+// now (I/O, a server's failure after its retries, a change while indexing,
+// a refusal) rather than something about the checkpoint's bytes: retried
+// later, it may read.
+bool NoteReadFailure(FileTable& files, const Status& st);
 
 // A failed read of the checkpoint's sources, with `context`: a read
-// failure (IsReadFailure) goes to `files` (FileTable::NoteReadFailure) and
+// failure goes to `files` (NoteReadFailure) and
 // fails this indexing of the checkpoint, so that it is never stored as a
 // lasting problem; any other failure is a problem, as AddProblem records.
 void AddReadProblem(Checkpoint& out, FileTable& files, const std::string& context, const Status& st,

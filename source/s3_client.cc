@@ -412,16 +412,16 @@ namespace {
 // served as the bytes asked for. A 200 is the whole object, right only for
 // a range from byte 0 (its length is checked as the body's).
 std::string WrongRange(const S3Client::Response& resp, const S3Client::Request& r) {
-  const std::string asked = "bytes " + std::to_string(r.offset) + "-" + std::to_string(r.offset + r.len - 1);
+  const auto asked = [&] { return "bytes " + std::to_string(r.offset) + "-" + std::to_string(r.offset + r.len - 1); };
   if (resp.http == 200)
-    return r.offset == 0 ? "" : "the whole object (HTTP 200, Range ignored) for " + asked;
+    return r.offset == 0 ? "" : "the whole object (HTTP 200, Range ignored) for " + asked();
   if (resp.http != 206) return "";
   const auto it = resp.headers.find("content-range");
-  if (it == resp.headers.end()) return "HTTP 206 without Content-Range for " + asked;
+  if (it == resp.headers.end()) return "HTTP 206 without Content-Range for " + asked();
   unsigned long long first = 0, last = 0;
   const bool parsed = std::sscanf(it->second.c_str(), "bytes %llu-%llu/", &first, &last) == 2;
   if (!parsed || first != r.offset || last != r.offset + r.len - 1)
-    return "wrong range (the server sent Content-Range '" + it->second + "' for " + asked + ")";
+    return "wrong range (the server sent Content-Range '" + it->second + "' for " + asked() + ")";
   return "";
 }
 
@@ -661,8 +661,10 @@ Status S3Client::Get(const std::string& key, const std::string& etag, uint64_t o
   r.len = len;
   r.dst = dst;
   Response resp = PerformWithRetries(r, kMaxAttempts);
+  // A wrong range is RetryCause's to find (last_retry_cause); one more
+  // byte than asked (overflow) is no cause to retry, but no answer either.
   if (resp.curl == CURLE_OK && (resp.http == 206 || resp.http == 200) && resp.received == len && !resp.overflow &&
-      WrongRange(resp, r).empty()) {
+      resp.last_retry_cause.empty()) {
     gets_.fetch_add(1, std::memory_order_relaxed);
     get_bytes_.fetch_add(len, std::memory_order_relaxed);
     return CheckEtag(r, resp);

@@ -251,6 +251,14 @@ def test_indexed_objects_are_read_by_their_etag_without_a_head_and_a_replacement
         proxy.close()
 
 
+def _wait_until(m, done, seconds: float = 120) -> None:
+    """Waits for `done()` while mount `m` works, failing with its log."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, m.log()[-2000:]
+        time.sleep(0.2)
+
+
 def _consolidated_in_child(mount_dir: str, expected: dict, tmp_path: Path) -> None:
     """consolidated/ of a mount read by safetensors in a child process (a
     proxy of this process serves the mount: its threads need this
@@ -295,10 +303,7 @@ def test_a_shard_the_server_fails_while_indexing_is_not_stored_as_a_problem_and_
         with mount_factory(url, *via, "--request-timeout-s", "5", "--rescan-ms", "300") as m:
             assert not os.path.exists(m.p("step-1", "consolidated")), m.log()[-2000:]
             proxy.set_script({})
-            deadline = time.monotonic() + 120
-            while not os.path.exists(m.p("step-1", "consolidated")):
-                assert time.monotonic() < deadline, m.log()[-2000:]
-                time.sleep(0.2)
+            _wait_until(m, lambda: os.path.exists(m.p("step-1", "consolidated")))
             _consolidated_in_child(m.p("step-1", "consolidated"), dcp_step["expected"], tmp_path)
             second = shard.replace("step-1", "step-2")
             proxy.set_script({second: ["slowdown"] * 1000})
@@ -306,16 +311,10 @@ def test_a_shard_the_server_fails_while_indexing_is_not_stored_as_a_problem_and_
             files = sorted(p for p in local.rglob("*") if p.is_file() and p.name != ".metadata")
             for p in files + [local / ".metadata"]:  # the commit point last
                 client.upload_file(str(p), BUCKET, f"flaky/step-2/{p.relative_to(local)}")
-            deadline = time.monotonic() + 120
-            while "step-2/: not served yet (looked at again on each rescan)" not in m.log():
-                assert time.monotonic() < deadline, m.log()[-2000:]
-                time.sleep(0.2)
+            _wait_until(m, lambda: "step-2/: not served yet (looked at again on each rescan)" in m.log())
             assert second in m.log() and not os.path.exists(m.p("step-2", "consolidated")), m.log()[-2000:]
             proxy.set_script({})
-            deadline = time.monotonic() + 120
-            while not os.path.exists(m.p("step-2", "consolidated")):
-                assert time.monotonic() < deadline, m.log()[-2000:]
-                time.sleep(0.2)
+            _wait_until(m, lambda: os.path.exists(m.p("step-2", "consolidated")))
             _consolidated_in_child(m.p("step-2", "consolidated"), dcp_step["expected"], tmp_path)
     finally:
         proxy.close()
