@@ -29,7 +29,7 @@
 #include "core/status.h"
 #include "writer/s3_stager.h"
 #include "writer/stager.h"
-#include "writer/torch_save_framing.h"
+#include "indexer/torch_save_framing.h"
 
 namespace ckptfs {
 

@@ -15,7 +15,7 @@
 #include "writer/dcp_file_writer.h"
 #include "writer/safetensors_file_writer.h"
 #include "writer/stager.h"
-#include "writer/torch_save_framing.h"
+#include "indexer/torch_save_framing.h"
 
 namespace py = pybind11;
 using namespace ckptfs;

@@ -2,7 +2,7 @@
 // (indexer/torch_zip.h, written against torch's real output): the entries
 // torch.save writes, the tensor where the layout says, 64-aligned, in zip
 // and zip64 forms. tests/e2e/test_writer.py torch.loads the same framing.
-#include "writer/torch_save_framing.h"
+#include "indexer/torch_save_framing.h"
 
 #include <fcntl.h>
 #include <gtest/gtest.h>

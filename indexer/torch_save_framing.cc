@@ -3,7 +3,7 @@
 // Zip layout reference: PKWARE APPNOTE.TXT 6.3 (4.3.7 local file header,
 // 4.3.12 central directory header, 4.3.14-16 zip64 end records, 4.5.3 zip64
 // extended information). Pickle opcodes: Python's Lib/pickle.py, protocol 2.
-#include "writer/torch_save_framing.h"
+#include "indexer/torch_save_framing.h"
 
 #include <map>
 
