@@ -34,6 +34,7 @@ std::shared_ptr<const TensorMeta> Shifted(const TensorMeta& t, FileId by) {
     ByteMeta bytes = c.bytes();
     bytes.file += by;
     c.set_bytes(bytes);
+    if (c.item_check()) c.set_item_check(c.item_check()->Renumbered(by));
   }
   return out;
 }

@@ -16,6 +16,7 @@ struct Chunk::Extra {
   ByteMeta bytes;   // kWideBytes
   std::vector<uint64_t> strides;
   std::string unavailable;
+  std::shared_ptr<ItemCheck> check;
 };
 
 namespace {
@@ -61,7 +62,8 @@ Chunk::Extra& Chunk::extra() {
 
 // The heap block goes once nothing in it is used.
 void Chunk::DropEmptyExtra() {
-  if (extra_ && !(flags_ & (kWideBox | kWideBytes)) && extra_->strides.empty() && extra_->unavailable.empty())
+  if (extra_ && !(flags_ & (kWideBox | kWideBytes)) && extra_->strides.empty() && extra_->unavailable.empty() &&
+      !extra_->check)
     extra_.reset();
 }
 
@@ -143,6 +145,41 @@ void Chunk::set_unavailable(std::string why) {
   if (why.empty() && !extra_) return;
   extra().unavailable = std::move(why);
   DropEmptyExtra();
+}
+
+const std::shared_ptr<ItemCheck>& Chunk::item_check() const {
+  static const std::shared_ptr<ItemCheck> kNone;
+  return extra_ ? extra_->check : kNone;
+}
+
+void Chunk::set_item_check(std::shared_ptr<ItemCheck> check) {
+  if (!check && !extra_) return;
+  extra().check = std::move(check);
+  DropEmptyExtra();
+}
+
+void ItemCheck::Settle(bool as_predicted, ByteMeta actual, std::vector<uint64_t> strides, std::string why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (state_.load(std::memory_order_relaxed) != kUnchecked) return;
+  if (!as_predicted) {
+    actual_ = actual;
+    actual_strides_ = std::move(strides);
+    why_ = std::move(why);
+  }
+  state_.store(as_predicted ? kVerified : kWrong, std::memory_order_release);
+}
+
+std::shared_ptr<ItemCheck> ItemCheck::Renumbered(FileId by) const {
+  auto out = std::make_shared<ItemCheck>();
+  out->item = item;
+  out->item.file += by;
+  out->predicted = predicted;
+  out->predicted.file += by;
+  out->shape = shape;
+  out->dtype = dtype;
+  out->windows = windows;
+  out->verify = verify;
+  return out;
 }
 
 std::vector<ByteMeta> BytesOutsideChunks(const Checkpoint& ckpt, FileId file, uint64_t size) {

@@ -9,14 +9,18 @@
 // views in core/ and fs/ consume them and never see a file format.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/box.h"
 #include "core/dtype.h"
+#include "core/status.h"
 
 namespace ckptfs {
 
@@ -39,6 +43,56 @@ struct BasicMeta {
   DType dtype = DType::kF32;
   // Element strides of the stored box; empty means row-major (contiguous).
   std::vector<uint64_t> strides;
+};
+
+class SourceObject;
+
+// A chunk placed by prediction, not by its item's framing: a DCP item (a
+// torch.save archive) of a contiguous tensor holds its bytes where
+// torch.save puts them (indexer/dcp_item.h), so a mount over object storage
+// plans and fetches them before the framing is read, and reads the framing
+// with them (docs/SEMANTICS.md, "Framing read with the bytes"). No byte of
+// such a chunk is served before its item's framing was read and said the
+// same: the planner marks copies from an unchecked item (CopyOp::speculative),
+// and the read path settles the item before it hands any of them out.
+//
+// Shared by the chunk's copies; settled once (Settle), by whichever reader
+// has the framing's bytes first. Thread-safe.
+struct ItemCheck {
+  enum State : int { kUnchecked = 0, kVerified, kWrong };
+  ByteMeta item;       // the whole item
+  ByteMeta predicted;  // where the chunk's bytes are, row-major, if the prediction holds
+  Shape shape;         // the item's tensor, as the metadata says
+  DType dtype = DType::kF32;
+  // The bytes of the item the check reads when torch wrote it (file
+  // offset, length): at its head and its tail.
+  std::vector<std::pair<uint64_t, uint64_t>> windows;
+  // Reads the item's framing through `obj` (a read of a window the caller
+  // holds is answered from memory) and settles the check; an error
+  // (I/O, a source changed) leaves it unchecked. Set by the indexer.
+  // `what` names the item in messages.
+  using Verify = Status (*)(const SourceObject& obj, ItemCheck& check, const std::string& what);
+  Verify verify = nullptr;
+
+  State state() const { return State(state_.load(std::memory_order_acquire)); }
+  // kWrong: where the item holds the chunk's bytes and their strides, or
+  // why it cannot be served (non-empty `why`). Valid once state() is kWrong.
+  const ByteMeta& actual() const { return actual_; }
+  const std::vector<uint64_t>& actual_strides() const { return actual_strides_; }
+  const std::string& why() const { return why_; }
+
+  // Records the outcome once; later calls change nothing.
+  void Settle(bool as_predicted, ByteMeta actual = {}, std::vector<uint64_t> strides = {}, std::string why = {});
+  // The same prediction, unchecked, with file ids `by` higher (a table that
+  // holds another checkpoint's files first: core/lora_view.cc).
+  std::shared_ptr<ItemCheck> Renumbered(FileId by) const;
+
+ private:
+  std::mutex mu_;  // serializes Settle
+  std::atomic<int> state_{kUnchecked};
+  ByteMeta actual_;
+  std::vector<uint64_t> actual_strides_;
+  std::string why_;
 };
 
 // One row of each: where a box of the tensor is stored and how to read it.
@@ -81,6 +135,11 @@ class Chunk {
   // shard file is truncated, say). Reads touching it fail with this reason.
   const std::string& unavailable() const;
   void set_unavailable(std::string why);
+
+  // Non-null when the chunk's ByteMeta and strides are a prediction still
+  // to be checked against its item's framing (ItemCheck).
+  const std::shared_ptr<ItemCheck>& item_check() const;
+  void set_item_check(std::shared_ptr<ItemCheck> check);
 
   // CRC32C of the chunk's stored bytes, when its writer recorded one
   // (ckptfs's own writer does; checkpoints indexed by a scan have none).

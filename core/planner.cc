@@ -30,6 +30,24 @@ void SortRuns(std::vector<T>& v, Less less) {
   }
 }
 
+// Where a chunk's bytes are, as this plan uses them: a predicted chunk
+// (ItemCheck) whose item was found otherwise is planned as found, and one
+// not checked yet as predicted, its copies marked speculative. Taken once
+// per chunk and plan: the check may settle meanwhile.
+struct Placement {
+  uint64_t offset = 0;
+  const std::vector<uint64_t>* strides = nullptr;
+  const std::string* unavailable = nullptr;
+  ItemCheck* speculative = nullptr;
+};
+
+Placement PlacementOf(const Chunk& c) {
+  ItemCheck* k = c.item_check().get();
+  const ItemCheck::State state = k ? k->state() : ItemCheck::kVerified;
+  if (state == ItemCheck::kWrong) return {k->actual().offset, &k->actual_strides(), &k->why(), nullptr};
+  return {c.offset(), &c.strides(), &c.unavailable(), state == ItemCheck::kUnchecked ? k : nullptr};
+}
+
 // A tensor region re-expressed in "units": the smallest whole-byte groups of
 // elements (one element for byte-sized dtypes, 2 for F4, 4 for F6_*).
 struct UnitGeometry {
@@ -37,6 +55,7 @@ struct UnitGeometry {
   Box target;
   std::vector<Box> chunks;                      // parallel to TensorMeta::chunks
   std::vector<std::vector<uint64_t>> strides;   // unit strides per chunk
+  std::vector<Placement> placed;                // parallel to TensorMeta::chunks
 };
 
 bool IsSlab(const Box& b, const Shape& shape) {
@@ -49,18 +68,20 @@ Result<UnitGeometry> ToUnits(const TensorMeta& t, const Box& target) {
   UnitGeometry u;
   const uint64_t g = PackGroup(t.dtype);
   u.unit_bytes = PackBytes(t.dtype);
+  for (const Chunk& c : t.chunks) u.placed.push_back(PlacementOf(c));
   if (g == 1) {
     u.target = target;
-    for (const Chunk& c : t.chunks) {
-      u.chunks.push_back(c.box());
-      u.strides.push_back(c.strides().empty() ? RowMajorStrides(u.chunks.back().lengths) : c.strides());
+    for (size_t i = 0; i < t.chunks.size(); ++i) {
+      u.chunks.push_back(t.chunks[i].box());
+      const std::vector<uint64_t>& s = *u.placed[i].strides;
+      u.strides.push_back(s.empty() ? RowMajorStrides(u.chunks.back().lengths) : s);
     }
     return u;
   }
   // Packed sub-byte dtype: only row-major chunks whose edges fall on byte
   // boundaries can be sliced.
-  for (const Chunk& c : t.chunks)
-    if (!c.strides().empty())
+  for (const Placement& p : u.placed)
+    if (!p.strides->empty())
       return Status::NotSupported("strided chunk of packed dtype " + std::string(DTypeName(t.dtype)));
   std::vector<Box> boxes{target};
   for (const Chunk& c : t.chunks) boxes.push_back(c.box());
@@ -110,6 +131,7 @@ Status PlanChunk(const UnitGeometry& g, size_t ci, const std::vector<uint64_t>& 
   const Box& T = g.target;
   const Box& C = g.chunks[ci];
   const std::vector<uint64_t>& cs = g.strides[ci];
+  const Placement& place = g.placed[ci];
   auto I = Intersect(T, C);
   if (!I && T.rank() > 0) return Status::OK();
   const size_t n = T.rank();
@@ -157,11 +179,11 @@ Status PlanChunk(const UnitGeometry& g, size_t ci, const std::vector<uint64_t>& 
   for (uint64_t r = lo; r < nruns; ++r) {
     uint64_t rb = ts * unit, re = (ts + run) * unit;
     if (rb >= b) break;
-    if (!chunk.unavailable().empty())
-      return Status::Incomplete("chunk " + ToString(chunk.box()) + ": " + chunk.unavailable());
+    if (!place.unavailable->empty())
+      return Status::Incomplete("chunk " + ToString(chunk.box()) + ": " + *place.unavailable);
     uint64_t from = std::max(a, rb), to = std::min(b, re);
-    out.push_back({chunk.file(), chunk.offset() + ss * unit + (from - rb), from + dst_base,
-                   to - from});
+    out.push_back({chunk.file(), place.offset + ss * unit + (from - rb), from + dst_base, to - from, false,
+                   place.speculative});
     // Odometer step over the outer dimensions.
     for (size_t j = nd; j-- > 0;) {
       if (++m[j] < I->lengths[j]) {
@@ -235,7 +257,8 @@ std::vector<CopyOp> MergeCopies(std::vector<CopyOp> copies) {
   for (const CopyOp& c : copies) {
     if (!merged.empty()) {
       CopyOp& p = merged.back();
-      if (p.file == c.file && p.to_scratch == c.to_scratch && p.src_offset + p.length == c.src_offset &&
+      if (p.file == c.file && p.to_scratch == c.to_scratch && p.speculative == c.speculative &&
+          p.src_offset + p.length == c.src_offset &&
           p.dst_offset + p.length == c.dst_offset) {
         p.length += c.length;
         continue;

@@ -29,6 +29,10 @@ struct CopyOp {
   uint64_t dst_offset = 0;  // relative to the start of the read (or of scratch)
   uint64_t length = 0;
   bool to_scratch = false;  // lands in the plan's scratch buffer, for a ConvertOp
+  // Non-null when the bytes are where a prediction says and its item's
+  // framing was not read yet (ItemCheck, core/meta.h): served only once the
+  // item is settled as predicted; settled otherwise, the plan is made again.
+  ItemCheck* speculative = nullptr;
 };
 
 // Decodes elements gathered in scratch into float32 bytes of the output.

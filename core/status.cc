@@ -14,6 +14,7 @@ const char* CodeName(Status::Code code) {
     case Status::Code::kIncomplete: return "Incomplete";
     case Status::Code::kBusy: return "Busy";
     case Status::Code::kPermissionDenied: return "PermissionDenied";
+    case Status::Code::kPlanAgain: return "PlanAgain";
   }
   return "Unknown";
 }

@@ -26,6 +26,7 @@ class Status {
     kIncomplete,       // the checkpoint lacks data (hole, missing shard)
     kBusy,             // another process holds it (the index's writer lock)
     kPermissionDenied, // the source refused us (object storage: 403)
+    kPlanAgain,        // a read was planned on a prediction found wrong (ItemCheck): plan it again
   };
 
   Status() = default;
@@ -39,6 +40,7 @@ class Status {
   static Status Incomplete(std::string m) { return Status(Code::kIncomplete, std::move(m)); }
   static Status Busy(std::string m) { return Status(Code::kBusy, std::move(m)); }
   static Status PermissionDenied(std::string m) { return Status(Code::kPermissionDenied, std::move(m)); }
+  static Status PlanAgain(std::string m) { return Status(Code::kPlanAgain, std::move(m)); }
 
   bool ok() const { return code_ == Code::kOk; }
   Code code() const { return code_; }

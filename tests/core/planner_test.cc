@@ -358,6 +358,58 @@ TEST(Planner, UnavailableChunkFailsOnlyReadsThatTouchIt) {
   EXPECT_TRUE(Plan(s.layout, 0, 16).ok());  // row 0, columns 0-3: first chunk only
 }
 
+// A chunk placed by prediction (ItemCheck, core/meta.h) is planned where
+// predicted, its copies marked speculative, until its item is settled: as
+// predicted (plain copies, same bytes), or elsewhere (copies from where the
+// framing says, with its strides), or unusable (the reason, never bytes).
+TEST(Planner, APredictedChunkIsPlannedSpeculativelyUntilItsItemIsSettled) {
+  auto s = MakeColumnSplit(4, 8);
+  auto predicted = [&] {
+    auto k = std::make_shared<ItemCheck>();
+    k->item = {0, 64, 200};
+    k->predicted = s.tensor->chunks[1].bytes();
+    s.tensor->chunks[1].set_item_check(k);
+    return k;
+  };
+  auto plan_of = [&] {
+    auto plan = Plan(s.layout, 0, s.layout.size());
+    EXPECT_TRUE(plan.ok()) << plan.status().ToString();
+    return plan.ok() ? *plan : ReadPlan{};
+  };
+  const ReadPlan plain = plan_of();
+  auto k = predicted();
+  const ReadPlan speculative = plan_of();
+  ASSERT_EQ(speculative.copies.size(), plain.copies.size());
+  for (size_t i = 0; i < plain.copies.size(); ++i) {
+    const CopyOp &a = plain.copies[i], &b = speculative.copies[i];
+    EXPECT_EQ(a.src_offset, b.src_offset);
+    // The second chunk holds the right half of each row: from byte 64*... on.
+    EXPECT_EQ(b.speculative, a.src_offset >= s.tensor->chunks[1].offset() ? k.get() : nullptr) << i;
+  }
+  k->Settle(true);
+  for (const CopyOp& c : plan_of().copies) EXPECT_EQ(c.speculative, nullptr);
+
+  // Found elsewhere: 100 bytes further, and column-major (strides {1, 4}).
+  k = predicted();
+  const uint64_t at = s.tensor->chunks[1].offset() + 100;
+  k->Settle(false, {0, at, 64}, {1, 4});
+  const ReadPlan moved = plan_of();
+  for (const CopyOp& c : moved.copies) {
+    EXPECT_EQ(c.speculative, nullptr);
+    if (c.dst_offset % 32 >= 16) {  // columns 4-7 of a row: one element each, row r at column-major place
+      const uint64_t row = c.dst_offset / 32, col = (c.dst_offset % 32) / 4 - 4;
+      EXPECT_EQ(c.src_offset, at + (col * 4 + row) * 4) << c.dst_offset;
+    }
+  }
+
+  k = predicted();
+  k->Settle(false, {}, {}, "item at 64: the item holds 0 tensors, not 1");
+  auto bad = Plan(s.layout, 0, s.layout.size());
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("holds 0 tensors"), std::string::npos);
+  EXPECT_TRUE(Plan(s.layout, 0, 16).ok());  // the first chunk's columns alone
+}
+
 TEST(Planner, TensorWithCoverageProblemFails) {
   auto s = MakeColumnSplit(4, 8);
   s.tensor->problem = "tensor 'w': chunks overlap";
