@@ -205,12 +205,16 @@ Result<json> TensorStats(const std::shared_ptr<const TensorMeta>& t, SourceReade
 // statistics.
 json DescribeTensor(const TensorMeta& t, const Checkpoint& owner) {
   json chunks = json::array();
-  for (const Chunk& c : t.chunks)
+  for (const Chunk& c : t.chunks) {
     chunks.push_back({{"box", ToString(c.box())},
                       {"file", owner.files[c.file()].path},
                       {"bytes", {c.offset(), c.offset() + c.length()}},
                       {"strides", c.strides()},
                       {"unavailable", c.unavailable()}});
+    // Placed by prediction by a mount's index: checked when first read.
+    if (const auto& k = c.item_check())
+      chunks.back()["predicted_in_item"] = {k->item.offset, k->item.offset + k->item.length};
+  }
   json out = {{"checkpoint", owner.dir}, {"name", t.fqn}, {"dtype", std::string(DTypeName(t.dtype))},
               {"shape", t.shape}, {"numel", t.numel()}, {"bytes", t.nbytes()}, {"chunks", chunks}};
   if (std::string p = TensorProblem(t); !p.empty()) out["problem"] = p;

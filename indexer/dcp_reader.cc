@@ -17,6 +17,7 @@
 #include <set>
 
 #include "core/coverage.h"
+#include "indexer/dcp_item.h"
 #include "indexer/dcp_metadata.h"
 #include "indexer/format_reader.h"
 #include "indexer/pickle.h"
@@ -197,41 +198,6 @@ Result<TorchArchive> ReadItem(const StorageInfo& si, const SourceObject& in, Fil
   return ReadDecoded(std::move(decoded), item);
 }
 
-// A float4_e2m1fn_x2 item (bytes of two F4 values): the metadata's F4 box
-// counts values, so its last dim is twice the item's.
-void PlacePackedF4(const TorchTensorRecord& r, const std::string& rel, FileId data_file, Chunk& c) {
-  std::vector<uint64_t> values = r.shape;
-  if (!values.empty()) values.back() *= 2;
-  if (values != c.box().lengths)
-    c.set_unavailable(rel + ": the item's shape " + ShapeToString(r.shape) + " (float4_e2m1fn_x2) is not the chunk's " +
-                      ShapeToString(c.box().lengths) + " F4 values");
-  else if (!NormalizeStrides(r.shape, r.strides).empty())
-    c.set_unavailable(rel + ": a non-contiguous float4_e2m1fn_x2 item is not supported");
-  else
-    c.set_bytes({data_file, r.data_offset, r.storage_bytes_available});
-}
-
-// Points `c` at the item's one tensor, or says why it cannot be.
-void PlaceChunk(const TorchArchive& archive, const std::string& rel, FileId data_file, const TensorMeta& t,
-                       Chunk& c) {
-  if (archive.tensors.size() != 1) {
-    c.set_unavailable(rel + ": the item holds " + std::to_string(archive.tensors.size()) + " tensors, not 1");
-    return;
-  }
-  const TorchTensorRecord& r = archive.tensors[0];
-  if (r.torch_dtype == "float4_e2m1fn_x2" && t.dtype == DType::kF4) return PlacePackedF4(r, rel, data_file, c);
-  if (r.dtype != t.dtype) {
-    c.set_unavailable(rel + ": the item is " + std::string(DTypeName(r.dtype)) + ", the metadata says " +
-                      std::string(DTypeName(t.dtype)));
-  } else if (r.shape != c.box().lengths) {
-    c.set_unavailable(rel + ": the item's shape " + ShapeToString(r.shape) + " is not the chunk's " +
-                      ShapeToString(c.box().lengths));
-  } else {
-    c.set_bytes({data_file, r.data_offset, r.storage_bytes_available});
-    c.set_strides(NormalizeStrides(r.shape, r.strides));
-  }
-}
-
 // The storage_data entry of chunk `box` of tensor `t`, or null.
 const StorageInfo* FindItem(const DcpPlan& plan, const std::string& fqn, const Box& box, const TensorMeta& t) {
   // An F4 tensor was float4_e2m1fn_x2: storage_data keys its chunks by
@@ -330,9 +296,56 @@ void AddTensorChunk(const DirListing& dir, FileTable& files, const DcpPlan& plan
     NoteReadFailure(files, archive.status().WithContext(who));
     c.set_unavailable(archive.status().message());
   } else
-    PlaceChunk(*archive, rel, data_file, t, c);
+    PlaceItemChunk(*archive, rel, data_file, t.dtype, c);
   if (!c.unavailable().empty()) AddProblem(out, who + ": " + c.unavailable(), false);
   AddChunk(t, std::move(c), plan.saved_shape, out);
+}
+
+// The check of the predicted placement of chunk `box` of tensor `fqn`, or
+// null when its item cannot be predicted (transformed, Megatron-flattened,
+// past its file's end, a dtype or length torch.save would not write).
+std::shared_ptr<ItemCheck> Predict(const DirListing& dir, FileTable& files, const DcpPlan& plan,
+                                   const std::string& fqn, const Box& box, const TensorMeta& t) {
+  const StorageInfo* si = FindItem(plan, fqn, box, t);
+  if (!si || !si->transforms.empty() || si->length == 0 || plan.saved_shape.count(fqn)) return nullptr;
+  auto id = files.Add(JoinRel(dir.rel, si->relative_path));
+  if (!id.ok() || si->offset > files.at(*id).size || si->length > files.at(*id).size - si->offset) return nullptr;
+  return PredictItem({*id, si->offset, si->length}, t.dtype, box.lengths);
+}
+
+// Whether torch.save wrote this checkpoint's items as predicted: the first
+// predictable item's framing is read now (its two windows) and checked. An
+// older or newer torch that frames items otherwise has every item read as
+// before, not every one found wrong on first read. The item checked is
+// `*sample`.
+bool PredictionHolds(const DirListing& dir, FileTable& files, const DcpPlan& plan,
+                     const std::vector<ChunkWork>& work, ObjectCache& objects, ByteMeta* sample) {
+  for (const ChunkWork& w : work) {
+    auto t = plan.tensors.find(*w.fqn);
+    if (t == plan.tensors.end()) continue;
+    auto check = Predict(dir, files, plan, t->first, *w.box, t->second);
+    if (!check) continue;
+    const std::string& rel = files.at(check->item.file).path;
+    const auto& obj = ObjectOf(rel, check->item.file, files, objects);
+    if (!obj.ok()) return false;
+    auto framed = WindowedObject::Fetch(**obj, check->windows);
+    *sample = check->item;
+    return framed.ok() && VerifyItem(**framed, *check, rel).ok() && check->state() == ItemCheck::kVerified;
+  }
+  return false;
+}
+
+// A declared chunk of tensor `fqn` placed by prediction (indexer/dcp_item.h),
+// or false for the framing to be read now. The item PredictionHolds read
+// is placed for good.
+bool AddPredictedChunk(const DirListing& dir, FileTable& files, const DcpPlan& plan, const std::string& fqn,
+                       const Box& box, TensorMeta& t, const ByteMeta& sample, Checkpoint& out) {
+  auto check = Predict(dir, files, plan, fqn, box, t);
+  if (!check) return false;
+  Chunk c(box, check->predicted, t.dtype);
+  if (!(check->item == sample)) c.set_item_check(std::move(check));
+  AddChunk(t, std::move(c), plan.saved_shape, out);
+  return true;
 }
 
 // BYTE_IO items (non-tensor values), served as `bytes/<key>.pt`.
@@ -383,6 +396,14 @@ class DcpReader : public FormatReader {
     for (const auto& [fqn, boxes] : plan.declared)
       for (const Box& box : boxes) work.push_back({&fqn, &box});
     ObjectCache objects;
+    // Over object storage, when the mount asks, items are placed by
+    // prediction and their framing read with their bytes (indexer/dcp_item.h).
+    ByteMeta sample;
+    if (files.predict_items() && files.source().PreferredFetch() &&
+        PredictionHolds(dir, files, plan, work, objects, &sample))
+      std::erase_if(work, [&](const ChunkWork& w) {
+        return AddPredictedChunk(dir, files, plan, *w.fqn, *w.box, plan.tensors[*w.fqn], sample, out);
+      });
     for (size_t at = 0; at < work.size(); at += kFramingBatch) {
       const size_t n = std::min(kFramingBatch, work.size() - at);
       const FramedObjects framed = FetchFraming(dir, files, plan, work.data() + at, n, objects);

@@ -55,6 +55,7 @@ Result<std::optional<Checkpoint>> ReadCheckpoint(const Source& source, const Dir
     std::map<std::string, SourceFile> listed;
     for (const auto& [name, f] : listing.known) listed.emplace(JoinRel(listing.rel, name), f);
     FileTable files(source, std::move(listed));
+    files.set_predict_items(options.predict_items);
     RETURN_IF_ERROR(r->Read(listing, files, ckpt));
     if (claimed) *claimed = r->ClaimedSubdirs(listing);
     // A source that could not be read now says nothing about the

@@ -21,6 +21,10 @@ struct ScanOptions {
   // Told why a checkpoint's commit record of ckptfs's writer was not used
   // (indexer/commit_record.h); the checkpoint is read from its files then.
   std::function<void(const std::string&)> warn;
+  // Over object storage, DCP items are placed by prediction and their
+  // framing is read with their bytes on first read (indexer/dcp_item.h):
+  // a mount asks for it, `ckptfs index` reads every item's framing.
+  bool predict_items = false;
 };
 
 // Fails only when the root cannot be read at all; problems inside

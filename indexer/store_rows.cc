@@ -1,5 +1,7 @@
 #include "indexer/store_rows.h"
 
+#include "indexer/dcp_item.h"
+
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -20,7 +22,10 @@ constexpr char kMappingTag = 'v';
 // Leading byte of a tensor value; a later layout gets a new number.
 constexpr uint8_t kTensorLayout = 1;
 // Chunk flags.
-constexpr uint8_t kHasStrides = 1, kHasUnavailable = 2, kHasCrc = 4;
+// kPredicted: the chunk's ByteMeta is a prediction (ItemCheck, core/meta.h),
+// its item's offset and length follow; the check is settled again after
+// every load.
+constexpr uint8_t kHasStrides = 1, kHasUnavailable = 2, kHasCrc = 4, kPredicted = 8;
 
 // Appends LEB128 varints and length-prefixed strings. A chunk's box, byte
 // range and file id are small integers: 1M chunks of rank 2 take ~12 bytes
@@ -136,7 +141,7 @@ std::string EncodeTensor(const TensorMeta& t) {
   w.Var(t.chunks.size());
   for (const Chunk& c : t.chunks) {
     w.U8((c.strides().empty() ? 0 : kHasStrides) | (c.unavailable().empty() ? 0 : kHasUnavailable) |
-         (c.has_crc32c() ? kHasCrc : 0));
+         (c.has_crc32c() ? kHasCrc : 0) | (c.item_check() ? kPredicted : 0));
     w.Vec(c.box().offsets);
     w.Vec(c.box().lengths);
     w.Var(c.file());
@@ -145,6 +150,10 @@ std::string EncodeTensor(const TensorMeta& t) {
     if (!c.strides().empty()) w.Vec(c.strides());
     if (!c.unavailable().empty()) w.Str(c.unavailable());
     if (c.has_crc32c()) w.Fixed32(c.crc32c());
+    if (c.item_check()) {
+      w.Var(c.item_check()->item.offset);
+      w.Var(c.item_check()->item.length);
+    }
   }
   return w.Take();
 }
@@ -176,6 +185,10 @@ Result<TensorMeta> DecodeTensor(std::string_view fqn, std::string_view value) {
     if (flags & kHasStrides) c.set_strides(r.Vec());
     if (flags & kHasUnavailable) c.set_unavailable(r.Str());
     if (flags & kHasCrc) c.set_crc32c(r.Fixed32());
+    if (flags & kPredicted) {
+      const uint64_t item_offset = r.Var();
+      c.set_item_check(ItemCheckOf(c, {FileId(file), item_offset, r.Var()}, t.dtype));
+    }
   }
   if (!r.ok() || !r.done()) return Status::Corruption("tensor '" + t.fqn + "': truncated or overlong row");
   return t;
@@ -222,6 +235,7 @@ json TensorValueToJson(std::string_view fqn, std::string_view value) {
     if (!c.strides().empty()) cj["strides"] = c.strides();
     if (!c.unavailable().empty()) cj["unavailable"] = c.unavailable();
     if (c.has_crc32c()) cj["crc32c"] = c.crc32c();
+    if (c.item_check()) cj["predicted_in_item"] = {c.item_check()->item.offset, c.item_check()->item.length};
     chunks.push_back(std::move(cj));
   }
   json j = {{"dtype", std::string(DTypeName(t->dtype))}, {"shape", t->shape}, {"chunks", chunks}};

@@ -341,6 +341,12 @@ std::optional<DType> DTypeFromTorchName(std::string_view torch_name) {
   return std::nullopt;
 }
 
+std::string_view TorchNameOf(DType dtype) {
+  for (const auto& d : kTorchDTypes)  // canonical names come first
+    if (d.dtype == dtype) return d.name;
+  return {};
+}
+
 std::optional<DType> DTypeFromTorchStorage(std::string_view class_name) {
   for (const auto& s : kStorages)
     if (s.cls == class_name) return s.dtype;

@@ -130,6 +130,8 @@ Result<TorchArchive> ReadTorchArchiveFile(const std::string& path, const TorchZi
 // aliases `float`, `half`, `long` ... accepted) as a safetensors dtype;
 // nullopt for dtypes safetensors cannot name.
 std::optional<DType> DTypeFromTorchName(std::string_view torch_name);
+// The canonical torch name of `dtype` (`bfloat16`), "" when torch has none.
+std::string_view TorchNameOf(DType dtype);
 // The dtype of a typed storage class (`FloatStorage` ...); nullopt otherwise.
 std::optional<DType> DTypeFromTorchStorage(std::string_view class_name);
 

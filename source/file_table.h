@@ -39,6 +39,12 @@ class FileTable {
   Result<std::string> ReadWhole(FileId id) const { return source_.ReadWholeIndexed(files_.at(id)); }
   std::vector<SourceFile> Take() { return std::move(files_); }
 
+  // Whether readers may place a DCP item's chunk by prediction and leave its
+  // framing to be read with its bytes (indexer/dcp_item.h; a mount over
+  // object storage asks for it, ScanOptions::predict_items).
+  void set_predict_items(bool on) { predict_items_ = on; }
+  bool predict_items() const { return predict_items_; }
+
   // A source of the checkpoint could not be read now (the indexer's
   // IsReadFailure: I/O, a change while indexing, a refusal): the first such
   // failure is kept, and the indexing of the checkpoint fails with it
@@ -53,6 +59,7 @@ class FileTable {
   std::map<std::string, FileId> by_path_;
   mutable std::mutex failure_mu_;  // readers read headers side by side
   Status read_failure_;
+  bool predict_items_ = false;
 };
 
 }  // namespace ckptfs

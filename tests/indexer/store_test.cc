@@ -1,6 +1,7 @@
 // The store (schema 2): round trips, per-checkpoint commits, atomicity,
 // refusals of directories that are not ours, v1 rebuild, the writer lock,
 // read-only catch-up, and writers' commit records.
+#include "indexer/dcp_item.h"
 #include "indexer/index_store.h"
 
 #include <gtest/gtest.h>
@@ -76,6 +77,16 @@ void ExpectSameCheckpoint(const Checkpoint& a, const Checkpoint& b) {
       EXPECT_EQ(c.unavailable(), d.unavailable());
       EXPECT_EQ(c.has_crc32c(), d.has_crc32c());
       EXPECT_EQ(c.crc32c(), d.crc32c());
+      ASSERT_EQ(bool(c.item_check()), bool(d.item_check())) << s.fqn;
+      if (c.item_check()) {
+        // A predicted chunk comes back with its item, to be checked again.
+        EXPECT_EQ(c.item_check()->item, d.item_check()->item);
+        EXPECT_EQ(d.item_check()->predicted, d.bytes());
+        EXPECT_EQ(d.item_check()->shape, d.box().lengths);
+        EXPECT_EQ(d.item_check()->state(), ItemCheck::kUnchecked);
+        EXPECT_TRUE(d.item_check()->verify);
+        EXPECT_FALSE(d.item_check()->windows.empty());
+      }
     }
   }
 }
@@ -134,8 +145,10 @@ Checkpoint FullCheckpoint(const std::string& dir) {
   broken.set_unavailable("__0_0.distcp is truncated");
   Chunk crc = MakeChunk({{2, 2}, {2, 2}}, 4, 0, 16);
   crc.set_crc32c(0xdeadbeef);
+  Chunk predicted = MakeChunk({{0}, {8}}, 0, 1216, 16);  // placed by prediction, its item at 512
+  predicted.set_item_check(ItemCheckOf(predicted, {0, 512, 1700}, DType::kBF16));
   c.tensors = {
-      Tensor("model.embed", DType::kBF16, {8}, {MakeChunk({{0}, {8}}, 0, 512, 16)}, {"model", "embed"}),
+      Tensor("model.embed", DType::kBF16, {8}, {predicted}, {"model", "embed"}),
       Tensor("model.w", DType::kF32, {4, 4},
              {MakeChunk({{0, 0}, {2, 2}}, 0, 0, 16), strided, broken, crc}, {"model", "w"}),
       Tensor(std::string("odd\x01name", 8), DType::kI64, {}, {MakeChunk({{}, {}}, 1, 8, 8)}),
