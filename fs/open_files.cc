@@ -7,6 +7,12 @@
 #include <vector>
 
 namespace ckptfs {
+namespace {
+
+// Plans made again after PlanAgain before a read gives up (OpenFiles::Read).
+constexpr int kPlanAgainTries = 4;
+
+}  // namespace
 
 struct OpenFiles::Handle {
   std::shared_ptr<const FsNode> node;
@@ -106,6 +112,13 @@ FsResult<size_t> OpenFiles::Read(uint64_t handle, char* buf, size_t size, uint64
   // another request) leaves them out, rather than fetch them again.
   const bool ordered = h->order && h->order->Noted(offset, plan.length);
   Status st = ordered ? h->order->Serve(plan, buf) : reader->Execute(plan, buf);
+  // Planned on a prediction the item's framing did not confirm (ItemCheck):
+  // planned again where the framing says. Each time settles every item of
+  // the plan, so once is the rule; a few bound a race with a rescan.
+  for (int again = 0; st.code() == Status::Code::kPlanAgain && again < kPlanAgainTries; ++again) {
+    ASSIGN_OR_RETURN(plan, PlanRead(*h, size, offset));
+    st = ordered ? h->order->Serve(plan, buf) : reader->Execute(plan, buf);
+  }
   if (st.ok() && !plan.computes.empty()) st = compute_.Fill(plan.computes, buf, *reader, n.ckpt);
   if (!st.ok()) return ReadFailed(n, size, offset, st);
   reader->counters().served.fetch_add(plan.length, std::memory_order_relaxed);
@@ -176,6 +189,11 @@ FsResult<ScatterReply> OpenFiles::ReadScatter(uint64_t handle, size_t size, uint
   ASSIGN_OR_RETURN(ReadPlan plan, PlanRead(*h, size, offset));
   SourceReader* reader = ReaderOf(*h);
   Status st = reader->ExecuteScatter(plan, &reply);
+  // As in Read; a plan answered PlanAgain has put nothing in the reply.
+  for (int again = 0; st.code() == Status::Code::kPlanAgain && again < kPlanAgainTries; ++again) {
+    ASSIGN_OR_RETURN(plan, PlanRead(*h, size, offset));
+    st = reader->ExecuteScatter(plan, &reply);
+  }
   // Computed bytes are gathered: each op into the memory ExecuteScatter set aside.
   for (size_t i = 0; st.ok() && i < plan.computes.size(); ++i) {
     ComputeOp op = plan.computes[i];

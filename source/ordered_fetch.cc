@@ -185,6 +185,7 @@ void OrderedFetch::Build() {
   std::map<FileId, IntervalSet> needed;
   std::map<FileId, std::vector<Mapping>> maps;
   std::map<FileId, IntervalSet> left_out;  // source bytes of what was served already
+  std::map<FileId, IntervalSet> spans;     // what the ranges cover: needed bytes and predicted items' windows
   const IntervalSet served = served_->Get();
   for (uint64_t at = 0; at < layout_->size(); at += kPlanSlice) {
     auto plan = Plan(*layout_, at, std::min(kPlanSlice, layout_->size() - at));
@@ -196,6 +197,7 @@ void OrderedFetch::Build() {
       uint64_t pos = v;
       auto add = [&](uint64_t b, uint64_t e) {
         if (b >= e) return;
+        if (c.speculative && options_.settle) AddWindows(*c.speculative, spans);
         needed[c.file].Add(c.src_offset + (b - v), c.src_offset + (e - v));
         if (options_.sink) maps[c.file].push_back({c.src_offset + (b - v), b, e - b});
       };
@@ -214,7 +216,10 @@ void OrderedFetch::Build() {
       add(pos, v + c.length);
     }
   }
-  for (auto& [file, set] : needed) {
+  for (const auto& [file, set] : needed)
+    for (const auto& [b, e] : set.spans()) spans[file].Add(b, e);
+  for (const auto& [file, set] : spans) {
+    const IntervalSet& want = needed[file];
     for (const auto& [b, e] : set.spans()) {
       for (uint64_t pos = b; pos < e;) {
         Range* r = ranges_.empty() ? nullptr : &ranges_.back();
@@ -233,13 +238,114 @@ void OrderedFetch::Build() {
         // (AlignSpan, what its buffer holds) is at most range_bytes: a
         // buffer of the usual size (RangeBuffers).
         const uint64_t take = std::min(e, WindowEnd(r->offset, options_.range_bytes));
-        r->needed.Add(pos, take);
+        auto it = want.spans().upper_bound(pos);
+        if (it != want.spans().begin()) --it;
+        for (; it != want.spans().end() && it->first < take; ++it)
+          if (std::max(pos, it->first) < std::min(take, it->second))
+            r->needed.Add(std::max(pos, it->first), std::min(take, it->second));
         r->length = take - r->offset;
         pos = take;
       }
     }
   }
   AttachMappings(maps);
+  AttachItems();
+}
+
+void OrderedFetch::AddWindows(ItemCheck& k, std::map<FileId, IntervalSet>& spans) {
+  if (windows_.count(&k)) return;
+  Windows& w = windows_[&k];
+  for (const auto& [offset, len] : k.windows) {
+    w.bytes.emplace_back(len, '\0');
+    w.taken.emplace_back();
+    spans[k.item.file].Add(offset, offset + len);
+  }
+}
+
+void OrderedFetch::AttachItems() {
+  for (const auto& [k, w] : windows_) {
+    const FileId file = k->item.file;
+    for (const auto& [offset, len] : k->windows) {
+      auto r = std::upper_bound(ranges_.begin(), ranges_.end(), std::make_pair(file, offset),
+                                [](const std::pair<FileId, uint64_t>& key, const Range& x) {
+                                  return key < std::make_pair(x.file, x.offset);
+                                });
+      if (r != ranges_.begin()) --r;
+      for (; r != ranges_.end() && r->file == file && r->offset < offset + len; ++r)
+        if (r->offset + r->length > offset && (r->items.empty() || r->items.back() != k))
+          r->items.push_back(k);
+    }
+  }
+}
+
+std::map<uint64_t, std::string> OrderedFetch::WindowsOf(ItemCheck* k) const {
+  const Windows& w = windows_.at(k);
+  std::map<uint64_t, std::string> out;
+  for (size_t j = 0; j < k->windows.size(); ++j) {
+    const auto [offset, len] = k->windows[j];
+    if (w.taken[j].Bytes(offset, offset + len) != len) return {};
+    // The head and tail of a small item overlap or touch: one window.
+    auto prev = out.empty() ? out.end() : std::prev(out.end());
+    if (prev != out.end() && prev->first + prev->second.size() >= offset) {
+      const uint64_t keep = offset - prev->first;
+      prev->second.resize(std::max<uint64_t>(prev->second.size(), keep + len));
+      prev->second.replace(keep, len, w.bytes[j]);
+    } else {
+      out.emplace(offset, w.bytes[j]);
+    }
+  }
+  return out;
+}
+
+bool OrderedFetch::WindowsComing(ItemCheck* k) const {
+  for (const auto& [offset, len] : k->windows)
+    for (const Range& r : ranges_)
+      if (r.file == k->item.file && r.offset < offset + len && offset < r.offset + r.length &&
+          r.state == State::kFetching && r.reading && !r.recorded)
+        return true;
+  return false;
+}
+
+void OrderedFetch::SettleItems(size_t i, const char* bytes) {
+  Range& r = ranges_[i];
+  std::vector<ItemCheck*> mine;  // the items whose predicted bytes it holds
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (ItemCheck* k : r.items) {
+      Windows& w = windows_[k];
+      for (size_t j = 0; j < k->windows.size(); ++j) {
+        const auto [offset, len] = k->windows[j];
+        const uint64_t b = std::max(offset, r.offset), e = std::min(offset + len, r.offset + r.length);
+        if (b >= e) continue;
+        std::memcpy(w.bytes[j].data() + (b - offset), bytes + (b - r.offset), e - b);
+        w.taken[j].Add(b, e);
+      }
+      const ByteMeta& p = k->predicted;
+      if (p.offset < r.offset + r.length && r.offset < p.offset + p.length) mine.push_back(k);
+    }
+    r.recorded = true;
+  }
+  changed_.notify_all();
+  for (ItemCheck* k : mine) {
+    std::map<uint64_t, std::string> held;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      changed_.wait(lock, [&] {
+        return k->state() != ItemCheck::kUnchecked || stop_.load() || !(held = WindowsOf(k)).empty() ||
+               !WindowsComing(k);
+      });
+    }
+    // A failure leaves it unchecked: its readers' ordinary path reads it again and says why.
+    if (k->state() == ItemCheck::kUnchecked && !stop_.load()) (void)options_.settle(*k, std::move(held));
+  }
+  changed_.notify_all();  // other ranges' waits for these items
+  std::lock_guard<std::mutex> lock(mu_);
+  for (ItemCheck* k : mine) {
+    if (k->state() == ItemCheck::kVerified) continue;
+    const ByteMeta& p = k->predicted;
+    r.needed.Remove(p.offset, p.offset + p.length);
+    std::erase_if(r.maps, [&](const Mapping& m) { return m.src >= p.offset && m.src < p.offset + p.length; });
+  }
 }
 
 void OrderedFetch::AttachMappings(std::map<FileId, std::vector<Mapping>>& maps) {
@@ -299,7 +405,7 @@ void OrderedFetch::Split(const CopyOp& c, std::vector<Piece>* out) const {
   if (it != ranges_.begin()) --it;
   uint64_t pos = c.src_offset;
   auto piece = [&](size_t range, uint64_t b, uint64_t e) {
-    if (b < e) out->push_back({range, b, c.dst_offset + (b - c.src_offset), e - b, c.file});
+    if (b < e) out->push_back({range, b, c.dst_offset + (b - c.src_offset), e - b, c.file, c.speculative});
   };
   for (; it != ranges_.end() && pos < end; ++it) {
     if (it->file != c.file) {
@@ -335,7 +441,7 @@ void OrderedFetch::Work() {
       ranges_[i].state = State::kFetching;
     }
     options_.budget->Release(options_.range_bytes - ranges_[i].length);
-    if (pinning()) PushPinned(i);
+    if (pinning() && ranges_[i].items.empty()) PushPinned(i);
     else FetchRange(i, true);
   }
 }
@@ -347,7 +453,12 @@ void OrderedFetch::FetchRange(size_t i, bool push) {
   // Its readers read it the ordinary way, which reports the cause.
   Status st = buffer ? Status::OK() : Status::IOError("out of memory for a source range");
   char* bytes = buffer ? buffer.get() + span.skip : nullptr;  // written whole by fetch_ before it is read
+  if (!r.items.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    r.reading = true;  // its windows are coming (WindowsComing)
+  }
   if (st.ok()) st = fetch_(r.file, r.offset, r.length, bytes);
+  if (st.ok() && !r.items.empty()) SettleItems(i, bytes);
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (st.ok()) {
@@ -429,7 +540,7 @@ void OrderedFetch::TakeHeld(const Piece& p, std::vector<HeldBytes::Copy>* held, 
   std::vector<std::pair<uint64_t, uint64_t>> missing;
   ranges_[p.range].held.Take(p.src, p.length, p.dst, held, &missing);
   for (const auto& [src, len] : missing) {
-    rest->push_back({p.file, src, p.dst + (src - p.src), len});
+    rest->push_back({p.file, src, p.dst + (src - p.src), len, false, p.speculative});
     options_.counters->refetched.fetch_add(len, std::memory_order_relaxed);
   }
 }
@@ -490,14 +601,19 @@ Status OrderedFetch::Serve(const ReadPlan& plan, char* dst) {
       if (p.range != npos) {
         changed_.wait(lock, [&] { return ranges_[p.range].state != State::kFetching; });
         const Range& r = ranges_[p.range];
-        if (r.state == State::kHeld) {
+        // Planned on a prediction found wrong meanwhile: the request is planned again.
+        const ItemCheck::State item = p.speculative ? p.speculative->state() : ItemCheck::kVerified;
+        if (item == ItemCheck::kWrong)
+          return Status::PlanAgain("item at " + std::to_string(p.speculative->item.offset) +
+                                   ": its tensor is not where predicted");
+        if (r.state == State::kHeld && item == ItemCheck::kVerified) {
           TakeHeld(p, &held, &rest.copies);
           held_files.push_back(p.file);
           continue;
         }
         if (r.fetched) options_.counters->refetched.fetch_add(p.length, std::memory_order_relaxed);
       }
-      rest.copies.push_back({p.file, p.src, p.dst, p.length});
+      rest.copies.push_back({p.file, p.src, p.dst, p.length, false, p.speculative});
     }
   }
   for (const CopyOp& c : plan.copies)

@@ -69,6 +69,19 @@
 // computed bytes are never planned here: they go through the ordinary path
 // (computed views read their inputs through the compute cache).
 //
+// Predicted items. A DCP chunk placed by prediction (ItemCheck,
+// core/meta.h; indexer/dcp_item.h) is planned where predicted, and its
+// item's framing (a window at its head and one at its tail) is fetched with
+// the ranges: the ranges cover the windows as well as the needed bytes, and
+// each fetched range copies what it holds of them before it is published.
+// A range's bytes go to readers and to the page cache only once every item
+// whose bytes it holds is settled: from the windows its neighbours brought
+// (waiting for one that is being fetched), else by reading them
+// (Options::settle, a small read). An item found elsewhere than predicted
+// has its bytes left out of the range; its readers' requests, planned
+// speculatively, answer PlanAgain and are planned again where the framing
+// says.
+//
 // Lock order: OrderedFetch::mu_, then FetchBudget::mu_. No lock is held
 // during I/O.
 #pragma once
@@ -197,6 +210,9 @@ struct PlannedRange {
   IntervalSet needed;  // source bytes in it still to be served
   RangeState state = RangeState::kQueued;
   bool fetched = false;
+  bool reading = false;        // its fetch has begun (a range claimed by a reader may wait its turn)
+  bool recorded = false;       // its bytes of predicted items' windows were taken (SettleItems)
+  std::vector<ItemCheck*> items;  // predicted items whose windows it holds bytes of
   HeldBytes held;              // while kHeld
   std::vector<Mapping> maps;  // where its needed bytes go in the virtual file
 };
@@ -214,6 +230,11 @@ struct OrderedFetchOptions {
   // that range is fetched instead.
   using Pin = std::function<Result<std::unique_ptr<PinnedRange>>(FileId file, uint64_t offset, uint64_t len)>;
   Pin pin;
+  // Settles a predicted item from its windows' bytes (file offset -> bytes;
+  // empty: read them now): SourceReader::SettleItem. Unset: predicted items
+  // are left to the ordinary path.
+  using Settle = std::function<Status(ItemCheck& check, std::map<uint64_t, std::string> windows)>;
+  Settle settle;
 };
 
 // A piece of a copy, inside planned range `range` or in none (npos).
@@ -222,6 +243,7 @@ struct FetchPiece {
   size_t range;
   uint64_t src, dst, length;
   FileId file;
+  ItemCheck* speculative = nullptr;  // the copy's (CopyOp::speculative)
 };
 
 class OrderedFetch {
@@ -286,6 +308,19 @@ class OrderedFetch {
   void Split(const CopyOp& c, std::vector<Piece>* out) const;
   // The fetch threads' loop: ranges in order while there are any.
   void Work();
+  // Predicted items (header): adds the windows of item `k`, some of whose
+  // bytes the plan needs, to `spans` (by file), once. REQUIRES: mu_.
+  void AddWindows(ItemCheck& k, std::map<FileId, IntervalSet>& spans);
+  // Gives each range the predicted items whose windows it holds bytes of. REQUIRES: mu_.
+  void AttachItems();
+  // Settles the predicted items whose bytes range `i` holds, from `bytes`
+  // (its fetched bytes) and its neighbours'; leaves out the bytes of those
+  // found elsewhere or not settled. Before the range is published.
+  void SettleItems(size_t i, const char* bytes);
+  // Item `k`'s windows, once every byte of them was taken from a range; empty otherwise. REQUIRES: mu_.
+  std::map<uint64_t, std::string> WindowsOf(ItemCheck* k) const;
+  // Whether a range being read, not yet recorded, holds bytes of k's windows. REQUIRES: mu_.
+  bool WindowsComing(ItemCheck* k) const;
   // Fetches range `i` (claimed: kFetching, its budget taken) and publishes
   // it; with `push`, then hands its pages to options_.sink. Only the fetch
   // threads push: a reader's thread holds the kernel's locks on the pages
@@ -316,6 +351,13 @@ class OrderedFetch {
   size_t next_ = 0;                  // first range the fetch threads may still take
   std::shared_ptr<ServedRecord> served_;  // never null
   std::set<size_t> tensors_begun_;   // tensor segments a request began in
+  // Predicted items' windows (header), as ranges bring them: the bytes of
+  // each window, and which of them were taken.
+  struct Windows {
+    std::vector<std::string> bytes;  // parallel to ItemCheck::windows
+    std::vector<IntervalSet> taken;
+  };
+  std::map<ItemCheck*, Windows> windows_;
   // Bytes this handle asked for before the plan started, and how many of
   // them had been served before (ServedRecord).
   uint64_t asked_bytes_ = 0, asked_again_ = 0;

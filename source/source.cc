@@ -66,6 +66,13 @@ Result<std::unique_ptr<WindowedObject>> WindowedObject::Fetch(const SourceObject
   return out;
 }
 
+std::unique_ptr<WindowedObject> WindowedObject::Holding(const SourceObject& inner,
+                                                        std::map<uint64_t, std::string> windows) {
+  std::unique_ptr<WindowedObject> out(new WindowedObject(inner));
+  out->windows_ = std::move(windows);
+  return out;
+}
+
 Status WindowedObject::ReadAt(uint64_t offset, uint64_t len, char* dst) const {
   auto it = windows_.upper_bound(offset);
   if (it != windows_.begin()) {

@@ -152,6 +152,8 @@ class WindowedObject : public SourceObject {
   static Result<std::unique_ptr<WindowedObject>> Fetch(const SourceObject& inner,
                                                        std::vector<std::pair<uint64_t, uint64_t>> ranges,
                                                        WindowGaps gaps = {});
+  // Bytes held already: `windows` (offset -> bytes; disjoint, not touching).
+  static std::unique_ptr<WindowedObject> Holding(const SourceObject& inner, std::map<uint64_t, std::string> windows);
   Status ReadAt(uint64_t offset, uint64_t len, char* dst) const override;
   Result<SourceFile> Identity() const override { return inner_.Identity(); }
   Result<std::unique_ptr<SourceObject>> Reopen() const override { return inner_.Reopen(); }

@@ -19,6 +19,10 @@ namespace {
 // less, part of each piece is not read ahead (a loss of speed only).
 constexpr uint64_t kHintChunk = 512 << 10;
 
+// A predicted item's windows (SettleItem) are read in one request across
+// a gap of up to this many bytes: a request costs a server more than a MiB.
+constexpr uint64_t kOneReadItem = 1 << 20;
+
 }  // namespace
 
 SourceReader::SourceReader(std::shared_ptr<const Source> source, const std::vector<SourceFile>* files,
@@ -95,6 +99,9 @@ std::unique_ptr<OrderedFetch> SourceReader::MakeOrderedFetch(std::shared_ptr<con
       RETURN_IF_ERROR(objects_.CheckUnchanged(id, *obj));
       return pinned;
     };
+  o.settle = [this](ItemCheck& check, std::map<uint64_t, std::string> windows) {
+    return SettleItem(check, std::move(windows));
+  };
   return std::make_unique<OrderedFetch>(
       std::move(layout), std::move(served), std::move(o), std::move(fetch),
       [this](const ReadPlan& plan, char* dst) { return Execute(plan, dst); },
@@ -165,13 +172,49 @@ Status SourceReader::PassGate(const std::vector<CopyOp>& copies) {
 }
 
 Status SourceReader::Execute(const ReadPlan& plan, char* dst) {
+  RETURN_IF_ERROR(PassPredictions(plan.copies));
   if (gate_) RETURN_IF_ERROR(PassGate(plan.copies));
   return ExecuteUngated(plan, dst);
 }
 
 Status SourceReader::ExecuteScatter(const ReadPlan& plan, ScatterReply* reply) {
+  RETURN_IF_ERROR(PassPredictions(plan.copies));
   if (gate_) RETURN_IF_ERROR(PassGate(plan.copies));
   return ScatterUngated(plan, reply);
+}
+
+Status SourceReader::SettleItem(ItemCheck& check, std::map<uint64_t, std::string> windows) {
+  if (check.state() != ItemCheck::kUnchecked) return Status::OK();
+  const FileId id = check.item.file;
+  const std::string what = PathOf(id) + " item at " + std::to_string(check.item.offset);
+  if (!check.verify) return Status::Incomplete(what + ": no way to read its framing");
+  ASSIGN_OR_RETURN(const SourceObject* obj, objects_.Get(id));
+  std::unique_ptr<WindowedObject> framed;
+  if (windows.empty()) {
+    // An item of up to a MiB in one read, its bytes between the windows with it.
+    ASSIGN_OR_RETURN(framed, WindowedObject::Fetch(*obj, check.windows, WindowGaps{kOneReadItem, kOneReadItem}));
+    counters_->fetched.fetch_add(framed->bytes(), std::memory_order_relaxed);
+  } else {
+    framed = WindowedObject::Holding(*obj, std::move(windows));
+  }
+  RETURN_IF_ERROR(check.verify(*framed, check, what));
+  // What the framing said holds only if the source is still the indexed one.
+  return objects_.CheckUnchanged(id, *obj);
+}
+
+Status SourceReader::PassPredictions(const std::vector<CopyOp>& copies) {
+  // All settled before the answer: one plan again covers every item found elsewhere.
+  const CopyOp* wrong = nullptr;
+  ItemCheck* last = nullptr;
+  for (const CopyOp& c : copies) {
+    if (!c.speculative || c.speculative == last) continue;
+    last = c.speculative;
+    RETURN_IF_ERROR(SettleItem(*c.speculative));
+    if (c.speculative->state() == ItemCheck::kWrong && !wrong) wrong = &c;
+  }
+  if (!wrong) return Status::OK();
+  return Status::PlanAgain(PathOf(wrong->file) + " item at " + std::to_string(wrong->speculative->item.offset) +
+                           ": its tensor is not where predicted");
 }
 
 Status SourceReader::CheckSources(const std::vector<FileId>& ids) {

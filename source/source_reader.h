@@ -24,6 +24,7 @@
 
 #include <atomic>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -139,6 +140,13 @@ class SourceReader {
   std::unique_ptr<OrderedFetch> MakeOrderedFetch(std::shared_ptr<const Layout> layout,
                                                  std::shared_ptr<ServedRecord> served, PageSink sink = {});
 
+  // Settles predicted item `check` (ItemCheck, core/meta.h) by reading its
+  // framing: from `windows` (file offset -> bytes the caller holds, read
+  // through this reader's checked reads), else its windows read now (a small
+  // ranged read each, counted as fetched). OK once it is settled either way;
+  // a read failure leaves it unchecked and is returned.
+  Status SettleItem(ItemCheck& check, std::map<uint64_t, std::string> windows = {});
+
   // True once any source was seen changed (reads of it fail from then on).
   bool any_stale() const { return objects_.any_stale(); }
 
@@ -155,6 +163,10 @@ class SourceReader {
  private:
   Status ExecuteUngated(const ReadPlan& plan, char* dst);
   Status ScatterUngated(const ReadPlan& plan, ScatterReply* reply);
+  // Settles the predicted items `copies` read (CopyOp::speculative): the
+  // bytes are read only where predicted; PlanAgain when one was found
+  // elsewhere.
+  Status PassPredictions(const std::vector<CopyOp>& copies);
   // Verify-on-first-read of the chunks `copies` touch (SetChecksumGate).
   Status PassGate(const std::vector<CopyOp>& copies);
   // Runs task(i) for each of `reads`: side by side on the IoPool with
