@@ -237,6 +237,7 @@ int BuildIndex(const Common& c, bool quiet, size_t* unread) {
   }
   ScanOptions so;
   so.file_index_mapping = c.mapping;
+  so.predict_items = c.predict_items;
   so.warn = [](const std::string& line) { std::fprintf(stderr, "ckptfs: warning: %s\n", line.c_str()); };
   Progress progress("indexing " + c.root, 0, "dirs scanned");
   so.progress = [&](size_t dirs, size_t) { progress.Update(dirs); };

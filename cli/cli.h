@@ -44,6 +44,9 @@ struct Common {
   std::string names;  // --names FILE
   bool reindex = false;
   size_t max_loaded = 0;  // mount --max-loaded (FsOptions::max_loaded)
+  // A mount's index places DCP items by prediction over object storage
+  // (ScanOptions::predict_items); `ckptfs index` reads their framing.
+  bool predict_items = false;
   S3Flags s3;             // an s3:// root: --endpoint-url, --region, ...
   std::string part_size = "8MiB";  // --part-size, parsed into s3.part_size
   std::string cache_dir;           // --cache DIR (s3:// roots), made absolute by ResolveCacheFlags

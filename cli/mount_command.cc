@@ -151,6 +151,7 @@ MountOptions MakeMountOptions(const MountFlags& f, const Common& c, std::shared_
   mo.live.log = [out](const std::string& line) { out->Write(LogLevel::kInfo, line); };
   mo.live.scan = [source, out](const std::string& rel) {
     ScanOptions so;
+    so.predict_items = true;
     so.warn = [out](const std::string& line) { out->Write(LogLevel::kWarn, line); };
     return ScanCheckpointDir(*source, rel, so);
   };
@@ -167,6 +168,7 @@ int MountAndServeFlags(const MountFlags& f, Common& c, const std::string& mountp
                        std::function<void()> detach) {
   int rc = kExitOk;
   c.max_loaded = f.max_loaded;
+  c.predict_items = true;
   std::shared_ptr<StoreLoader> store;
   auto fs = OpenFs(c, &rc, [out](const std::string& line) { out->Write(LogLevel::kWarn, line); }, &store);
   if (!fs) return rc;
