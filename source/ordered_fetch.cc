@@ -255,11 +255,9 @@ void OrderedFetch::Build() {
 void OrderedFetch::AddWindows(ItemCheck& k, std::map<FileId, IntervalSet>& spans) {
   if (windows_.count(&k)) return;
   Windows& w = windows_[&k];
-  for (const auto& [offset, len] : k.windows) {
-    w.bytes.emplace_back(len, '\0');
-    w.taken.emplace_back();
-    spans[k.item.file].Add(offset, offset + len);
-  }
+  w.bytes.resize(k.windows.size());  // filled as ranges land (SettleItems)
+  w.taken.resize(k.windows.size());
+  for (const auto& [offset, len] : k.windows) spans[k.item.file].Add(offset, offset + len);
 }
 
 void OrderedFetch::AttachItems() {
@@ -298,11 +296,17 @@ std::map<uint64_t, std::string> OrderedFetch::WindowsOf(ItemCheck* k) const {
 }
 
 bool OrderedFetch::WindowsComing(ItemCheck* k) const {
-  for (const auto& [offset, len] : k->windows)
-    for (const Range& r : ranges_)
-      if (r.file == k->item.file && r.offset < offset + len && offset < r.offset + r.length &&
-          r.state == State::kFetching && r.reading && !r.recorded)
+  for (const auto& [offset, len] : k->windows) {
+    // The first range that may hold the window's first byte, as AttachItems finds it.
+    auto r = std::upper_bound(ranges_.begin(), ranges_.end(), std::make_pair(k->item.file, offset),
+                              [](const std::pair<FileId, uint64_t>& key, const Range& x) {
+                                return key < std::make_pair(x.file, x.offset);
+                              });
+    if (r != ranges_.begin()) --r;
+    for (; r != ranges_.end() && r->file == k->item.file && r->offset < offset + len; ++r)
+      if (r->offset + r->length > offset && r->state == State::kFetching && r->reading && !r->recorded)
         return true;
+  }
   return false;
 }
 
@@ -313,10 +317,11 @@ void OrderedFetch::SettleItems(size_t i, const char* bytes) {
     std::lock_guard<std::mutex> lock(mu_);
     for (ItemCheck* k : r.items) {
       Windows& w = windows_[k];
-      for (size_t j = 0; j < k->windows.size(); ++j) {
+      for (size_t j = 0; j < k->windows.size() && k->state() == ItemCheck::kUnchecked; ++j) {
         const auto [offset, len] = k->windows[j];
         const uint64_t b = std::max(offset, r.offset), e = std::min(offset + len, r.offset + r.length);
         if (b >= e) continue;
+        w.bytes[j].resize(len);
         std::memcpy(w.bytes[j].data() + (b - offset), bytes + (b - r.offset), e - b);
         w.taken[j].Add(b, e);
       }
@@ -341,6 +346,8 @@ void OrderedFetch::SettleItems(size_t i, const char* bytes) {
   changed_.notify_all();  // other ranges' waits for these items
   std::lock_guard<std::mutex> lock(mu_);
   for (ItemCheck* k : mine) {
+    // Settled: its windows' bytes go (a few KiB per item, a million items in a large checkpoint).
+    if (k->state() != ItemCheck::kUnchecked) windows_[k].bytes = std::vector<std::string>(k->windows.size());
     if (k->state() == ItemCheck::kVerified) continue;
     const ByteMeta& p = k->predicted;
     r.needed.Remove(p.offset, p.offset + p.length);

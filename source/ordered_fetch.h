@@ -352,7 +352,8 @@ class OrderedFetch {
   std::shared_ptr<ServedRecord> served_;  // never null
   std::set<size_t> tensors_begun_;   // tensor segments a request began in
   // Predicted items' windows (header), as ranges bring them: the bytes of
-  // each window, and which of them were taken.
+  // each window, and which of them were taken. The bytes are held from the
+  // first range that brings some until the item is settled.
   struct Windows {
     std::vector<std::string> bytes;  // parallel to ItemCheck::windows
     std::vector<IntervalSet> taken;

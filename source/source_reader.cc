@@ -19,9 +19,10 @@ namespace {
 // less, part of each piece is not read ahead (a loss of speed only).
 constexpr uint64_t kHintChunk = 512 << 10;
 
-// A predicted item's windows (SettleItem) are read in one request across
-// a gap of up to this many bytes: a request costs a server more than a MiB.
-constexpr uint64_t kOneReadItem = 1 << 20;
+// A predicted item's two windows (SettleItem) are read in one request
+// across a gap of up to this many bytes, else in two: more would fetch
+// bytes no one asked for (a whole item of a MiB, to serve a page of it).
+constexpr uint64_t kOneReadItem = 64 << 10;
 
 }  // namespace
 
@@ -191,7 +192,7 @@ Status SourceReader::SettleItem(ItemCheck& check, std::map<uint64_t, std::string
   ASSIGN_OR_RETURN(const SourceObject* obj, objects_.Get(id));
   std::unique_ptr<WindowedObject> framed;
   if (windows.empty()) {
-    // An item of up to a MiB in one read, its bytes between the windows with it.
+    // A small item's two ends in one read, the bytes between them with it.
     ASSIGN_OR_RETURN(framed, WindowedObject::Fetch(*obj, check.windows, WindowGaps{kOneReadItem, kOneReadItem}));
     counters_->fetched.fetch_add(framed->bytes(), std::memory_order_relaxed);
   } else {
