@@ -81,6 +81,12 @@ struct ItemCheck {
   const std::vector<uint64_t>& actual_strides() const { return actual_strides_; }
   const std::string& why() const { return why_; }
 
+  // The gate where bytes leave (docs/SEMANTICS.md, "Framing read with the
+  // bytes"): bytes planned from chunk placement `k` (null: placed by its
+  // framing) may reach a reader, a pushed page or a computed value only
+  // when this holds. Every path that hands out planned bytes asks it.
+  static bool Servable(const ItemCheck* k) { return !k || k->state() == kVerified; }
+
   // Records the outcome once; later calls change nothing.
   void Settle(bool as_predicted, ByteMeta actual = {}, std::vector<uint64_t> strides = {}, std::string why = {});
   // The same prediction, unchecked, with file ids `by` higher (a table that

@@ -84,17 +84,10 @@ Result<ComputeCache::Block> ComputeCache::ComputeBlock(const Computation& c, uin
   for (const ComputeInput& in : c.InputsOf(b)) {
     Layout layout;
     RETURN_IF_ERROR(layout.AddTensor(in.tensor, in.box));
-    ASSIGN_OR_RETURN(ReadPlan plan, Plan(layout, 0, layout.size()));
     BlockBytes bytes(layout.size());
-    Status st = reader.Execute(plan, bytes.data());
-    // Planned on a prediction its item's framing did not confirm: once
-    // more, where the framing says (ItemCheck, core/meta.h).
-    if (st.code() == Status::Code::kPlanAgain) {
-      ASSIGN_OR_RETURN(plan, Plan(layout, 0, layout.size()));
-      st = reader.Execute(plan, bytes.data());
-    }
-    if (!st.ok()) return st.WithContext(c.what());
-    for (const CopyOp& op : plan.copies) block.files.push_back(op.file);
+    auto plan = reader.ReadLaidOut(layout, 0, layout.size(), bytes.data());
+    if (!plan.ok()) return plan.status().WithContext(c.what());
+    for (const CopyOp& op : plan->copies) block.files.push_back(op.file);
     inputs.push_back(std::move(bytes));
   }
   std::sort(block.files.begin(), block.files.end());

@@ -199,7 +199,7 @@ void OrderedFetch::Build() {
         if (b >= e) return;
         if (c.speculative && options_.settle) AddWindows(*c.speculative, spans);
         needed[c.file].Add(c.src_offset + (b - v), c.src_offset + (e - v));
-        if (options_.sink) maps[c.file].push_back({c.src_offset + (b - v), b, e - b});
+        if (options_.sink) maps[c.file].push_back({c.src_offset + (b - v), b, e - b, c.speculative});
       };
       auto skip = [&](uint64_t b, uint64_t e) {
         if (b < e) left_out[c.file].Add(c.src_offset + (b - v), c.src_offset + (e - v));
@@ -263,15 +263,19 @@ void OrderedFetch::AddWindows(ItemCheck& k, std::map<FileId, IntervalSet>& spans
 void OrderedFetch::AttachItems() {
   for (const auto& [k, w] : windows_) {
     const FileId file = k->item.file;
-    for (const auto& [offset, len] : k->windows) {
+    // Its windows and, between them, its predicted bytes: every range
+    // holding any of them settles it before it publishes a byte.
+    std::vector<std::pair<uint64_t, uint64_t>> spans = k->windows;
+    spans.emplace_back(k->predicted.offset, k->predicted.length);
+    for (const auto& [offset, len] : spans) {
       auto r = std::upper_bound(ranges_.begin(), ranges_.end(), std::make_pair(file, offset),
                                 [](const std::pair<FileId, uint64_t>& key, const Range& x) {
                                   return key < std::make_pair(x.file, x.offset);
                                 });
       if (r != ranges_.begin()) --r;
       for (; r != ranges_.end() && r->file == file && r->offset < offset + len; ++r)
-        if (r->offset + r->length > offset && (r->items.empty() || r->items.back() != k))
-          r->items.push_back(k);
+        // Only k is attached in this pass: a range holding it already has it last.
+        if (r->offset + r->length > offset && (r->items.empty() || r->items.back() != k)) r->items.push_back(k);
     }
   }
 }
@@ -366,7 +370,7 @@ void OrderedFetch::AttachMappings(std::map<FileId, std::vector<Mapping>>& maps) 
       if (r != ranges_.begin()) --r;
       for (; r != ranges_.end() && r->file == file && r->offset < m.src + m.len; ++r) {
         const uint64_t b = std::max(m.src, r->offset), e = std::min(m.src + m.len, r->offset + r->length);
-        if (b < e) r->maps.push_back({b, m.virt + (b - m.src), e - b});
+        if (b < e) r->maps.push_back({b, m.virt + (b - m.src), e - b, m.item});
       }
     }
   }
@@ -377,6 +381,8 @@ std::vector<std::pair<uint64_t, uint64_t>> OrderedFetch::Push(const Range& r, co
   static const uint64_t page = uint64_t(::sysconf(_SC_PAGESIZE));
   std::vector<std::pair<uint64_t, uint64_t>> pushed, needed;
   for (const Mapping& m : r.maps) {
+    // The gate (header): a predicted item's bytes only once it is verified.
+    if (!ItemCheck::Servable(m.item)) continue;
     // What readers have not been served meanwhile: the rest is in the page cache.
     needed.clear();
     {
@@ -609,11 +615,11 @@ Status OrderedFetch::Serve(const ReadPlan& plan, char* dst) {
         changed_.wait(lock, [&] { return ranges_[p.range].state != State::kFetching; });
         const Range& r = ranges_[p.range];
         // Planned on a prediction found wrong meanwhile: the request is planned again.
-        const ItemCheck::State item = p.speculative ? p.speculative->state() : ItemCheck::kVerified;
-        if (item == ItemCheck::kWrong)
+        if (p.speculative && p.speculative->state() == ItemCheck::kWrong)
           return Status::PlanAgain("item at " + std::to_string(p.speculative->item.offset) +
                                    ": its tensor is not where predicted");
-        if (r.state == State::kHeld && item == ItemCheck::kVerified) {
+        // The gate (header); an unsettled item's bytes go the ordinary way, which settles it.
+        if (r.state == State::kHeld && ItemCheck::Servable(p.speculative)) {
           TakeHeld(p, &held, &rest.copies);
           held_files.push_back(p.file);
           continue;

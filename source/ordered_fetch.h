@@ -75,12 +75,15 @@
 // the ranges: the ranges cover the windows as well as the needed bytes, and
 // each fetched range copies what it holds of them before it is published.
 // A range's bytes go to readers and to the page cache only once every item
-// whose bytes it holds is settled: from the windows its neighbours brought
-// (waiting for one that is being fetched), else by reading them
-// (Options::settle, a small read). An item found elsewhere than predicted
-// has its bytes left out of the range; its readers' requests, planned
-// speculatively, answer PlanAgain and are planned again where the framing
-// says.
+// whose bytes it holds (its windows or any byte between them: an item
+// larger than a range spans several) is settled: from the windows its
+// neighbours brought (waiting for one that is being fetched), else by
+// reading them (Options::settle, a small read). An item found elsewhere than
+// predicted has its bytes left out of the range; its readers' requests,
+// planned speculatively, answer PlanAgain and are planned again where the
+// framing says. The gate is the bytes' own: each mapping names its item,
+// and Push and Serve hand out a predicted item's bytes only while
+// ItemCheck::Servable says so, whatever the range's state.
 //
 // Lock order: OrderedFetch::mu_, then FetchBudget::mu_. No lock is held
 // during I/O.
@@ -201,9 +204,12 @@ class ServedRecord {
 // needed bytes go in the virtual file.
 enum class RangeState { kQueued, kFetching, kHeld, kDone, kFailed };
 struct PlannedRange {
-  // Source bytes [src, src + len) are virtual bytes [virt, virt + len).
+  // Source bytes [src, src + len) are virtual bytes [virt, virt + len);
+  // `item`: the predicted item they belong to (CopyOp::speculative), whose
+  // bytes are pushed only once it is verified (ItemCheck::Servable).
   struct Mapping {
     uint64_t src, virt, len;
+    ItemCheck* item = nullptr;
   };
   FileId file = 0;
   uint64_t offset = 0, length = 0;
@@ -212,7 +218,7 @@ struct PlannedRange {
   bool fetched = false;
   bool reading = false;        // its fetch has begun (a range claimed by a reader may wait its turn)
   bool recorded = false;       // its bytes of predicted items' windows were taken (SettleItems)
-  std::vector<ItemCheck*> items;  // predicted items whose windows it holds bytes of
+  std::vector<ItemCheck*> items;  // predicted items whose windows or bytes it holds bytes of
   HeldBytes held;              // while kHeld
   std::vector<Mapping> maps;  // where its needed bytes go in the virtual file
 };
@@ -311,7 +317,7 @@ class OrderedFetch {
   // Predicted items (header): adds the windows of item `k`, some of whose
   // bytes the plan needs, to `spans` (by file), once. REQUIRES: mu_.
   void AddWindows(ItemCheck& k, std::map<FileId, IntervalSet>& spans);
-  // Gives each range the predicted items whose windows it holds bytes of. REQUIRES: mu_.
+  // Gives each range the predicted items whose windows or bytes it holds bytes of. REQUIRES: mu_.
   void AttachItems();
   // Settles the predicted items whose bytes range `i` holds, from `bytes`
   // (its fetched bytes) and its neighbours'; leaves out the bytes of those

@@ -23,6 +23,8 @@ constexpr uint64_t kHintChunk = 512 << 10;
 // across a gap of up to this many bytes, else in two: more would fetch
 // bytes no one asked for (a whole item of a MiB, to serve a page of it).
 constexpr uint64_t kOneReadItem = 64 << 10;
+// Plans of one read (ReadLaidOut): the first, and again after PlanAgain.
+constexpr int kPlanTries = 5;
 
 }  // namespace
 
@@ -178,6 +180,17 @@ Status SourceReader::Execute(const ReadPlan& plan, char* dst) {
   return ExecuteUngated(plan, dst);
 }
 
+Result<ReadPlan> SourceReader::ReadLaidOut(const Layout& layout, uint64_t offset, uint64_t length, char* dst) {
+  Status st = Status::PlanAgain("");
+  ReadPlan plan;
+  for (int tries = 0; st.code() == Status::Code::kPlanAgain && tries < kPlanTries; ++tries) {
+    ASSIGN_OR_RETURN(plan, Plan(layout, offset, length));
+    st = Execute(plan, dst);
+  }
+  if (!st.ok()) return st;
+  return plan;
+}
+
 Status SourceReader::ExecuteScatter(const ReadPlan& plan, ScatterReply* reply) {
   RETURN_IF_ERROR(PassPredictions(plan.copies));
   if (gate_) RETURN_IF_ERROR(PassGate(plan.copies));
@@ -211,7 +224,11 @@ Status SourceReader::PassPredictions(const std::vector<CopyOp>& copies) {
     if (!c.speculative || c.speculative == last) continue;
     last = c.speculative;
     RETURN_IF_ERROR(SettleItem(*c.speculative));
-    if (c.speculative->state() == ItemCheck::kWrong && !wrong) wrong = &c;
+    if (ItemCheck::Servable(c.speculative)) continue;  // the gate (core/meta.h)
+    if (c.speculative->state() != ItemCheck::kWrong)
+      return Status::IOError(PathOf(c.file) + " item at " + std::to_string(c.speculative->item.offset) +
+                             ": its framing could not be checked");
+    if (!wrong) wrong = &c;
   }
   if (!wrong) return Status::OK();
   return Status::PlanAgain(PathOf(wrong->file) + " item at " + std::to_string(wrong->speculative->item.offset) +

@@ -102,6 +102,11 @@ class SourceReader {
 
   // Fills dst[0, plan.length) as the plan says. Thread-safe.
   Status Execute(const ReadPlan& plan, char* dst);
+  // Plans [offset, offset + length) of `layout` and Executes it, planned
+  // again while a prediction is found wrong (PlanAgain: each time settles
+  // every item of the plan, so once is the rule); returns the plan that
+  // filled dst (its ComputeOps are left to the caller).
+  Result<ReadPlan> ReadLaidOut(const Layout& layout, uint64_t offset, uint64_t length, char* dst);
 
   // The plan's bytes as a scatter list over the buffers its reads filled
   // (source/scatter_reply.h): no byte read is copied to put it in place.

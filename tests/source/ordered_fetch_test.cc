@@ -117,6 +117,15 @@ Status ReadVia(SourceReader& r, OrderedFetch& f, const Layout& layout, uint64_t 
   return f.Noted(offset, plan->length) ? f.Serve(*plan, dst) : r.Execute(*plan, dst);
 }
 
+// ReadVia, planned again while it answers PlanAgain (as OpenFiles::Read does).
+Status ReadAgainVia(SourceReader& r, OrderedFetch& f, const Layout& layout, uint64_t offset, uint64_t len,
+                    char* dst) {
+  Status st = ReadVia(r, f, layout, offset, len, dst);
+  for (int again = 0; st.code() == Status::Code::kPlanAgain && again < 4; ++again)
+    st = ReadVia(r, f, layout, offset, len, dst);
+  return st;
+}
+
 // The kernel's side of a push: pages handed to the sink are in the page
 // cache, so a reader's pass asks the daemon only for the others.
 struct PageCache {
@@ -147,7 +156,7 @@ struct PageCache {
     auto ask = [&](uint64_t end) -> Status {
       for (; pos < end;) {
         const uint64_t n = std::min<uint64_t>(64 * kKiB, end - pos);
-        RETURN_IF_ERROR(ReadVia(r, f, layout, pos, n, got.data() + pos));
+        RETURN_IF_ERROR(ReadAgainVia(r, f, layout, pos, n, got.data() + pos));
         pos += n;
       }
       return Status::OK();
@@ -580,6 +589,82 @@ TEST(OrderedFetch, ColdSourcesAreReadDirectAndStayOutOfThePageCache) {
     EXPECT_EQ(ResidentBytes(t.dir / name), 0u) << name << ": planned ranges went through the page cache";
   f.reset();
   EXPECT_GE(r.budget->buffers().idle(), 1u) << "no range buffer was kept for reuse";
+}
+
+// A predicted item (ItemCheck) larger than several ranges: every range
+// holding any of its bytes, not only those holding its framing's windows,
+// waits for it to settle, and no byte of it is pushed or served from where
+// it was predicted when its framing says elsewhere (the bytes there are
+// the item's framing and its neighbours', not the tensor's).
+constexpr uint64_t kMovedBy = 8 * kKiB;  // where FramingSaysMoved puts the tensor, past the prediction
+Status FramingSaysMoved(const SourceObject&, ItemCheck& k, const std::string&) {
+  k.Settle(false, {k.item.file, k.predicted.offset + kMovedBy, k.predicted.length});
+  return Status::OK();
+}
+Status FramingSaysPredicted(const SourceObject&, ItemCheck& k, const std::string&) {
+  k.Settle(true);
+  return Status::OK();
+}
+
+// A header, u8 tensor "a" (64 KiB, placed by its framing) and u8 tensor
+// "big" (512 KiB, item at 128 KiB, predicted 1 KiB into it) of one 1 MiB
+// source whose bytes all differ from their neighbours'.
+Files PredictedBigItem(ItemCheck::Verify verify, std::shared_ptr<ItemCheck>& k) {
+  Files t;
+  t.dir = TempDirs::Make("ckptfs-ordered-predicted");
+  std::string contents(1 << 20, '\0');
+  std::mt19937 rng(5);
+  for (char& c : contents) c = char(rng());
+  AddFile(t, "f0", contents);
+  t.layout->AddLiteral(std::string(100, 'h'));
+  t.expected = std::string(100, 'h');
+  AddTensor(t, "a", 0, 0, 64 * kKiB, contents);
+  k = std::make_shared<ItemCheck>();
+  k->item = {0, 128 * kKiB, 600 * kKiB};
+  k->predicted = {0, 128 * kKiB + kKiB, 512 * kKiB};
+  k->shape = {512 * kKiB};
+  k->dtype = DType::kU8;
+  k->windows = {{k->item.offset, 2 * kKiB}, {k->item.offset + k->item.length - 2 * kKiB, 2 * kKiB}};
+  k->verify = verify;
+  auto big = U8Tensor("big", 0, k->predicted.offset, k->predicted.length);
+  big->chunks[0].set_item_check(k);
+  EXPECT_TRUE(t.layout->AddTensor(big, Box::Whole(big->shape)).ok());
+  const uint64_t at = verify == &FramingSaysMoved ? k->predicted.offset + kMovedBy : k->predicted.offset;
+  t.expected += contents.substr(at, k->predicted.length);
+  return t;
+}
+
+TEST(OrderedFetch, APredictedItemFoundElsewhereHasNoPageOfItPushed) {
+  for (const auto verify : {&FramingSaysMoved, &FramingSaysPredicted}) {
+    const bool moved = verify == &FramingSaysMoved;
+    SCOPED_TRACE(moved ? "found elsewhere" : "found as predicted");
+    std::shared_ptr<ItemCheck> k;
+    Files t = PredictedBigItem(verify, k);
+    Reader r(t, 64ull << 20, 64 * kKiB);  // the item spans ten ranges
+    PageCache cache;
+    auto f = r.reader->MakeOrderedFetch(t.layout, nullptr, cache.Sink());
+    std::string got(t.layout->size(), '\0');
+    ASSERT_TRUE(ReadAgainVia(*r.reader, *f, *t.layout, 100, 4 * kKiB, got.data() + 100).ok());
+    const uint64_t in_big = 100 + 64 * kKiB + 200 * kKiB;  // a page in the item's middle starts the plan
+    ASSERT_TRUE(ReadAgainVia(*r.reader, *f, *t.layout, in_big, 4 * kKiB, got.data() + in_big).ok());
+    ASSERT_TRUE(f->started());
+    WaitForTheFetch(*r.reader, 500 * kKiB);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the last range's push
+    EXPECT_NE(k->state(), ItemCheck::kUnchecked);
+    uint64_t pushed_in_big = 0;
+    {
+      std::lock_guard<std::mutex> lock(cache.mu);
+      for (const auto& [offset, data] : cache.pages) {
+        EXPECT_TRUE(data == t.expected.substr(offset, data.size())) << "wrong page pushed at " << offset;
+        if (offset >= 100 + 64 * kKiB) pushed_in_big += data.size();
+      }
+    }
+    // Found as predicted, the gate lets its pages through: it costs no speed.
+    if (!moved) EXPECT_GE(pushed_in_big, 400 * kKiB);
+    ASSERT_TRUE(cache.Pass(*r.reader, *f, *t.layout, got).ok());
+    const auto diff = std::mismatch(got.begin(), got.end(), t.expected.begin());
+    EXPECT_TRUE(diff.first == got.end()) << "first wrong byte at " << (diff.first - got.begin());
+  }
 }
 
 TEST(OrderedFetch, OneTensorFileIsNotPlanned) {
