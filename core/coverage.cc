@@ -14,13 +14,19 @@ std::vector<Box> BoxesOf(const TensorMeta& t) {
   return boxes;
 }
 
-// Bytes a chunk's stored layout spans: the last element's offset + 1.
+// Bytes a chunk's stored layout spans: the last element's offset + 1;
+// nullopt when that overflows (hostile strides).
 std::optional<uint64_t> StoredBytes(const Chunk& c, DType dtype) {
   const Box b = c.box();
   if (b.numel() == 0) return 0;
   if (c.strides().empty()) return ByteSize(dtype, b.numel());
   uint64_t last = 0;
-  for (size_t i = 0; i < b.rank(); ++i) last += (b.lengths[i] - 1) * c.strides()[i];
+  for (size_t i = 0; i < b.rank(); ++i) {
+    const uint64_t step = b.lengths[i] - 1, stride = c.strides()[i];
+    if (stride != 0 && step > (UINT64_MAX - last) / stride) return std::nullopt;
+    last += step * stride;
+  }
+  if (last == UINT64_MAX) return std::nullopt;
   return ByteSize(dtype, last + 1);
 }
 
@@ -66,6 +72,13 @@ std::optional<Box> FindHole(const TensorMeta& t) {
 
 }  // namespace
 
+std::optional<std::string> ChunkBytesProblem(const Chunk& c, DType dtype) {
+  auto need = StoredBytes(c, dtype);
+  if (need && *need <= c.length()) return std::nullopt;
+  return " needs " + (need ? std::to_string(*need) : std::string("overflowing")) + " bytes but its item holds " +
+         std::to_string(c.length());
+}
+
 std::vector<std::string> CheckCoverage(const TensorMeta& t) {
   std::vector<std::string> problems;
   const std::string who = "tensor '" + t.fqn + "' " + ShapeToString(t.shape);
@@ -87,11 +100,7 @@ std::vector<std::string> CheckCoverage(const TensorMeta& t) {
       problems.push_back(where + " has dtype " + std::string(DTypeName(c.dtype())) +
                          ", tensor has " + std::string(DTypeName(t.dtype)));
     }
-    auto need = StoredBytes(c, t.dtype);
-    if (!need || *need > c.length()) {
-      problems.push_back(where + " needs " + (need ? std::to_string(*need) : "overflowing") +
-                         " bytes but its item holds " + std::to_string(c.length()));
-    }
+    if (auto short_by = ChunkBytesProblem(c, t.dtype)) problems.push_back(where + *short_by);
     covered += boxes[i].numel();
   }
   if (!problems.empty()) return problems;

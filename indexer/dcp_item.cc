@@ -4,6 +4,7 @@
 #include <optional>
 #include <string_view>
 
+#include "core/coverage.h"
 #include "indexer/readers.h"
 #include "indexer/torch_save_framing.h"
 
@@ -138,6 +139,10 @@ Status VerifyItem(const SourceObject& obj, ItemCheck& check, const std::string& 
     }
   }
   PlaceItemChunk(*archive, what, check.item.file, check.dtype, c);
+  // Found elsewhere, the chunk passes the indexer's bounds check before any
+  // read is planned there (its strides could reach past its item).
+  if (c.unavailable().empty())
+    if (auto problem = ChunkBytesProblem(c, check.dtype)) c.set_unavailable(what + ":" + *problem);
   if (!c.unavailable().empty()) {
     check.Settle(false, {}, {}, c.unavailable());
   } else if (c.offset() == check.predicted.offset && c.strides().empty() && c.length() >= check.predicted.length) {
