@@ -19,13 +19,20 @@ constexpr char kHeaderTag = 'h';
 constexpr char kTensorTag = 't';
 constexpr char kMappingTag = 'v';
 
-// Leading byte of a tensor value; a later layout gets a new number.
-constexpr uint8_t kTensorLayout = 1;
+// Leading byte of a tensor value; a later layout gets a new number, so that
+// a binary that predates it refuses the row ("unknown row layout") instead
+// of misreading it. Layout 2 is layout 1 plus the kPredicted chunk flag: a
+// tensor with no predicted chunk is still written as 1, readable by every
+// binary.
+constexpr uint8_t kTensorLayout = 1, kTensorLayoutPredicted = 2;
 // Chunk flags.
-// kPredicted: the chunk's ByteMeta is a prediction (ItemCheck, core/meta.h),
-// its item's offset and length follow; the check is settled again after
-// every load.
+// kPredicted (layout 2 only): the chunk's ByteMeta is a prediction
+// (ItemCheck, core/meta.h), its item's offset and length follow; the check
+// is settled again after every load.
 constexpr uint8_t kHasStrides = 1, kHasUnavailable = 2, kHasCrc = 4, kPredicted = 8;
+constexpr uint8_t KnownFlags(uint8_t layout) {
+  return kHasStrides | kHasUnavailable | kHasCrc | (layout == kTensorLayoutPredicted ? kPredicted : 0);
+}
 
 // Appends LEB128 varints and length-prefixed strings. A chunk's box, byte
 // range and file id are small integers: 1M chunks of rank 2 take ~12 bytes
@@ -132,7 +139,8 @@ std::string PathInCheckpoint(const std::string& dir, const std::string& path) {
 
 std::string EncodeTensor(const TensorMeta& t) {
   Writer w;
-  w.U8(kTensorLayout);
+  const bool predicted = std::any_of(t.chunks.begin(), t.chunks.end(), [](const Chunk& c) { return c.item_check(); });
+  w.U8(predicted ? kTensorLayoutPredicted : kTensorLayout);
   w.Str(DTypeName(t.dtype));
   w.Vec(t.shape);
   w.Var(t.path.size());
@@ -162,7 +170,10 @@ Result<TensorMeta> DecodeTensor(std::string_view fqn, std::string_view value) {
   Reader r(value);
   TensorMeta t;
   t.fqn = fqn;
-  if (r.U8() != kTensorLayout) return Status::Corruption("tensor '" + t.fqn + "': unknown row layout");
+  const uint8_t layout = r.U8();
+  if (layout != kTensorLayout && layout != kTensorLayoutPredicted)
+    return Status::Corruption("tensor '" + t.fqn + "': unknown row layout " + std::to_string(layout) +
+                              " (written by a newer ckptfs? `ckptfs index` rebuilds it)");
   auto dtype = ParseDType(r.Str());
   if (!dtype) return Status::Corruption("tensor '" + t.fqn + "': unknown dtype");
   t.dtype = *dtype;
@@ -172,7 +183,10 @@ Result<TensorMeta> DecodeTensor(std::string_view fqn, std::string_view value) {
   t.problem = r.Str();
   t.chunks.resize(r.Count());
   for (Chunk& c : t.chunks) {
-    uint8_t flags = r.U8();
+    const uint8_t flags = r.U8();
+    if (flags & ~KnownFlags(layout))
+      return Status::Corruption("tensor '" + t.fqn + "': chunk flags " + std::to_string(flags) +
+                                " unknown to row layout " + std::to_string(layout));
     Box box;
     box.offsets = r.Vec();
     box.lengths = r.Vec();

@@ -251,6 +251,35 @@ TEST(StoreRows, AVersionThatCouldNotGoOutInARequestHeaderIsRefused) {
   }
 }
 
+// A predicted chunk's row carries its own layout number, so that a binary
+// that predates predictions refuses the row instead of misreading the item
+// that follows the chunk; a tensor with none keeps layout 1.
+TEST(StoreRows, APredictedChunkIsWrittenUnderItsOwnRowLayout) {
+  auto rows_or = rows::EncodeCheckpoint(FullCheckpoint("s"), rows::kSourceScan, 1);
+  ASSERT_TRUE(rows_or.ok()) << rows_or.status().ToString();
+  auto entry = rows::DecodeCheckpointRow(rows_or->back().key, rows_or->back().value);
+  ASSERT_TRUE(entry.ok()) << entry.status().ToString();
+  auto tensor_row = [&](const std::string& fqn) -> rows::Row& {
+    const std::string tail = std::string(1, '\0') + "t" + fqn;
+    for (rows::Row& r : *rows_or)
+      if (r.key.size() >= tail.size() && r.key.compare(r.key.size() - tail.size(), tail.size(), tail) == 0) return r;
+    ADD_FAILURE() << "no row for " << fqn;
+    return rows_or->front();
+  };
+  EXPECT_EQ(tensor_row("model.w").value[0], char(1));
+  rows::Row& predicted = tensor_row("model.embed");
+  EXPECT_EQ(predicted.value[0], char(2));
+  // The same bytes under layout 1 (what a writer that forgot the number
+  // would leave): the flag is unknown there, and the row is refused.
+  predicted.value[0] = char(1);
+  rows::CheckpointDecoder d(*entry, false);
+  Status st;
+  for (const rows::Row& r : *rows_or)
+    if (st.ok() && &r != &rows_or->back()) st = d.Add(r.key, r.value);
+  EXPECT_EQ(st.code(), Status::Code::kCorruption);
+  EXPECT_NE(st.message().find("unknown to row layout 1"), std::string::npos) << st.message();
+}
+
 TEST_F(StoreTest, DataReachesSstFilesAndSurvivesReopen) {
   {
     auto store = OpenOk(Access::kReadWrite);
