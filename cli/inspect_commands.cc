@@ -179,8 +179,7 @@ Result<json> TensorStats(const std::shared_ptr<const TensorMeta>& t, SourceReade
   double lo = std::numeric_limits<double>::infinity(), hi = -lo, sum = 0;
   uint64_t nan = 0, inf = 0, finite = 0;
   for (uint64_t off = 0; off < layout.size(); off += block) {
-    ASSIGN_OR_RETURN(ReadPlan plan, Plan(layout, off, block));
-    RETURN_IF_ERROR(reader.Execute(plan, buf.data()));
+    ASSIGN_OR_RETURN(ReadPlan plan, reader.ReadLaidOut(layout, off, block, buf.data()));
     const uint64_t elems = plan.length / pb * g;
     for (uint64_t k = 0; k < elems; ++k) {
       double v = DecodeElement(t->dtype, reinterpret_cast<const uint8_t*>(buf.data()), k);
@@ -324,6 +323,18 @@ void ChangedSources(const Source& source, const Checkpoint& ck, std::vector<bool
   }
 }
 
+// Where chunk `ch` holds its bytes now: a predicted one (a mount's index,
+// ItemCheck) is settled first, by reading its item's framing, as a read
+// would; never trusted. An error when it cannot be served.
+Result<ByteMeta> PlacedBytes(SourceReader& reader, const Chunk& ch) {
+  const std::shared_ptr<ItemCheck>& k = ch.item_check();
+  if (!k) return ch.bytes();
+  RETURN_IF_ERROR(reader.SettleItem(*k));
+  if (k->state() == ItemCheck::kVerified) return ch.bytes();
+  if (k->state() == ItemCheck::kWrong && k->why().empty()) return k->actual();
+  return Status::Corruption(k->why().empty() ? "its item's framing could not be checked" : k->why());
+}
+
 // Chunks of `ck` whose bytes cannot be read: the last byte of every chunk is
 // read through the read path.
 void UnreadableChunks(const std::shared_ptr<const Source>& source, const Checkpoint& ck,
@@ -336,10 +347,16 @@ void UnreadableChunks(const std::shared_ptr<const Source>& source, const Checkpo
         problems->push_back(where + " is unreadable: " + ch.unavailable());
         continue;
       }
-      if (ch.length() == 0 || changed[ch.file()]) continue;
+      if (changed[ch.file()]) continue;
+      auto at = PlacedBytes(reader, ch);
+      if (!at.ok()) {
+        problems->push_back(where + " is unreadable: " + at.status().message());
+        continue;
+      }
+      if (at->length == 0) continue;
       ReadPlan plan;
       plan.length = 1;
-      plan.copies.push_back({ch.file(), ch.offset() + ch.length() - 1, 0, 1});
+      plan.copies.push_back({at->file, at->offset + at->length - 1, 0, 1});
       char byte;
       Status st = reader.Execute(plan, &byte);
       if (!st.ok()) problems->push_back(where + " is unreadable: " + st.message());
