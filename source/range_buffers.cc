@@ -1,5 +1,7 @@
 #include "source/range_buffers.h"
 
+#include "source/direct_io.h"
+
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -36,11 +38,15 @@ RangeBuffers::RangeBuffers(uint64_t usual, size_t keep_idle)
     : usual_(usual), shelf_(std::make_shared<Shelf>(usual, std::max(keep_idle, kKeepIdle))) {}
 
 std::shared_ptr<char[]> RangeBuffers::Take(uint64_t bytes) {
-  // Up to the usual size, a buffer of the usual size: a range that fills
-  // part of its window (source/ordered_fetch.h) reuses the shelf's too.
-  // Untouched pages of a fresh mapping cost nothing.
-  if (bytes <= usual_) bytes = usual_;
-  if (bytes == 0) bytes = 1;
+  // More than half the usual size: a buffer of the usual size (a range that
+  // fills most of its window, source/ordered_fetch.h, reuses the shelf's).
+  // Less: a mapping of its own size. A recycled buffer was touched whole,
+  // and a fresh one of 2 MiB or more is backed by huge pages, so a small
+  // range (a few KiB between other items' bytes) held in a buffer of the
+  // usual size costs that size: 400 such ranges held at --part-size 64MiB
+  // took 23 GiB while the fetch bound counted their bytes, 1 MiB.
+  if (bytes > usual_ / 2 && bytes <= usual_) bytes = usual_;
+  if (bytes < usual_) bytes = std::max<uint64_t>(AlignUp(bytes, kDirectAlign), kDirectAlign);
   char* p = nullptr;
   if (bytes == usual_) {
     std::lock_guard<std::mutex> lock(shelf_->mu);

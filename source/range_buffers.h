@@ -10,9 +10,11 @@
 // with 16 GETs in flight, a shelf of 8 left half the ranges on fresh
 // mappings, 7% of the daemon's CPU over S3); when a fetch ends, Trim()
 // leaves kKeepIdle, so the memory a mount keeps between loads stays a few
-// ranges. A smaller range (one that fills part of its window) gets a buffer
-// of the usual size too; larger buffers are mapped for the range and
-// unmapped when freed. A new mapping of 2 MiB or more asks
+// ranges. A range of more than half the usual size (one that fills most
+// of its window) gets a buffer of the usual size too; a smaller one, and a
+// larger one, a mapping of its own size, unmapped when freed: a recycled
+// buffer is touched whole, so a small range held in one would cost the
+// usual size against the few bytes the fetch's bound counts. A new mapping of 2 MiB or more asks
 // for transparent huge pages (MADV_HUGEPAGE): the ranges a fetch holds at
 // its peak outnumber the shelf, and each was faulted in 4 KiB at a time.
 //

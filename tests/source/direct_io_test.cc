@@ -618,8 +618,9 @@ TEST_F(DirectPosixTest, ReadOnceOfATmpfsFileIsBuffered) {
 // --- RangeBuffers ---------------------------------------------------------------
 
 // A freed buffer of the usual size serves the next take (no new mapping, no
-// page faults); a smaller take gets one of the usual size, a larger one is
-// not kept; at most kKeepIdle wait.
+// page faults); a take of more than half the usual size gets one of the
+// usual size, a small or a larger one its own, not kept; at most kKeepIdle
+// wait.
 TEST(RangeBuffers, UsualSizeIsRecycledUpToTheIdleBound) {
   RangeBuffers buffers(64 << 10);
   char* first;
@@ -637,13 +638,23 @@ TEST(RangeBuffers, UsualSizeIsRecycledUpToTheIdleBound) {
   EXPECT_EQ(buffers.idle(), 0u) << "a buffer of another size was kept";
   char* part;
   {
-    auto smaller = buffers.Take(12288);  // a range filling part of its window
-    ASSERT_NE(smaller, nullptr);
-    part = smaller.get();
-    std::memset(smaller.get(), 7, 64 << 10);  // all of the usual size is there
+    auto most = buffers.Take(40 << 10);  // a range filling most of its window
+    ASSERT_NE(most, nullptr);
+    part = most.get();
+    std::memset(most.get(), 7, 64 << 10);  // all of the usual size is there
   }
-  EXPECT_EQ(buffers.idle(), 1u) << "a smaller range's buffer was not kept";
+  EXPECT_EQ(buffers.idle(), 1u) << "a range of most of the usual size had its buffer not kept";
   EXPECT_EQ(buffers.Take(64 << 10).get(), part);
+  ASSERT_EQ(buffers.idle(), 1u);
+  {
+    // A small range (a few KiB between other items) gets a mapping of its
+    // own size, not a recycled buffer touched whole: held, it costs its size.
+    auto small = buffers.Take(12288);
+    ASSERT_NE(small, nullptr);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(small.get()) % kDirectAlign, 0u);
+    std::memset(small.get(), 7, 12288);
+  }
+  EXPECT_EQ(buffers.idle(), 1u) << "a small range's own mapping was kept as one of the usual size";
   std::vector<std::shared_ptr<char[]>> many;
   for (size_t i = 0; i < RangeBuffers::kKeepIdle + 3; ++i) many.push_back(buffers.Take(64 << 10));
   std::set<char*> distinct;
