@@ -667,6 +667,47 @@ TEST(OrderedFetch, APredictedItemFoundElsewhereHasNoPageOfItPushed) {
   }
 }
 
+// A strided tensor (a transposed view, saved as it is) served in part
+// before the plan started: the bytes served lie every few hundred bytes of
+// its source, and the plan fetches across them rather than a range (a GET)
+// between each two.
+TEST(OrderedFetch, AStridedTensorServedInPartIsFetchedInFewRanges) {
+  Files t;
+  t.dir = TempDirs::Make("ckptfs-ordered-strided");
+  std::string contents(1 << 20, '\0');
+  std::mt19937 rng(9);
+  for (char& c : contents) c = char(rng());
+  AddFile(t, "f0", contents);
+  t.layout->AddLiteral(std::string(100, 'h'));
+  AddTensor(t, "a", 0, 0, 64 * kKiB, contents);
+  // u8 [512, 1024] stored column-major (strides {1, 512}) at 128 KiB.
+  auto tr = std::make_shared<TensorMeta>();
+  tr->fqn = "t";
+  tr->dtype = DType::kU8;
+  tr->shape = {512, 1024};
+  Chunk c;
+  c.set_box(Box::Whole(tr->shape));
+  c.set_dtype(DType::kU8);
+  c.set_bytes({0, 128 * kKiB, 512 * kKiB});
+  c.set_strides({1, 512});
+  tr->chunks.push_back(c);
+  ASSERT_TRUE(t.layout->AddTensor(tr, Box::Whole(tr->shape)).ok());
+  Reader r(t, 64ull << 20, 8ull << 20);
+  auto f = r.reader->MakeOrderedFetch(t.layout, nullptr);
+  std::string got(t.layout->size(), '\0');
+  // The first 64 rows of the view, then a byte of "a": the plan starts.
+  const uint64_t at = 100 + 64 * kKiB;
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, at, 64 * kKiB, got.data() + at).ok());
+  ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, 100, 4 * kKiB, got.data() + 100).ok());
+  ASSERT_TRUE(f->started());
+  EXPECT_LE(f->range_spans().size(), 4u) << "a range between each two bytes served";
+  for (uint64_t pos = at; pos < t.layout->size(); pos += 64 * kKiB)
+    ASSERT_TRUE(ReadVia(*r.reader, *f, *t.layout, pos, 64 * kKiB, got.data() + pos).ok());
+  for (uint64_t row = 0; row < 512; ++row)  // element (row, col) lies at row + 512 * col
+    for (uint64_t col = 0; col < 1024; ++col)
+      ASSERT_EQ(got[at + row * 1024 + col], contents[128 * kKiB + row + 512 * col]) << row << "," << col;
+}
+
 TEST(OrderedFetch, OneTensorFileIsNotPlanned) {
   Files t = MakeFiles(1, 100 * kKiB);
   Reader r(t, 64ull << 20, 1 << 20);
