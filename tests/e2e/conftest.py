@@ -446,7 +446,7 @@ QUICK = {
 # by their number of tests, and a file of 2 slow tests, test_writer_crash.py,
 # started last.) The S3 fault files lead: each holds several tests of 20-70 s.
 SLOW_FIRST = [
-    "test_s3_mount.py", "test_writer_s3_faults.py", "test_writer_crash.py", "test_s3_mount_faults.py",
+    "test_s3_predicted_exact.py", "test_exact_property.py", "test_s3_mount.py", "test_writer_s3_faults.py", "test_writer_crash.py", "test_s3_mount_faults.py",
     "test_writer_s3_hf.py", "test_s3.py", "test_writer_sidecars.py", "test_packaging.py",
     "test_writer_dtypes.py", "test_writer_hf.py", "test_dcp.py", "test_bytecheckpoint.py",
     "test_read_order.py", "test_writer_record.py", "test_peft.py", "test_merged.py",

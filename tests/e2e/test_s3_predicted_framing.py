@@ -17,6 +17,7 @@ of a mount over an index built ahead, plus a few.
 from __future__ import annotations
 
 import errno
+import json
 import os
 import re
 import shutil
@@ -75,8 +76,20 @@ def roots(s3_server, step, tmp_path_factory):
     data[at:at + 12] = b"FlootStorage"  # same size: only the framing can tell
     path.write_bytes(bytes(data))
     upload_tree(client, str(bad), "predicted/corrupt/")
+    # A copy whose transposed item's framing says strides (1, 641) for its
+    # 640x512 storage: they reach past the item's bytes, into its neighbours'.
+    overrun = tmp_path_factory.mktemp("overrun") / "step-1"
+    shutil.copytree(step["dir"], overrun)
+    item = next(v for k, v in md.storage_data.items() if k.fqn == "y.transposed")
+    path = overrun / item.relative_path
+    data = bytearray(path.read_bytes())
+    stride = b"K\x01M\x80\x02"  # BININT1 1, BININT2 640: the stride tuple (1, 640)
+    at = data.index(stride, item.offset, item.offset + 1024)
+    data[at:at + len(stride)] = b"K\x01M\x81\x02"
+    path.write_bytes(bytes(data))
+    upload_tree(client, str(overrun), "predicted/overrun/")
     return {"good": f"s3://{BUCKET}/predicted/good", "corrupt": f"s3://{BUCKET}/predicted/corrupt",
-            "corrupt_dir": bad}
+            "corrupt_dir": bad, "overrun": f"s3://{BUCKET}/predicted/overrun"}
 
 
 def _gets(m: harness.Mounted) -> int:
@@ -144,3 +157,49 @@ def test_an_item_whose_framing_is_corrupt_reads_eio_and_the_others_read(roots, s
     with pytest.raises(BaseException, match="FlootStorage"):
         dcp.load({"z.last": torch.empty(256, 1024)}, storage_reader=dcp.FileSystemReader(str(roots["corrupt_dir"])),
                  no_dist=True)
+
+
+def test_an_item_found_elsewhere_whose_strides_overrun_it_reads_eio(roots, step, s3_env, tmp_path):
+    """Planned again where its framing says, an item passes the bounds
+    checks `ckptfs index` applies (the framing's own: strides within the
+    storage it declares; the chunk's: within the item's bytes): strides that
+    reach past it are EIO, not its neighbours' bytes."""
+    expected = step["expected"]
+    with harness.Mounted(roots["overrun"], "--index", str(tmp_path / "index"), base_dir=str(tmp_path)) as m:
+        with pytest.raises(OSError) as e:
+            np.load(m.p("tensors", "y.transposed.npy"))
+        assert e.value.errno == errno.EIO, e.value
+        with pytest.raises(OSError) as e:  # read(), not mmap: an EIO under a mapping is SIGBUS
+            with open(m.p("consolidated", "model.safetensors"), "rb") as f:
+                while f.read(1 << 20):
+                    pass
+        assert e.value.errno == errno.EIO, e.value
+        np.testing.assert_array_equal(np.load(m.p("tensors", "z.last.npy")), expected["z.last"].numpy())
+        assert "reaches past the storage" in m.log(), m.log()
+    # `ckptfs index` reads every framing up front and says the same.
+    r = harness.run_ckptfs("check", roots["overrun"], "--index", str(tmp_path / "built"))
+    assert r.returncode != 0 and "reaches past the storage" in r.stdout.decode(), harness.describe(r)
+
+
+def test_check_and_inspect_over_a_mounts_index_never_trust_a_prediction(roots, step, s3_env, tmp_path):
+    """A mount's index holds predictions; `check` and `inspect --stats`
+    over it read each item's framing as a read would."""
+    for name in ("corrupt", "good"):
+        index = tmp_path / f"{name}-index"
+        with harness.Mounted(roots[name], "--index", str(index), base_dir=str(tmp_path)):
+            pass  # built the index, read nothing
+        r = harness.run_ckptfs("check", roots[name], "--index", str(index))
+        if name == "corrupt":
+            assert r.returncode != 0, harness.describe(r)
+            assert "z.last" in r.stdout.decode() and "FlootStorage" in r.stdout.decode(), harness.describe(r)
+        else:
+            assert r.returncode == 0 and "no problems" in r.stderr, harness.describe(r)
+    # The transposed item is found elsewhere than predicted: re-planned, its
+    # statistics are torch's.
+    r = harness.run_ckptfs("inspect", roots["good"], "y.transposed", "--json", "--index", str(tmp_path / "good-index"),
+                           text_stdout=True)
+    assert r.returncode == 0, harness.describe(r)
+    stats = json.loads(r.stdout)["stats"]
+    t = step["expected"]["y.transposed"]
+    assert stats["min"] == pytest.approx(float(t.min())) and stats["max"] == pytest.approx(float(t.max()))
+    assert stats["mean"] == pytest.approx(float(t.double().mean()), rel=1e-6)
