@@ -16,7 +16,7 @@ namespace {
 // between them are at most this many: the index and pickle bytes between a
 // DCP file's items are a few KiB, and one GET more costs more than that.
 constexpr uint64_t kMaxGap = 64 << 10;
-// Bytes served already that a gap may hold and still be fetched across.
+// A gap holding fewer bytes served already than this (a page) is fetched across.
 constexpr uint64_t kRefetchInGap = 4 << 10;
 // The whole file is planned this much of it at a time, so that a file of
 // column-split tensors (a copy per row piece) never has all its copies in
@@ -225,14 +225,15 @@ void OrderedFetch::Build() {
     for (const auto& [b, e] : set.spans()) {
       for (uint64_t pos = b; pos < e;) {
         Range* r = ranges_.empty() ? nullptr : &ranges_.back();
-        // Across a small gap, unless it holds more than a few bytes served
-        // already: those would be fetched a second time. A few are fetched
+        // Across a small gap, unless it holds a page or more served
+        // already: those would be fetched a second time (the kernel keeps
+        // what it was served in whole pages). Less than a page is fetched
         // again: a strided item (a transposed view) served in part before
         // the plan has such bytes every few hundred bytes, and a range
         // between each two cost a GET each (8,500 for a 6 MB step).
         const bool joins = r && r->file == file && pos - (r->offset + r->length) <= kMaxGap &&
                            pos < WindowEnd(r->offset, options_.range_bytes) &&
-                           left_out[file].Bytes(r->offset + r->length, pos) <= kRefetchInGap;
+                           left_out[file].Bytes(r->offset + r->length, pos) < kRefetchInGap;
         if (!joins) {
           ranges_.push_back({});
           r = &ranges_.back();
