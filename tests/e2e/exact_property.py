@@ -17,7 +17,7 @@ batches goes through the fault proxy (tools/s3_fault_proxy.py: resets,
 short bodies, slow answers). A wrong byte fails the case and names its
 seed; an error (EIO) where torch's loader reads the step is a failure too.
 
-    python3 tests/e2e/exact_property.py --cases 1000 --seed 1   # the long run (docs/SEMANTICS.md)
+    python3 tests/e2e/exact_property.py --cases 1000 --seed 1   # the long run
     python3 tests/e2e/exact_property.py --cases 1 --seed 4711   # one case again
 
 tests/e2e/test_exact_property.py runs a slice in CI.

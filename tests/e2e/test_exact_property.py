@@ -3,8 +3,8 @@
 server holds 1 GB) in three batches, every byte of every reader compared
 with torch's own `dcp.load`. The fault-proxy share runs in the long run
 only: there, one window GET of a faulted batch stalls on every retry
-(docs/BENCHMARKS.md, "Exact at random"), which is being looked into. The long run (1,000 cases and more) is the script itself;
-its figure is in docs/SEMANTICS.md."""
+(docs/SEMANTICS.md), which is being looked into. The long run (1,000 cases and more) is the script itself;
+see docs/SEMANTICS.md, "Framing read with the bytes"."""
 
 from __future__ import annotations
 
