@@ -606,19 +606,27 @@ Status FramingSaysPredicted(const SourceObject&, ItemCheck& k, const std::string
   return Status::OK();
 }
 
-// A header, u8 tensor "a" (64 KiB, placed by its framing) and u8 tensor
-// "big" (512 KiB, item at 128 KiB, predicted 1 KiB into it) of one 1 MiB
-// source whose bytes all differ from their neighbours'.
-Files PredictedBigItem(ItemCheck::Verify verify, std::shared_ptr<ItemCheck>& k) {
+// One 1 MiB source "f0" of random bytes (seeded), a 100-byte header and
+// u8 tensor "a" (its first 64 KiB); `contents` gets the source's bytes.
+Files HeaderAndTensorA(const std::string& dir_name, unsigned seed, std::string& contents) {
   Files t;
-  t.dir = TempDirs::Make("ckptfs-ordered-predicted");
-  std::string contents(1 << 20, '\0');
-  std::mt19937 rng(5);
+  t.dir = TempDirs::Make(dir_name);
+  contents.assign(1 << 20, '\0');
+  std::mt19937 rng(seed);
   for (char& c : contents) c = char(rng());
   AddFile(t, "f0", contents);
   t.layout->AddLiteral(std::string(100, 'h'));
   t.expected = std::string(100, 'h');
   AddTensor(t, "a", 0, 0, 64 * kKiB, contents);
+  return t;
+}
+
+// A header, u8 tensor "a" (64 KiB, placed by its framing) and u8 tensor
+// "big" (512 KiB, item at 128 KiB, predicted 1 KiB into it) of one 1 MiB
+// source whose bytes all differ from their neighbours'.
+Files PredictedBigItem(ItemCheck::Verify verify, std::shared_ptr<ItemCheck>& k) {
+  std::string contents;
+  Files t = HeaderAndTensorA("ckptfs-ordered-predicted", 5, contents);
   k = std::make_shared<ItemCheck>();
   k->item = {0, 128 * kKiB, 600 * kKiB};
   k->predicted = {0, 128 * kKiB + kKiB, 512 * kKiB};
@@ -672,14 +680,8 @@ TEST(OrderedFetch, APredictedItemFoundElsewhereHasNoPageOfItPushed) {
 // its source, and the plan fetches across them rather than a range (a GET)
 // between each two.
 TEST(OrderedFetch, AStridedTensorServedInPartIsFetchedInFewRanges) {
-  Files t;
-  t.dir = TempDirs::Make("ckptfs-ordered-strided");
-  std::string contents(1 << 20, '\0');
-  std::mt19937 rng(9);
-  for (char& c : contents) c = char(rng());
-  AddFile(t, "f0", contents);
-  t.layout->AddLiteral(std::string(100, 'h'));
-  AddTensor(t, "a", 0, 0, 64 * kKiB, contents);
+  std::string contents;
+  Files t = HeaderAndTensorA("ckptfs-ordered-strided", 9, contents);
   // u8 [512, 1024] stored column-major (strides {1, 512}) at 128 KiB.
   auto tr = std::make_shared<TensorMeta>();
   tr->fqn = "t";
